@@ -1,0 +1,36 @@
+"""ckpttool: merge sharded training checkpoints into HuggingFace safetensors, and prove them right.
+
+Python API (mirrors the CLI)::
+
+    import ckpttool
+    layout = ckpttool.read_layout("ckpt/")           # metadata only: global shapes, pieces, files
+    plan = ckpttool.plan_merge(layout)               # coverage-checked before any byte is read
+    result = ckpttool.merge("ckpt/", "out/", config="config.json", dtype="bfloat16")
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    CkptError,
+    ConfigError,
+    CoverageError,
+    DestinationError,
+    FormatNotDetectedError,
+    SourceError,
+    SourceNotFoundError,
+    UnsafePickleError,
+)
+from .layout import Box, Fusion, Layout, Padding, Piece, TensorLayout
+from .merge import MergeResult, merge, prepare
+from .plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge
+from .readers import READERS, detect_format, read_layout
+from .sidecar import PieceSpec, save_shard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Box", "CkptError", "ConfigError", "Copy", "CoverageError", "DestinationError", "FormatNotDetectedError",
+    "Fusion", "Layout", "MergeResult", "Padding", "Piece", "PieceSpec", "Plan", "READERS", "Slice", "SourceError",
+    "SourceNotFoundError", "Target", "TargetSpec", "TensorLayout", "UnsafePickleError", "detect_format", "merge",
+    "plan_merge", "prepare", "read_layout", "save_shard",
+]

@@ -1,0 +1,135 @@
+"""The ``ckpttool`` command line: parse options, call the API, hand the result to one output sink.
+
+Data goes to stdout, progress and logs to stderr; ``--json`` prints exactly one JSON document and turns
+progress off. Exit codes: 0 ok, 1 error, 2 usage, 3 audit found errors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import CkptError
+from .merge import MergeResult, merge
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_AUDIT = 0, 1, 2, 3
+
+
+def _fail(message: str, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({"status": "error", "error": message}))
+    click.echo(f"Error: {message}", err=True)
+    sys.exit(EXIT_ERROR)
+
+
+def _run(as_json: bool, call: Callable[[], Any]) -> Any:
+    """Call the API; expected errors become a message and exit 1, anything else too (traceback on request)."""
+    try:
+        return call()
+    except CkptError as e:
+        if os.environ.get("CKPTTOOL_DEBUG") == "1":
+            traceback.print_exc()
+        _fail(str(e), as_json)
+    except KeyboardInterrupt:
+        _fail("interrupted; nothing was written to the destination", as_json)
+    except Exception as e:  # a bug or an unforeseen input: still no traceback unless asked
+        if os.environ.get("CKPTTOOL_DEBUG") == "1":
+            traceback.print_exc()
+        _fail(f"unexpected {type(e).__name__}: {e} (set CKPTTOOL_DEBUG=1 for a traceback and report it)", as_json)
+
+
+def _setup_logging(verbose: int, quiet: bool) -> None:
+    level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("ckpttool").setLevel(level)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ckpttool")
+def main() -> None:
+    """Merge sharded training checkpoints into HuggingFace safetensors, and prove them right."""
+
+
+@main.command("merge")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("out", type=click.Path(path_type=str))
+@click.option("--format", "fmt", type=click.Choice(["dcp", "hf-distributed", "sidecar", "hf"]), help="Source format (detected by default).")
+@click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
+@click.option("--dtype", help="Cast floating-point tensors, e.g. bfloat16, float16, float32.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output file (decimal units: 5GB, 500MB, or bytes).")
+@click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
+@click.option("-v", "--verbose", count=True, help="More logging (-vv for debug); with --dry-run, list every tensor.")
+def merge_command(
+    src: str, out: str, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str,
+    dry_run: bool, force: bool, as_json: bool, quiet: bool, verbose: int,
+) -> None:
+    """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT."""
+    _setup_logging(verbose, quiet or as_json)
+    from .writer import parse_size
+
+    try:
+        parse_size(max_shard_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--max-shard-size") from None
+    bar = None
+    if not (as_json or quiet or dry_run):
+        from tqdm import tqdm
+
+        bar = tqdm(total=None, unit="B", unit_scale=True, unit_divisor=1024, desc="merge", file=sys.stderr, leave=False)
+    try:
+        result: MergeResult = _run(as_json, lambda: merge(
+            src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
+            force=force, on_bytes=bar.update if bar is not None else None,
+        ))
+    finally:
+        if bar is not None:
+            bar.close()
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+        return
+    _print_result(result, verbose)
+
+
+def _print_result(result: MergeResult, verbose: int) -> None:
+    plan = result.plan
+    verb = "would write" if result.dry_run else "wrote"
+    click.echo(f"source:   {result.source} ({result.format})")
+    click.echo(f"config:   {result.config or '(none: generic merge)'}")
+    click.echo(f"coverage: ok, {len(plan.targets)} tensors each covered exactly once")
+    click.echo(f"output:   {result.output} ({verb} {_size(plan.nbytes)} in {len(result.files)} file{'s' if len(result.files) != 1 else ''})")
+    for f in result.files:
+        click.echo(f"  {f.name}  {len(f.targets)} tensors  {_size(f.nbytes)}")
+    if result.extras:
+        click.echo(f"  + {', '.join(result.extras)}")
+    if result.dry_run:
+        click.echo(f"peak memory: about {_size(2 * plan.largest_target_bytes())} (largest tensor {_size(plan.largest_target_bytes())}, twice when cast)")
+    for note in plan.notes:
+        click.echo(f"note: {note}")
+    if result.dry_run or verbose:
+        for t in plan.targets:
+            shape = "x".join(str(n) for n in t.shape) or "scalar"
+            click.echo(f"  {t.name}  {t.dtype} [{shape}]  from {len(t.copies)} piece{'s' if len(t.copies) != 1 else ''}")
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The one exception hierarchy of ckpttool.
+
+Every error that bad input can cause is a :class:`CkptError`. Subclasses also inherit the builtin they
+resemble, so callers can catch either ``ckpttool.CoverageError`` or plain ``ValueError``. The CLI turns any
+``CkptError`` into ``Error: <message>`` on stderr and exit code 1, without a traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class CkptError(Exception):
+    """Base class of every error ckpttool raises on purpose."""
+
+
+class SourceError(CkptError, ValueError):
+    """The source checkpoint is malformed, inconsistent or unsupported."""
+
+
+class SourceNotFoundError(CkptError, FileNotFoundError):
+    """The source path, or a file its metadata names, does not exist."""
+
+
+class FormatNotDetectedError(SourceError):
+    """No supported checkpoint format was recognised in the source directory."""
+
+
+class UnsafePickleError(SourceError):
+    """A pickled file asked for a class outside ckpttool's allow-list and was refused unread."""
+
+
+class ConfigError(CkptError, ValueError):
+    """The model config is missing, unreadable, or disagrees with the checkpoint."""
+
+
+class DestinationError(CkptError, FileExistsError):
+    """The destination cannot be written safely (exists, lies inside the source, not writable)."""
+
+
+class CoverageError(CkptError, ValueError):
+    """The plan does not tile every target tensor exactly once.
+
+    ``problems`` holds one message per defect, all collected before raising.
+    """
+
+    def __init__(self, problems: Iterable[str]) -> None:
+        self.problems = tuple(problems)
+        count = len(self.problems)
+        head = f"the checkpoint does not cover its tensors exactly ({count} problem{'s' if count != 1 else ''}):"
+        shown = self.problems[:20]
+        more = [f"... and {count - len(shown)} more"] if count > len(shown) else []
+        super().__init__("\n".join([head, *(f"  - {p}" for p in shown), *more]))

@@ -1,0 +1,133 @@
+"""Carrying a plan out: each target assembled from its box copies, one tensor at a time.
+
+Peak memory is one target tensor (plus its cast, when ``--dtype`` changes it) plus a small cache of recently
+read pieces, never the model. Output headers are known from the plan before any data is written, and each
+tensor lands at its precomputed offset with a positioned write, so a byte-level or parallel executor can
+replace :func:`assemble` without changing the file layout.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .dtypes import torch_dtype
+from .errors import SourceError
+from .layout import RAW, Box, Piece
+from .plan import Target
+
+
+class PieceLoader:
+    """Reads pieces from their files, keeping the most recently read ones up to ``cache_bytes``.
+
+    A stacked expert piece feeds many per-expert targets; the cache reads it once.
+    """
+
+    def __init__(self, root: str | Path, cache_bytes: int = 256 * 2**20) -> None:
+        self.root = Path(root)
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[Piece, torch.Tensor] = OrderedDict()
+        self._cached = 0
+
+    def load(self, piece: Piece) -> torch.Tensor:
+        hit = self._cache.get(piece)
+        if hit is not None:
+            self._cache.move_to_end(piece)
+            return hit
+        tensor = self._read(piece)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= self.cache_bytes:
+            self._cache[piece] = tensor
+            self._cached += nbytes
+            while self._cached > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cached -= old.numel() * old.element_size()
+        return tensor
+
+    def _read(self, piece: Piece) -> torch.Tensor:
+        data = self._bytes(piece)
+        dtype = torch_dtype(piece.dtype)
+        if piece.encoding == RAW:
+            if not data:
+                return torch.empty(piece.box.sizes, dtype=dtype)
+            return torch.frombuffer(data, dtype=dtype).reshape(piece.box.sizes)
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises many types for truncated or refused archives
+            raise SourceError(f"'{piece.file}': cannot load '{piece.key}': {_first_line(e)}") from None
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != piece.box.sizes or tensor.dtype != dtype:
+            found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise SourceError(
+                f"'{piece.file}': '{piece.key}' holds {found} but the metadata records "
+                f"{piece.dtype} {list(piece.box.sizes)}"
+            )
+        return tensor
+
+    def _bytes(self, piece: Piece) -> bytearray:
+        path = self.root / piece.file
+        try:
+            with open(path, "rb") as f:
+                f.seek(piece.byte_offset)
+                data = bytearray(piece.byte_length)
+                got = f.readinto(data)
+        except OSError as e:
+            raise SourceError(f"'{piece.file}': cannot read '{piece.key}': {e.strerror or e}") from None
+        if got != piece.byte_length:
+            raise SourceError(
+                f"'{piece.file}': '{piece.key}' needs {piece.byte_length} bytes at offset {piece.byte_offset} but "
+                f"only {got} are there; the file is truncated"
+            )
+        return data
+
+
+def assemble(target: Target, loader: PieceLoader) -> torch.Tensor:
+    """The full target tensor, in the output dtype, built from its copies."""
+    out = torch.empty(target.shape, dtype=torch_dtype(target.source_dtype))
+    for copy in target.copies:
+        piece = loader.load(copy.piece)
+        out[_index(copy.dst)] = piece[_index(copy.src)].reshape(copy.dst.sizes)
+    if target.dtype != target.source_dtype:
+        out = out.to(torch_dtype(target.dtype))
+    return out
+
+
+def write_file(
+    path: Path,
+    prefix: bytes,
+    targets: list[tuple[Target, int]],
+    loader: PieceLoader,
+    on_bytes: Callable[[int], None] = lambda n: None,
+) -> None:
+    """Write one safetensors file: the header ``prefix``, then each target at its buffer offset."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, prefix, 0)
+        for target, offset in targets:
+            tensor = assemble(target, loader)
+            data = tensor.reshape(-1).view(torch.uint8).numpy()
+            _write_all(fd, memoryview(data), len(prefix) + offset)
+            on_bytes(target.nbytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _index(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -1,0 +1,295 @@
+"""Layouts: what a source holds, as plain frozen data, built without reading any tensor.
+
+A :class:`Layout` lists every global tensor of a checkpoint (its fqn, global shape and dtype, always as the
+source recorded them) and the :class:`Piece` s that hold it: which file, where the bytes are in that file, and
+which :class:`Box` of the global tensor they fill. What the source recorded about padding and fusion rides
+along, so the plan can strip and split without guessing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .errors import SourceError
+
+Shape = tuple[int, ...]
+
+#: How the bytes of a piece are encoded in its file.
+RAW = "raw"  #: contiguous C-order elements (safetensors data, raw DCP safetensors)
+TORCH_SAVE = "torch_save"  #: one ``torch.save`` archive of the piece (DCP ``.distcp`` items)
+ENCODINGS = (RAW, TORCH_SAVE)
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A rectangular region of a tensor: ``offsets`` and ``sizes`` per dimension."""
+
+    offsets: Shape
+    sizes: Shape
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.sizes):
+            raise SourceError(f"box has {len(self.offsets)} offsets but {len(self.sizes)} sizes")
+
+    @classmethod
+    def whole(cls, shape: Shape) -> Box:
+        return cls(tuple(0 for _ in shape), tuple(shape))
+
+    @property
+    def ends(self) -> Shape:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common region of two boxes of the same tensor, or None when they share no element."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def shift(self, delta: Shape) -> Box:
+        """The same box with ``delta`` subtracted from its offsets (global -> local coordinates)."""
+        return Box(tuple(o - d for o, d in zip(self.offsets, delta)), self.sizes)
+
+    def inside(self, shape: Shape) -> bool:
+        return len(shape) == len(self.sizes) and all(
+            o >= 0 and s >= 0 and o + s <= n for o, s, n in zip(self.offsets, self.sizes, shape)
+        )
+
+    def describe(self, shape: Shape | None = None) -> str:
+        """Human words for the region, e.g. ``rows 501..1001`` when only dim 0 is partial."""
+        partial = [
+            d for d, (o, s) in enumerate(zip(self.offsets, self.sizes))
+            if shape is None or o != 0 or s != shape[d]
+        ]
+        if shape is not None and not partial:
+            return "the whole tensor"
+        words = []
+        for d in partial:
+            name = {0: "rows", 1: "columns"}.get(d, f"dim {d} indices") if len(self.sizes) > 1 else "elements"
+            words.append(f"{name} {self.offsets[d]}..{self.offsets[d] + self.sizes[d]}")
+        return " x ".join(words)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One stored piece of a global tensor.
+
+    Attributes:
+        file: path of the file holding the bytes, relative to the layout's root.
+        key: the piece's name inside that file (safetensors key, state-dict key); for messages and lookups.
+        box: the region of the global tensor this piece fills; ``box.sizes`` is the piece's local shape.
+        dtype: safetensors dtype name of the stored elements.
+        encoding: ``"raw"`` (C-order elements) or ``"torch_save"`` (a ``torch.save`` archive).
+        byte_offset: where the encoded bytes start in ``file``.
+        byte_length: how many encoded bytes there are.
+        tags: parallel coordinates the source recorded, e.g. ``(("tp_rank", 1), ("expert", 3))``.
+    """
+
+    file: str
+    key: str
+    box: Box
+    dtype: str
+    encoding: str = RAW
+    byte_offset: int = 0
+    byte_length: int = 0
+    tags: tuple[tuple[str, int], ...] = ()
+
+    def where(self) -> str:
+        tags = ", ".join(f"{k}={v}" for k, v in self.tags)
+        return f"'{self.file}'" + (f" ({tags})" if tags else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Padding:
+    """The source padded ``dim`` beyond its true length ``true_size`` (e.g. a vocab padded for TP)."""
+
+    dim: int
+    true_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fusion:
+    """Several logical tensors stored concatenated along ``dim``: ``parts`` are ``(name, size)`` in order."""
+
+    dim: int
+    parts: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """A global tensor of the source and the pieces that hold it."""
+
+    fqn: str
+    global_shape: Shape
+    dtype: str
+    pieces: tuple[Piece, ...]
+    padding: tuple[Padding, ...] = ()
+    fusion: Fusion | None = None
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(sorted({p.file for p in self.pieces}))
+
+    @property
+    def true_shape(self) -> Shape:
+        """The global shape with recorded padding removed."""
+        shape = list(self.global_shape)
+        for pad in self.padding:
+            shape[pad.dim] = pad.true_size
+        return tuple(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Everything a source holds, as plain data.
+
+    Attributes:
+        root: the source directory; piece files are relative to it.
+        format: the reader that built it (``dcp``, ``hf``, ``hf-distributed``, ``sidecar``).
+        tensors: global tensors by fqn.
+        absent: pieces the source's metadata names but whose files are not on disk, by fqn; they are left
+            out of ``tensors`` and named in coverage errors ("rows 501..1001 are in '__1_0.distcp', missing").
+        missing: files the reader knows should exist but are not on disk (with or without known pieces).
+        notes: what the reader skipped or assumed, for the user.
+        files: every data file the source names, present or not.
+    """
+
+    root: str
+    format: str
+    tensors: Mapping[str, TensorLayout]
+    absent: Mapping[str, tuple[Piece, ...]] = field(default_factory=dict)
+    missing: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        from .dtypes import itemsize
+
+        return sum(math.prod(t.global_shape) * itemsize(t.dtype) for t in self.tensors.values())
+
+
+class LayoutBuilder:
+    """Collects pieces per fqn from a reader and checks that they agree, then builds a :class:`Layout`.
+
+    Every disagreement (global shape, dtype, a piece outside its tensor) is collected; :meth:`build` raises
+    one :class:`SourceError` listing them all.
+    """
+
+    def __init__(self, root: str, fmt: str) -> None:
+        self.root = root
+        self.format = fmt
+        self._shape: dict[str, Shape] = {}
+        self._dtype: dict[str, str] = {}
+        self._first: dict[str, str] = {}
+        self._pieces: dict[str, list[Piece]] = {}
+        self._padding: dict[str, tuple[Padding, ...]] = {}
+        self._fusion: dict[str, Fusion | None] = {}
+        self.problems: list[str] = []
+        self.notes: list[str] = []
+        self._absent: dict[str, list[Piece]] = {}
+        self.files: set[str] = set()
+        self.missing: set[str] = set()
+
+    def declare(
+        self,
+        fqn: str,
+        global_shape: Iterable[int],
+        dtype: str,
+        *,
+        where: str,
+        padding: tuple[Padding, ...] = (),
+        fusion: Fusion | None = None,
+    ) -> bool:
+        """Record a global tensor; return False (and note a problem) if it contradicts an earlier record."""
+        shape = tuple(int(n) for n in global_shape)
+        if any(n < 0 for n in shape):
+            self.problems.append(f"'{fqn}': negative global shape {list(shape)} in {where}")
+            return False
+        if fqn not in self._shape:
+            self._shape[fqn], self._dtype[fqn], self._first[fqn] = shape, dtype, where
+            self._pieces[fqn] = []
+            self._padding[fqn], self._fusion[fqn] = padding, fusion
+            for pad in padding:
+                if not (0 <= pad.dim < len(shape)) or not (0 < pad.true_size <= shape[pad.dim]):
+                    self.problems.append(
+                        f"'{fqn}': padding record (dim {pad.dim}, true size {pad.true_size}) does not fit the "
+                        f"global shape {list(shape)} in {where}"
+                    )
+            return True
+        ok = True
+        if shape != self._shape[fqn]:
+            self.problems.append(
+                f"'{fqn}': pieces disagree on the global shape: {list(self._shape[fqn])} in {self._first[fqn]} "
+                f"but {list(shape)} in {where}"
+            )
+            ok = False
+        if dtype != self._dtype[fqn]:
+            self.problems.append(
+                f"'{fqn}': pieces disagree on the dtype: {self._dtype[fqn]} in {self._first[fqn]} "
+                f"but {dtype} in {where}"
+            )
+            ok = False
+        if padding != self._padding[fqn]:
+            self.problems.append(f"'{fqn}': pieces disagree on padding: {self._first[fqn]} vs {where}")
+            ok = False
+        return ok
+
+    def add(self, fqn: str, piece: Piece, *, present: bool = True) -> None:
+        """Add a piece of a declared tensor; pieces outside the global shape are problems, not pieces.
+
+        ``present=False`` records a piece whose file is missing, so coverage errors can name it.
+        """
+        shape = self._shape[fqn]
+        if piece.dtype != self._dtype[fqn]:
+            self.problems.append(
+                f"'{fqn}': piece in {piece.where()} has dtype {piece.dtype}, the tensor is {self._dtype[fqn]}"
+            )
+            return
+        if not piece.box.inside(shape):
+            self.problems.append(
+                f"'{fqn}': piece in {piece.where()} at offsets {list(piece.box.offsets)} with sizes "
+                f"{list(piece.box.sizes)} lies outside the global shape {list(shape)}"
+            )
+            return
+        self.files.add(piece.file)
+        if piece.box.numel == 0:
+            return
+        if present:
+            self._pieces[fqn].append(piece)
+        else:
+            self._absent.setdefault(fqn, []).append(piece)
+            self.missing.add(piece.file)
+
+    def build(self, notes: Iterable[str] = ()) -> Layout:
+        if self.problems:
+            raise SourceError(
+                "the checkpoint's metadata is inconsistent:\n" + "\n".join(f"  - {p}" for p in self.problems)
+            )
+        tensors = {
+            fqn: TensorLayout(
+                fqn=fqn,
+                global_shape=self._shape[fqn],
+                dtype=self._dtype[fqn],
+                pieces=tuple(sorted(self._pieces[fqn], key=lambda p: p.box.offsets)),
+                padding=self._padding[fqn],
+                fusion=self._fusion[fqn],
+            )
+            for fqn in self._shape
+        }
+        return Layout(
+            root=self.root,
+            format=self.format,
+            tensors=tensors,
+            absent={fqn: tuple(pieces) for fqn, pieces in self._absent.items()},
+            missing=tuple(sorted(self.missing)),
+            notes=tuple(self.notes) + tuple(notes),
+            files=tuple(sorted(self.files)),
+        )

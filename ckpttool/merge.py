@@ -1,0 +1,165 @@
+"""``merge``: source checkpoint -> layout -> coverage-checked plan -> HuggingFace safetensors, atomically."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .dtypes import dtype_name
+from .errors import CkptError
+from .layout import Layout
+from .models import ModelInfo, find_config, hf_specs, model_info, read_config
+from .plan import Plan, identity_specs, plan_merge
+from .readers import read_layout
+from .writer import OutputFile, Staging, assign_files, check_destination, write_extras, write_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """Everything decided before any tensor byte is read."""
+
+    layout: Layout
+    plan: Plan
+    config_path: Path | None
+    config: dict[str, object] | None
+    model: ModelInfo | None
+
+
+@dataclass(frozen=True, slots=True)
+class MergeResult:
+    """What :func:`merge` did (or, with ``dry_run``, would do)."""
+
+    source: str
+    output: str
+    format: str
+    plan: Plan
+    files: tuple[OutputFile, ...]
+    extras: tuple[str, ...]
+    config: str | None
+    dry_run: bool
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "status": "ok",
+            "dry_run": self.dry_run,
+            "source": self.source,
+            "output": self.output,
+            "format": self.format,
+            "config": self.config,
+            "coverage": "every target tensor is covered exactly once",
+            "tensors": len(self.plan.targets),
+            "total_bytes": self.plan.nbytes,
+            "largest_tensor_bytes": self.plan.largest_target_bytes(),
+            "files": [{"name": f.name, "bytes": f.nbytes, "tensors": len(f.targets)} for f in self.files],
+            "extras": list(self.extras),
+            "notes": list(self.plan.notes),
+            "targets": [
+                {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "pieces": len(t.copies), "sources": list(t.sources)}
+                for t in self.plan.targets
+            ],
+        }
+
+
+def prepare(
+    src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None
+) -> Prepared:
+    """Read the source's layout and the config, and build the coverage-checked plan. Reads no tensor data.
+
+    With a config that transformers knows, targets get the on-disk HuggingFace names and are checked against
+    the architecture; without one (or for an unknown architecture), the merge is generic: tensor names are
+    kept as the source recorded them, and a note says so.
+    """
+    root = Path(src)
+    config_path = find_config(root, config)
+    config_dict = read_config(config_path) if config_path is not None else None
+    info = model_info(config_dict, label=str(config_path)) if config_dict is not None else None
+    layout = read_layout(root, format=format, model=info)
+    notes: list[str] = []
+    if info is None:
+        specs = identity_specs(layout)
+        why = "no config.json found" if config_dict is None else f"transformers has no causal LM for model_type {config_dict.get('model_type')!r}"
+        notes.append(f"generic merge ({why}): tensor names kept as the source recorded them")
+    else:
+        specs, notes = hf_specs(layout, info)
+    specs = sorted(specs, key=lambda s: _natural(s.name))
+    plan = plan_merge(layout, specs, dtype=dtype_name(dtype) if dtype else None, notes=notes)
+    return Prepared(layout, plan, config_path, config_dict, info)
+
+
+def merge(
+    src: str | Path,
+    out: str | Path,
+    *,
+    format: str | None = None,
+    config: str | Path | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    dry_run: bool = False,
+    force: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+) -> MergeResult:
+    """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
+
+    Args:
+        src: the checkpoint directory (any supported format).
+        out: the destination directory; must not exist or be empty unless ``force``.
+        format: reader name; detected when None.
+        config: ``config.json`` or a directory holding it; found in or next to ``src`` when None.
+        dtype: cast floating-point tensors (e.g. ``"bfloat16"``).
+        max_shard_size: largest output file, e.g. ``"5GB"`` (decimal units) or bytes.
+        dry_run: plan and check only; read no tensor data, write nothing.
+        force: replace a non-empty destination.
+        on_bytes: called with the byte count of each tensor written (progress).
+
+    Returns:
+        A :class:`MergeResult` describing the output.
+
+    Raises:
+        CoverageError: a tensor is not covered exactly once (missing rank file, overlap).
+        SourceError, ConfigError, DestinationError: bad input, config or destination; nothing is written.
+
+    Example:
+        >>> merge("fixtures/llama_fsdp2_dcp/checkpoint", "out/llama")  # doctest: +SKIP
+    """
+    root, dest = Path(src), Path(out)
+    prepared = prepare(root, format=format, config=config, dtype=dtype)
+    plan = prepared.plan
+    files = tuple(assign_files(plan, max_shard_size))
+    if not plan.targets:
+        raise CkptError(f"'{root}': the checkpoint holds no model tensors")
+    sources = [root] + ([prepared.config_path.parent] if prepared.config_path is not None else [])
+    check_destination(dest, [root], force)
+    extras: list[str] = []
+    if not dry_run:
+        with Staging(dest) as staging:
+            write_weights(plan, files, staging.path, on_bytes or (lambda n: None))
+            search = list(dict.fromkeys(sources))
+            extras = write_extras(staging.path, prepared.config, search, _cast(plan))
+            staging.publish()
+        log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
+    return MergeResult(
+        source=str(root),
+        output=str(dest),
+        format=prepared.layout.format,
+        plan=plan,
+        files=files,
+        extras=tuple(extras),
+        config=str(prepared.config_path) if prepared.config_path else None,
+        dry_run=dry_run,
+    )
+
+
+def _cast(plan: Plan) -> str | None:
+    """The output dtype when the plan casts floating-point tensors, else None."""
+    cast = {t.dtype for t in plan.targets if t.dtype != t.source_dtype}
+    return cast.pop() if len(cast) == 1 else None
+
+
+def _natural(name: str) -> list[object]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+

@@ -1,0 +1,268 @@
+"""From a model config to target names and shapes, the way transformers itself saves them.
+
+The expected tensors come from transformers, not from tables: the architecture is built from ``config.json``
+on the meta device (no memory), which gives the in-memory names and global shapes; transformers' own
+``revert_weight_conversion`` on those meta tensors gives the on-disk names and shapes ``save_pretrained``
+writes; tied weights are dropped as ``save_pretrained`` drops them.
+
+What ckpttool adds is how to cut an in-memory tensor into on-disk tensors *as boxes* (so no tensor is
+materialised): the rules below, one per family. Every plan is checked against transformers' on-disk names and
+shapes, so a wrong rule is an error, never a silently wrong checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+from .layout import Box, Layout, Shape, TensorLayout
+from .plan import Slice, TargetSpec, tensor_specs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What transformers says a model built from this config looks like.
+
+    Attributes:
+        model_type: ``config.model_type``.
+        config: the config as a plain dict.
+        memory_shapes: in-memory state-dict names -> global shapes (what DCP and FSDP save).
+        disk_shapes: on-disk names -> shapes (what ``save_pretrained`` writes), tied weights removed.
+        tied: tied target name -> the name it shares storage with (e.g. ``lm_head.weight``).
+    """
+
+    model_type: str
+    config: Mapping[str, object]
+    memory_shapes: Mapping[str, Shape]
+    disk_shapes: Mapping[str, Shape]
+    tied: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Rename:
+    """An in-memory name that ``save_pretrained`` writes under another name."""
+
+    pattern: str
+    replacement: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unstack:
+    """A stacked expert tensor ``(E, k*n, ...)`` saved as ``k`` tensors ``(n, ...)`` per expert.
+
+    ``names`` are templates with ``{prefix}`` (the pattern's first group) and ``{expert}``; part ``i`` of an
+    expert is rows ``i*n .. (i+1)*n`` of that expert's slab (e.g. ``gate_up_proj`` = [gate; up]).
+    """
+
+    pattern: str
+    names: tuple[str, ...]
+
+
+#: How transformers 5 stores MoE experts in memory (stacked) versus on disk (one tensor per expert).
+RULES: dict[str, tuple[Rename | Unstack, ...]] = {
+    "mixtral": (
+        Rename(r"^(.*)\.mlp\.gate\.weight$", r"\1.block_sparse_moe.gate.weight"),
+        Unstack(
+            r"^(.*)\.mlp\.experts\.gate_up_proj$",
+            ("{prefix}.block_sparse_moe.experts.{expert}.w1.weight", "{prefix}.block_sparse_moe.experts.{expert}.w3.weight"),
+        ),
+        Unstack(r"^(.*)\.mlp\.experts\.down_proj$", ("{prefix}.block_sparse_moe.experts.{expert}.w2.weight",)),
+    ),
+    "qwen2_moe": (
+        Unstack(
+            r"^(.*)\.mlp\.experts\.gate_up_proj$",
+            ("{prefix}.mlp.experts.{expert}.gate_proj.weight", "{prefix}.mlp.experts.{expert}.up_proj.weight"),
+        ),
+        Unstack(r"^(.*)\.mlp\.experts\.down_proj$", ("{prefix}.mlp.experts.{expert}.down_proj.weight",)),
+    ),
+}
+
+
+def find_config(source: Path, explicit: str | Path | None) -> Path | None:
+    """The ``config.json`` to use: ``explicit`` (a file or an HF directory), else in or next to the source."""
+    if explicit is not None:
+        path = Path(explicit)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"config '{explicit}' not found (give a config.json file or a directory holding one)")
+        return path
+    for candidate in (source / "config.json", source.parent / "config.json"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def read_config(path: Path) -> dict[str, object]:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"'{path}': cannot read the config: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"'{path}': the config is not a JSON object")
+    return config
+
+
+def model_info(config: Mapping[str, object], *, label: str = "config.json") -> ModelInfo | None:
+    """Build the architecture on the meta device and read its expected tensors; None if transformers lacks it.
+
+    Raises:
+        ConfigError: transformers knows the model type but cannot build it from this config.
+    """
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"'{label}': no model_type; is it a transformers config?")
+    try:
+        cfg = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
+    except ValueError:
+        log.info("transformers %s does not know model_type %r", transformers.__version__, model_type)
+        return None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except ValueError:
+        return None  # a model type transformers knows, but with no causal-LM head: stay generic
+    except Exception as e:
+        raise ConfigError(f"'{label}': transformers cannot build a {model_type} model from it: {e}") from None
+    state = model.state_dict()
+    memory = {k: tuple(v.shape) for k, v in state.items()}
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        disk_state = revert_weight_conversion(model, dict(state))
+    except ImportError:  # transformers < 5: memory names are the disk names
+        disk_state = state
+    disk = {k: tuple(v.shape) for k, v in disk_state.items() if k not in tied}
+    return ModelInfo(model_type, dict(config), memory, disk, tied)
+
+
+def rules_for(model_type: str) -> tuple[Rename | Unstack, ...]:
+    """ckpttool's rules for this model type, following transformers' own aliases (e.g. qwen3_moe)."""
+    if model_type in RULES:
+        return RULES[model_type]
+    try:
+        from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN as aliases
+    except ImportError:
+        return ()
+    return RULES.get(aliases.get(model_type, ""), ())
+
+
+def hf_specs(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str]]:
+    """The targets of a HuggingFace checkpoint of ``info``'s architecture made from ``layout``.
+
+    In-memory names (DCP, FSDP, transformers distributed) are cut into on-disk names by the family's rules;
+    on-disk names pass through. Tied weights are dropped. Then the targets are checked against what
+    transformers expects on disk.
+
+    Returns:
+        The target specs and notes for the user.
+
+    Raises:
+        ConfigError: missing, unexpected or wrongly shaped tensors, all listed, with the likely cause.
+    """
+    notes: list[str] = []
+    prefix = _wrapper_prefix(layout, info)
+    if prefix:
+        notes.append(f"stripped the prefix '{prefix}' the training loop put before every tensor name")
+    rules = rules_for(info.model_type)
+    specs: list[TargetSpec] = []
+    for tensor in layout.tensors.values():
+        name = tensor.fqn[len(prefix):]
+        specs.extend(_specs_for(tensor, name, rules))
+    dropped = [s.name for s in specs if s.name in info.tied]
+    if dropped:
+        notes.append(f"dropped {', '.join(dropped)}: tied to {', '.join(info.tied[n] for n in dropped)} (as save_pretrained does)")
+        specs = [s for s in specs if s.name not in info.tied]
+    _check_against_model(specs, info, layout)
+    return specs, notes
+
+
+def _wrapper_prefix(layout: Layout, info: ModelInfo) -> str:
+    """'' normally; 'model.' when a loop saved ``{"model": state_dict}`` and every name carries it."""
+    known = set(info.memory_shapes) | set(info.disk_shapes)
+    names = list(layout.tensors)
+    if not names or any(n in known for n in names):
+        return ""
+    for prefix in ("model.", "module."):
+        if all(n.startswith(prefix) for n in names) and any(n[len(prefix):] in known for n in names):
+            return prefix
+    return ""
+
+
+def _specs_for(tensor: TensorLayout, name: str, rules: tuple[Rename | Unstack, ...]) -> list[TargetSpec]:
+    for rule in rules:
+        match = re.match(rule.pattern, name)
+        if match is None:
+            continue
+        if isinstance(rule, Rename):
+            return tensor_specs(tensor, match.expand(rule.replacement))
+        return _unstack(tensor, match.group(1), rule)
+    return tensor_specs(tensor, name)
+
+
+def _unstack(tensor: TensorLayout, prefix: str, rule: Unstack) -> list[TargetSpec]:
+    shape = tensor.true_shape
+    experts, rows, rest = shape[0], shape[1], shape[2:]
+    parts = len(rule.names)
+    if len(shape) < 2 or rows % parts:
+        raise ConfigError(
+            f"'{tensor.fqn}': shape {list(shape)} cannot be split into {parts} per-expert parts along dim 1"
+        )
+    n = rows // parts
+    specs = []
+    for e in range(experts):
+        for i, template in enumerate(rule.names):
+            src = Box((e, i * n, *(0 for _ in rest)), (1, n, *rest))
+            out_shape = (n, *rest)
+            name = template.format(prefix=prefix, expert=e)
+            specs.append(TargetSpec(name, out_shape, (Slice(tensor.fqn, src, Box.whole(out_shape)),)))
+    return specs
+
+
+def _check_against_model(specs: list[TargetSpec], info: ModelInfo, layout: Layout) -> None:
+    problems = []
+    got = {s.name: s.shape for s in specs}
+    for name, shape in got.items():
+        expected = info.disk_shapes.get(name)
+        if expected is None:
+            problems.append(f"'{name}': not a tensor of a {info.model_type} model built from this config")
+        elif tuple(expected) != tuple(shape):
+            problems.append(f"'{name}': shape {list(shape)}, but the config gives {list(expected)}{_shape_hint(shape, expected, info)}")
+    missing = [n for n in info.disk_shapes if n not in got]
+    for name in missing[:20]:
+        problems.append(f"'{name}': expected by the config but not in the checkpoint")
+    if len(missing) > 20:
+        problems.append(f"... and {len(missing) - 20} more expected tensors are missing")
+    if problems:
+        raise ConfigError(
+            f"the checkpoint in '{layout.root}' does not match its {info.model_type} config "
+            f"({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n"
+            + "\n".join(f"  - {p}" for p in problems[:40])
+            + "\nPass the config the model was trained with (--config), or no config for a generic merge."
+        )
+
+
+def _shape_hint(shape: Shape, expected: Shape, info: ModelInfo) -> str:
+    vocab = info.config.get("vocab_size")
+    if len(shape) == len(expected) and shape[1:] == expected[1:] and isinstance(vocab, int) and expected[0] == vocab:
+        if shape[0] > vocab:
+            return (
+                f" (the vocab looks padded to {shape[0]}; the source recorded no padding, so ckpttool will not "
+                "guess: record the true size in a sidecar, or fix vocab_size in the config)"
+            )
+        if shape[0] < vocab:
+            k = vocab / shape[0]
+            return f" (vocab_size is {vocab}; {shape[0]} rows is 1/{k:.2f} of it: one TP piece?)"
+    return ""

@@ -1,0 +1,333 @@
+"""Plans: every target tensor as a list of box copies from source pieces, checked before any byte is read.
+
+A model mapping (see :mod:`ckpttool.models`) says what each target is made of, as :class:`Slice` s of source
+tensors in global coordinates. :func:`plan_merge` intersects those slices with the pieces of the layout, which
+gives :class:`Copy` s from a piece's local box to a box of the target, and then proves that the copies tile
+every target exactly once. Name mapping, padding strip, TP concatenation along any dim, uneven splits, stacked
+experts to per-expert tensors and fused gate/up splits are all just slices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .dtypes import itemsize
+from .errors import CoverageError, SourceError
+from .layout import Box, Layout, Piece, Shape, TensorLayout
+
+_FLOATS = {"F64", "F32", "F16", "BF16"}
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """``src`` (a box of source tensor ``source``, global coordinates) fills ``dst`` (a box of the target).
+
+    The two boxes hold the same elements in the same order: their sizes agree once dims of size 1 are
+    dropped, so a stacked ``(E, I, H)`` tensor can give an ``(I, H)`` target.
+    """
+
+    source: str
+    src: Box
+    dst: Box
+
+    def __post_init__(self) -> None:
+        if _squeeze(self.src.sizes) != _squeeze(self.dst.sizes):
+            raise SourceError(
+                f"slice of '{self.source}' maps sizes {list(self.src.sizes)} onto {list(self.dst.sizes)}"
+            )
+
+    def dim_map(self) -> tuple[int | None, ...]:
+        """For each target dim, the source dim it comes from (None for an added dim of size 1)."""
+        src_dims = [d for d, n in enumerate(self.src.sizes) if n != 1]
+        dst_dims = [d for d, n in enumerate(self.dst.sizes) if n != 1]
+        mapping: list[int | None] = [None] * len(self.dst.sizes)
+        for s, d in zip(src_dims, dst_dims):
+            mapping[d] = s
+        return tuple(mapping)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    """What a model mapping says one output tensor is made of."""
+
+    name: str
+    shape: Shape
+    slices: tuple[Slice, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Copy ``src`` (a box in the piece's local coordinates) of ``piece`` to ``dst`` (a box of the target)."""
+
+    piece: Piece
+    src: Box
+    dst: Box
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One output tensor: its name, shape, output dtype, and the copies that fill it exactly once."""
+
+    name: str
+    shape: Shape
+    dtype: str
+    source_dtype: str
+    copies: tuple[Copy, ...]
+    sources: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Every target tensor of the output, in output order, each proven to be tiled exactly once."""
+
+    root: str
+    format: str
+    targets: tuple[Target, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.targets)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(sorted({c.piece.file for t in self.targets for c in t.copies}))
+
+    def largest_target_bytes(self) -> int:
+        return max((t.nbytes for t in self.targets), default=0)
+
+
+def plan_merge(
+    layout: Layout,
+    specs: Sequence[TargetSpec] | None = None,
+    *,
+    dtype: str | None = None,
+    notes: Iterable[str] = (),
+) -> Plan:
+    """Turn a layout and a target mapping into a coverage-checked plan. Reads no tensor data.
+
+    Args:
+        layout: the source, from :func:`ckpttool.read_layout`.
+        specs: what each target is made of; by default every source tensor becomes one target of the same
+            name with recorded padding stripped (see :func:`identity_specs`).
+        dtype: output dtype (safetensors name) for floating-point tensors; None keeps the source's.
+        notes: extra notes to carry into the plan.
+
+    Returns:
+        A :class:`Plan` whose every target is tiled exactly once.
+
+    Raises:
+        CoverageError: some target has a gap, an overlap or a copy out of bounds; every problem is listed,
+            with the region, the files holding its neighbours, and the likely cause.
+
+    Example:
+        >>> plan = plan_merge(read_layout("ckpt/"))  # doctest: +SKIP
+        >>> plan.nbytes  # doctest: +SKIP
+    """
+    specs = identity_specs(layout) if specs is None else specs
+    targets: list[Target] = []
+    problems: list[str] = []
+    for spec in specs:
+        target, found = _plan_target(layout, spec, dtype)
+        problems.extend(found)
+        if target is not None:
+            targets.append(target)
+    if problems:
+        raise CoverageError(problems)
+    return Plan(layout.root, layout.format, tuple(targets), tuple(layout.notes) + tuple(notes))
+
+
+def identity_specs(layout: Layout) -> list[TargetSpec]:
+    """One target per source tensor, same name, recorded padding stripped, fused tensors split into parts."""
+    specs: list[TargetSpec] = []
+    for tensor in layout.tensors.values():
+        specs.extend(tensor_specs(tensor, tensor.fqn))
+    return specs
+
+
+def tensor_specs(tensor: TensorLayout, name: str) -> list[TargetSpec]:
+    """The targets one source tensor gives by default: itself (padding stripped), or its fused parts."""
+    shape = tensor.true_shape
+    if tensor.fusion is None:
+        return [TargetSpec(name, shape, (Slice(tensor.fqn, Box.whole(shape), Box.whole(shape)),))]
+    specs = []
+    start = 0
+    dim = tensor.fusion.dim
+    for part, size in tensor.fusion.parts:
+        offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
+        sizes = tuple(size if d == dim else n for d, n in enumerate(shape))
+        specs.append(TargetSpec(part, sizes, (Slice(tensor.fqn, Box(offsets, sizes), Box.whole(sizes)),)))
+        start += size
+    return specs
+
+
+def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[Target | None, list[str]]:
+    problems: list[str] = []
+    copies: list[Copy] = []
+    source_dtypes = set()
+    for sl in spec.slices:
+        tensor = layout.tensors.get(sl.source)
+        if tensor is None:
+            problems.append(f"'{spec.name}': its source tensor '{sl.source}' is not in the checkpoint")
+            continue
+        source_dtypes.add(tensor.dtype)
+        if not sl.src.inside(tensor.global_shape):
+            problems.append(
+                f"'{spec.name}': needs {sl.src.describe()} of '{sl.source}', outside its global shape "
+                f"{list(tensor.global_shape)}"
+            )
+            continue
+        copies.extend(_slice_copies(sl, _unique_pieces(tensor)))
+    if len(source_dtypes) > 1:
+        problems.append(f"'{spec.name}': its sources have different dtypes {sorted(source_dtypes)}")
+    if problems:
+        return None, problems
+    problems = check_tiling(spec.name, spec.shape, copies, layout, spec.slices)
+    source_dtype = source_dtypes.pop()
+    out_dtype = dtype if (dtype is not None and source_dtype in _FLOATS) else source_dtype
+    sources = tuple(dict.fromkeys(sl.source for sl in spec.slices))
+    return Target(spec.name, spec.shape, out_dtype, source_dtype, tuple(copies), sources), problems
+
+
+def _unique_pieces(tensor: TensorLayout) -> list[Piece]:
+    """Pieces with identical boxes are replicas (e.g. a tensor every TP rank saved): keep the first."""
+    seen: dict[Box, Piece] = {}
+    for piece in tensor.pieces:
+        seen.setdefault(piece.box, piece)
+    return list(seen.values())
+
+
+def _slice_copies(sl: Slice, pieces: Iterable[Piece]) -> list[Copy]:
+    dim_map = sl.dim_map()
+    copies = []
+    for piece in pieces:
+        common = sl.src.intersect(piece.box)
+        if common is None:
+            continue
+        offsets = []
+        sizes = []
+        for d, s in enumerate(dim_map):
+            if s is None:
+                offsets.append(sl.dst.offsets[d])
+                sizes.append(1)
+            else:
+                offsets.append(sl.dst.offsets[d] + common.offsets[s] - sl.src.offsets[s])
+                sizes.append(common.sizes[s])
+        copies.append(Copy(piece, common.shift(piece.box.offsets), Box(tuple(offsets), tuple(sizes))))
+    return copies
+
+
+def check_tiling(
+    name: str,
+    shape: Shape,
+    copies: Sequence[Copy],
+    layout: Layout | None = None,
+    slices: Sequence[Slice] = (),
+) -> list[str]:
+    """Every problem that keeps ``copies`` from tiling a tensor of ``shape`` exactly once.
+
+    Out-of-bounds copies, overlaps (with the two pieces' files) and uncovered regions (with the files that
+    were expected to hold them, when the layout knows) are each one message.
+    """
+    problems = []
+    inside = []
+    for c in copies:
+        if c.dst.inside(shape):
+            inside.append(c)
+        else:
+            problems.append(
+                f"'{name}': piece in {c.piece.where()} writes offsets {list(c.dst.offsets)} sizes "
+                f"{list(c.dst.sizes)}, outside the tensor's shape {list(shape)}"
+            )
+    problems.extend(_overlaps(name, shape, inside))
+    for gap in uncovered(shape, [c.dst for c in inside])[:8]:
+        problems.append(_gap_message(name, shape, gap, inside, layout, slices))
+    return problems
+
+
+def _overlaps(name: str, shape: Shape, copies: Sequence[Copy]) -> list[str]:
+    if not shape:
+        return [f"'{name}': the scalar is covered {len(copies)} times"] if len(copies) > 1 else []
+    found = []
+    ordered = sorted(copies, key=lambda c: c.dst.offsets)
+    active: list[Copy] = []
+    for c in ordered:
+        active = [a for a in active if a.dst.ends[0] > c.dst.offsets[0]]
+        for a in active:
+            common = a.dst.intersect(c.dst)
+            if common is not None:
+                found.append(
+                    f"'{name}': {common.describe(shape)} covered twice, by {a.piece.where()} and "
+                    f"{c.piece.where()}. Are two checkpoints mixed in one directory?"
+                )
+                if len(found) >= 8:
+                    return found
+        active.append(c)
+    return found
+
+
+def uncovered(shape: Shape, boxes: Sequence[Box]) -> list[Box]:
+    """The regions of a tensor of ``shape`` that no box covers, as few boxes as a sweep finds."""
+    if math.prod(shape) == 0:
+        return []
+    return [Box(o, s) for o, s in _uncovered(shape, list(boxes), 0)]
+
+
+def _uncovered(shape: Shape, boxes: list[Box], dim: int) -> list[tuple[Shape, Shape]]:
+    if dim == len(shape):
+        return [] if boxes else [((), ())]
+    n = shape[dim]
+    cuts = sorted({0, n} | {min(max(b.offsets[dim], 0), n) for b in boxes} | {min(max(b.ends[dim], 0), n) for b in boxes})
+    out: list[tuple[Shape, Shape]] = []
+    pending: tuple[int, int, list[tuple[Shape, Shape]]] | None = None
+    for lo, hi in zip(cuts, cuts[1:]):
+        covering = [b for b in boxes if b.offsets[dim] <= lo and b.ends[dim] >= hi]
+        rest = _uncovered(shape, covering, dim + 1)
+        if pending is not None and pending[2] == rest:
+            pending = (pending[0], hi, rest)
+            continue
+        if pending is not None:
+            out.extend(((pending[0], *o), (pending[1] - pending[0], *s)) for o, s in pending[2])
+        pending = (lo, hi, rest)
+    if pending is not None:
+        out.extend(((pending[0], *o), (pending[1] - pending[0], *s)) for o, s in pending[2])
+    return out
+
+
+def _gap_message(
+    name: str, shape: Shape, gap: Box, copies: Sequence[Copy], layout: Layout | None, slices: Sequence[Slice]
+) -> str:
+    files = sorted({c.piece.file for c in copies})
+    found = (
+        f"found {len(copies)} piece{'s' if len(copies) != 1 else ''} in "
+        + ", ".join(f"'{f}'" for f in files[:6])
+        + (f" and {len(files) - 6} more files" if len(files) > 6 else "")
+        if copies
+        else "found no piece at all"
+    )
+    absent = []
+    if layout is not None:
+        for sl in slices:
+            for piece in layout.absent.get(sl.source, ()):
+                src_gap = sl.src.intersect(piece.box)
+                if src_gap is not None:
+                    absent.append(piece.file)
+    if absent:
+        missing = ", ".join(f"'{f}'" for f in sorted(set(absent)))
+        cause = f"The metadata places them in {missing}, which is missing. Restore that file."
+    elif layout is not None and layout.missing:
+        missing = ", ".join(f"'{f}'" for f in layout.missing[:6])
+        cause = f"These files of the checkpoint are missing: {missing}. Restore them."
+    else:
+        cause = "Is a rank's file missing, or the checkpoint incomplete?"
+    return f"'{name}': {gap.describe(shape)} covered by no piece (shape {list(shape)}; {found}). {cause}"
+
+
+def _squeeze(sizes: Shape) -> Shape:
+    return tuple(n for n in sizes if n != 1)

@@ -1,0 +1,71 @@
+"""Readers: one per on-disk format, each turning what it finds into a :class:`~ckpttool.layout.Layout`.
+
+A reader is a module with ``NAME``, ``LOOKS_FOR`` (what detection checks, for error messages),
+``matches(root) -> bool`` and ``read(root, model) -> Layout``. Format knowledge lives only here; the plan
+and executor see pieces and boxes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from ..errors import FormatNotDetectedError, SourceError, SourceNotFoundError
+from ..layout import Layout
+from ..models import ModelInfo
+from . import dcp, hf, hf_distributed, sidecar
+
+#: in detection order: the most specific first
+READERS: dict[str, ModuleType] = {
+    sidecar.NAME: sidecar,
+    dcp.NAME: dcp,
+    hf_distributed.NAME: hf_distributed,
+    hf.NAME: hf,
+}
+
+
+def detect_format(root: Path) -> str:
+    """The name of the first reader that recognises ``root``.
+
+    Raises:
+        SourceNotFoundError: ``root`` does not exist.
+        FormatNotDetectedError: no reader matched; the message lists what was looked for.
+    """
+    if not root.exists():
+        raise SourceNotFoundError(f"'{root}': no such file or directory")
+    if not root.is_dir():
+        raise SourceError(f"'{root}': not a directory; give the checkpoint's directory")
+    for name, reader in READERS.items():
+        if reader.matches(root):
+            return name
+    looked = "\n".join(f"  - {reader.LOOKS_FOR} ({name})" for name, reader in READERS.items())
+    raise FormatNotDetectedError(
+        f"'{root}': no checkpoint format recognised. Looked for:\n{looked}\nPass --format to name one."
+    )
+
+
+def read_layout(src: str | Path, *, format: str | None = None, model: ModelInfo | None = None) -> Layout:
+    """Describe a checkpoint directory as a layout, reading metadata and headers only.
+
+    Args:
+        src: the checkpoint directory.
+        format: a reader name (``dcp``, ``hf-distributed``, ``sidecar``, ``hf``); detected when None.
+        model: what the config says the model looks like; needed where the format records no global shapes
+            (transformers distributed checkpoints).
+
+    Raises:
+        SourceError: the metadata is inconsistent or names files outside the directory.
+        FormatNotDetectedError: nothing recognisable in ``src``.
+
+    Example:
+        >>> layout = read_layout("fixtures/llama_fsdp2_dcp/checkpoint")  # doctest: +SKIP
+        >>> layout.tensors["model.embed_tokens.weight"].global_shape  # doctest: +SKIP
+        (1001, 32)
+    """
+    root = Path(src)
+    name = format or detect_format(root)
+    if name not in READERS:
+        raise SourceError(f"unknown format {name!r}; known: {', '.join(READERS)}")
+    if not root.is_dir():
+        raise SourceNotFoundError(f"'{root}': no such directory")
+    return READERS[name].read(root, model)

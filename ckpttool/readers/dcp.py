@@ -1,0 +1,90 @@
+"""PyTorch Distributed Checkpoint: ``.metadata`` (a pickle, read with an allow-list) + ``*.distcp`` files.
+
+The metadata records every tensor's global shape and dtype and its chunks (offsets and sizes); the storage
+table says which file and byte range holds each chunk, as a ``torch.save`` archive. FSDP2, DTensor TP,
+2-D meshes, torchtitan and Megatron-Core ``torch_dist`` all write this. Optimizer state and non-tensor
+entries are skipped by default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..dtypes import dtype_name
+from ..errors import SourceError, SourceNotFoundError
+from ..layout import TORCH_SAVE, Box, Layout, LayoutBuilder, Piece
+from ..models import ModelInfo
+from ..paths import inside
+from ..safe_pickle import load_metadata_pickle
+
+NAME = "dcp"
+LOOKS_FOR = ".metadata with *.distcp files (PyTorch Distributed Checkpoint)"
+METADATA = ".metadata"
+#: top-level state-dict keys that hold training state, not model weights
+NOT_MODEL = ("optim", "optimizer", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler", "dataloader",
+             "train_state", "rng", "rng_state", "extra_state")
+
+
+def matches(root: Path) -> bool:
+    return (root / METADATA).is_file()
+
+
+def read(root: Path, model: ModelInfo | None) -> Layout:
+    path = root / METADATA
+    if not path.is_file():
+        raise SourceNotFoundError(f"'{root}': no {METADATA} file")
+    md = load_metadata_pickle(path.read_bytes(), METADATA)
+    tensors_md = md.get("state_dict_metadata")
+    storage_md = md.get("storage_data")
+    if not isinstance(tensors_md, dict) or not isinstance(storage_md, dict):
+        raise SourceError(f"'{METADATA}': not DCP metadata (no state_dict_metadata/storage_data)")
+    storage = {}
+    for index, info in storage_md.items():
+        offsets = index.get("offset")
+        storage[(index.get("fqn"), tuple(offsets) if offsets is not None else None)] = info
+    builder = LayoutBuilder(str(root), NAME)
+    skipped_state, skipped_bytes = 0, 0
+    sizes: dict[str, int | None] = {}
+    for fqn, tmd in tensors_md.items():
+        if getattr(tmd, "kind", "") != "TensorStorageMetadata":
+            skipped_bytes += 1
+            continue
+        if fqn.split(".", 1)[0] in NOT_MODEL or fqn.endswith("._extra_state"):
+            skipped_state += 1
+            continue
+        props = tmd.get("properties")
+        dtype = dtype_name(props.get("dtype") if props is not None else "")
+        shape = tmd.get("size")
+        if not isinstance(shape, tuple):
+            raise SourceError(f"'{METADATA}': '{fqn}' has no global size")
+        if not builder.declare(fqn, shape, dtype, where=METADATA):
+            continue
+        for chunk in tmd.get("chunks") or ():
+            offsets, chunk_sizes = tuple(chunk.get("offsets")), tuple(chunk.get("sizes"))
+            info = storage.get((fqn, offsets))
+            if info is None:
+                raise SourceError(f"'{METADATA}': '{fqn}' chunk at offsets {list(offsets)} has no storage entry")
+            rel = str(info.get("relative_path"))
+            if info.get("transform_descriptors"):
+                raise SourceError(
+                    f"'{rel}': '{fqn}' is stored with transforms {info.get('transform_descriptors')}, "
+                    "which ckpttool does not decode yet"
+                )
+            file = inside(root, rel, named_by=METADATA)
+            if rel not in sizes:
+                sizes[rel] = os.path.getsize(file) if file.is_file() else None
+            start, length = int(info.get("offset")), int(info.get("length"))
+            if sizes[rel] is not None and start + length > sizes[rel]:
+                raise SourceError(
+                    f"'{rel}': '{fqn}' needs bytes {start}..{start + length} but the file has {sizes[rel]}; "
+                    "it is truncated"
+                )
+            piece = Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, TORCH_SAVE, start, length)
+            builder.add(fqn, piece, present=sizes[rel] is not None)
+    notes = []
+    if skipped_state:
+        notes.append(f"skipped {skipped_state} optimizer/training-state tensors")
+    if skipped_bytes:
+        notes.append(f"skipped {skipped_bytes} non-tensor entries")
+    return builder.build(notes)

@@ -1,0 +1,62 @@
+"""transformers distributed checkpoints: ``save_pretrained(..., distributed_checkpoint=True)``.
+
+Each rank writes ``shard-RRRRR-model-00001-of-00001.safetensors`` holding its local pieces under the
+in-memory names, with ``__metadata__["DCP_SHARDING_INFO"]`` = ``{name: {"saved_offsets": [...]}}``. No file
+records a global shape: it comes from the model config (transformers builds the model on the meta device).
+Inferring it from the pieces found would turn a missing rank file into a silently smaller tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..errors import ConfigError, SourceError
+from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
+from ..models import ModelInfo
+from ..safetensors_format import read_header
+
+NAME = "hf-distributed"
+LOOKS_FOR = "shard-*-model-*-of-*.safetensors (transformers distributed_checkpoint=True)"
+PATTERN = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
+SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+def matches(root: Path) -> bool:
+    return any(PATTERN.match(p.name) for p in root.iterdir())
+
+
+def read(root: Path, model: ModelInfo | None) -> Layout:
+    files = sorted(p.name for p in root.iterdir() if PATTERN.match(p.name))
+    if model is None:
+        raise ConfigError(
+            f"'{root}': transformers distributed checkpoints record no global shapes; ckpttool takes them from the "
+            "model config. Put config.json in or next to the checkpoint, or pass --config."
+        )
+    builder = LayoutBuilder(str(root), NAME)
+    ranks = sorted(int(PATTERN.match(f).group(1)) for f in files)
+    gaps = sorted(set(range(1, max(ranks) + 1)) - set(ranks))
+    builder.missing.update(f"shard-{r:05d}-model-*.safetensors" for r in gaps)
+    for name in files:
+        header = read_header(root / name, name)
+        info = header.metadata.get(SHARDING_KEY)
+        try:
+            sharding = json.loads(info) if info is not None else {}
+        except json.JSONDecodeError:
+            raise SourceError(f"'{name}': {SHARDING_KEY} metadata is not valid JSON") from None
+        rank = int(PATTERN.match(name).group(1)) - 1
+        for key, entry in header.entries.items():
+            shape = model.memory_shapes.get(key)
+            if shape is None:
+                raise ConfigError(
+                    f"'{name}': tensor '{key}' is not a parameter of the {model.model_type} model the config describes"
+                )
+            record = sharding.get(key, {})
+            offsets = record.get("saved_offsets", [0] * len(entry.shape)) if isinstance(record, dict) else None
+            if not isinstance(offsets, list) or len(offsets) != len(entry.shape):
+                raise SourceError(f"'{name}': '{key}' has malformed saved_offsets {offsets!r}")
+            if builder.declare(key, shape, entry.dtype, where=f"'{name}'"):
+                builder.add(key, Piece(name, key, Box(tuple(offsets), entry.shape), entry.dtype, RAW, entry.begin,
+                                       entry.end - entry.begin, (("rank", rank),)))
+    return builder.build()

@@ -1,0 +1,60 @@
+"""ckpttool's own sidecar format (see :mod:`ckpttool.sidecar` for the spec): ``*.ckpttool.json`` per rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import SourceError, SourceNotFoundError
+from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
+from ..models import ModelInfo
+from ..paths import inside
+from ..safetensors_format import read_header
+from ..sidecar import SUFFIX, parse_sidecar, shard_name
+
+NAME = "sidecar"
+LOOKS_FOR = f"*{SUFFIX} sidecars beside per-rank safetensors (ckpttool sidecar)"
+
+
+def matches(root: Path) -> bool:
+    return any(root.glob(f"*{SUFFIX}"))
+
+
+def read(root: Path, model: ModelInfo | None) -> Layout:
+    paths = sorted(root.glob(f"*{SUFFIX}"))
+    if not paths:
+        raise SourceNotFoundError(f"'{root}': no *{SUFFIX} sidecar")
+    sidecars = [parse_sidecar(p.read_text(), p.name) for p in paths]
+    worlds = {s.world_size for s in sidecars}
+    if len(worlds) > 1:
+        raise SourceError(
+            f"'{root}': sidecars disagree on world_size ({sorted(worlds)}); are two checkpoints mixed in one directory?"
+        )
+    world = worlds.pop()
+    ranks: dict[int, str] = {}
+    for path, s in zip(paths, sidecars):
+        if s.rank in ranks:
+            raise SourceError(f"'{path.name}' and '{ranks[s.rank]}' both claim rank {s.rank}")
+        ranks[s.rank] = path.name
+    builder = LayoutBuilder(str(root), NAME)
+    builder.missing.update(f"{shard_name(r, world)}{SUFFIX}" for r in range(world) if r not in ranks)
+    for path, s in zip(paths, sidecars):
+        data = inside(root, s.file, named_by=path.name)
+        if not data.is_file():
+            raise SourceNotFoundError(f"'{path.name}' describes '{s.file}', which does not exist")
+        header = read_header(data, s.file)
+        for p in s.pieces:
+            entry = header.entries.get(p.key)
+            where = f"'{path.name}'"
+            if entry is None:
+                raise SourceError(f"'{s.file}': has no tensor '{p.key}' (for '{p.fqn}', named by {where})")
+            if entry.shape != p.sizes or entry.dtype != p.dtype:
+                raise SourceError(
+                    f"'{s.file}': '{p.key}' is {entry.dtype} {list(entry.shape)} but {where} records "
+                    f"{p.dtype} {list(p.sizes)}"
+                )
+            if builder.declare(p.fqn, p.global_shape, p.dtype, where=where, padding=p.padding, fusion=p.fusion):
+                tags = (("rank", s.rank), *p.coordinates)
+                builder.add(p.fqn, Piece(s.file, p.key, Box(p.offsets, p.sizes), p.dtype, RAW, entry.begin,
+                                         entry.end - entry.begin, tags))
+    notes = [f"{len(ranks)} of {world} rank sidecars present"] if len(ranks) != world else []
+    return builder.build(notes)

@@ -1,0 +1,117 @@
+"""Unpickling of checkpoint metadata with an explicit allow-list: nothing in a checkpoint can run code.
+
+PyTorch DCP writes its ``.metadata`` file with plain ``pickle``. Loading it with ``pickle.load`` would run
+whatever callable the file names. Here every class the file asks for is looked up in a fixed table of
+stand-ins (plain records, tuples, strings); anything else refuses the file before it is read further.
+Tensor data is never unpickled here: pieces go through ``torch.load(..., weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+from .errors import UnsafePickleError
+
+
+class Record:
+    """A stand-in for a metadata dataclass: keeps the attributes the pickle sets, runs nothing."""
+
+    kind = "Record"
+    #: names for a state pickled as a plain tuple (TensorProperties does this)
+    tuple_fields: tuple[str, ...] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__.update(kwargs)
+        self._args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and self.tuple_fields:
+            self.__dict__.update(zip(self.tuple_fields, state))
+        elif isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
+            for part in state:
+                if isinstance(part, dict):
+                    self.__dict__.update(part)
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.__dict__.get(name, default)
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.__dict__})"
+
+
+def _record(name: str, tuple_fields: tuple[str, ...] = ()) -> type[Record]:
+    return type(name, (Record,), {"kind": name, "tuple_fields": tuple_fields})
+
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED: dict[tuple[str, str], Any] = {
+    **{
+        (_DCP_METADATA, name): _record(name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+        )
+    },
+    (_DCP_METADATA, "TensorProperties"): _record(
+        "TensorProperties", ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+    ),
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): lambda value=None: value,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _record("_StorageInfo"),
+    ("torch", "Size"): lambda dims=(): tuple(int(d) for d in dims),
+    ("torch.serialization", "_get_layout"): lambda name: str(name),
+    ("pathlib", "PosixPath"): lambda *parts: "/".join(str(p) for p in parts),
+    ("pathlib", "PurePosixPath"): lambda *parts: "/".join(str(p) for p in parts),
+    ("pathlib", "WindowsPath"): lambda *parts: "\\".join(str(p) for p in parts),
+    ("collections", "OrderedDict"): dict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
+#: torch dtypes pickle as module-level globals ``torch.float32`` etc.; they load as their names.
+_TORCH_DTYPE_NAMES = {
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "float8_e4m3fn", "float8_e5m2", "complex64", "complex128",
+}
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, label: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.label = label
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)]
+        if module == "torch" and name in _TORCH_DTYPE_NAMES:
+            return name
+        raise UnsafePickleError(
+            f"'{self.label}': refused to unpickle: it asks for '{module}.{name}', which is not on ckpttool's "
+            "allow-list of metadata classes (nothing was executed)"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError(f"'{self.label}': refused to unpickle: unexpected persistent id (nothing was executed)")
+
+
+def load_metadata_pickle(data: bytes, label: str) -> Any:
+    """Unpickle DCP metadata bytes with the allow-list; ``label`` names the file in errors.
+
+    Raises:
+        UnsafePickleError: the pickle names a class outside the allow-list.
+        SourceError: the bytes are not a valid pickle (truncated, garbage).
+    """
+    from .errors import SourceError
+
+    try:
+        return _AllowListUnpickler(data, label).load()
+    except UnsafePickleError:
+        raise
+    except Exception as e:  # truncated or garbage bytes raise many different types inside pickle
+        raise SourceError(f"'{label}': cannot read the metadata pickle ({type(e).__name__}: {e}); is it truncated?") from None

@@ -1,0 +1,146 @@
+"""The safetensors file format, read and written without loading any tensor.
+
+A file is: 8 bytes little-endian ``N``, then ``N`` bytes of JSON header, then the data buffer. The header maps
+each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the buffer) and may
+hold ``"__metadata__"``: a string-to-string map. The header is padded with spaces to a multiple of 8 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .dtypes import TORCH_DTYPES, itemsize
+from .errors import SourceError
+
+#: headers larger than this are refused before being read (safetensors itself uses the same bound)
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One tensor of a safetensors file: dtype, shape, and absolute byte range in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    entries: dict[str, Entry]
+    metadata: dict[str, str]
+    data_start: int
+
+
+def read_header(path: str | os.PathLike[str], name: str | None = None) -> Header:
+    """Parse and validate the header of a safetensors file.
+
+    Args:
+        path: the file.
+        name: how to call the file in messages (default: the path).
+
+    Raises:
+        SourceError: truncated file, header length past the end, bad JSON, unknown dtype, offsets outside the
+            file, overlapping tensors, or a byte count that disagrees with the shape.
+    """
+    label = name or str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise SourceError(f"'{label}': truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES:
+                raise SourceError(f"'{label}': safetensors header of {n} bytes exceeds the {MAX_HEADER_BYTES} limit")
+            if 8 + n > size:
+                raise SourceError(
+                    f"'{label}': safetensors header length {n} runs past the end of the file ({size} bytes); "
+                    "the file is truncated or not safetensors"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise SourceError(f"'{label}': cannot read: {e.strerror or e}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"'{label}': safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise SourceError(f"'{label}': safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SourceError(f"'{label}': safetensors __metadata__ must map strings to strings")
+    data_start = 8 + n
+    buffer = size - data_start
+    entries: dict[str, Entry] = {}
+    for key, info in header.items():
+        entries[key] = _entry(label, key, info, data_start, buffer)
+    _check_no_overlap(label, entries)
+    return Header(entries, metadata, data_start)
+
+
+def _entry(label: str, key: str, info: object, data_start: int, buffer: int) -> Entry:
+    if not isinstance(info, dict):
+        raise SourceError(f"'{label}': tensor '{key}' has no dtype/shape/data_offsets record")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in TORCH_DTYPES:
+        raise SourceError(f"'{label}': tensor '{key}' has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise SourceError(f"'{label}': tensor '{key}' has an invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise SourceError(f"'{label}': tensor '{key}' has invalid data_offsets {offsets!r}")
+    expected = math.prod(shape) * itemsize(dtype)
+    if offsets[1] - offsets[0] != expected:
+        raise SourceError(
+            f"'{label}': tensor '{key}' holds {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} "
+            f"needs {expected}"
+        )
+    if offsets[1] > buffer:
+        raise SourceError(
+            f"'{label}': tensor '{key}' data_offsets {offsets} run past the end of the data ({buffer} bytes); "
+            "the file is truncated"
+        )
+    return Entry(dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _check_no_overlap(label: str, entries: Mapping[str, Entry]) -> None:
+    last_end, last_key = -1, ""
+    for key, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if e.begin < last_end and e.end > e.begin:
+            raise SourceError(f"'{label}': tensors '{last_key}' and '{key}' overlap in the data buffer")
+        if e.end > e.begin:
+            last_end, last_key = e.end, key
+
+
+def encode_header(entries: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Mapping[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """Build the header bytes for tensors laid out in the given order.
+
+    Args:
+        entries: name -> (dtype, shape), in the order the data will be written.
+        metadata: the ``__metadata__`` map.
+
+    Returns:
+        The full prefix (8-byte length + padded JSON) and each tensor's ``(begin, end)`` relative to the buffer.
+    """
+    offsets: dict[str, tuple[int, int]] = {}
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    pos = 0
+    for name, (dtype, shape) in entries.items():
+        nbytes = math.prod(shape) * itemsize(dtype)
+        offsets[name] = (pos, pos + nbytes)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, offsets
