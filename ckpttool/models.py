@@ -256,13 +256,14 @@ def _check_against_model(specs: list[TargetSpec], info: ModelInfo, layout: Layou
 
 def _shape_hint(shape: Shape, expected: Shape, info: ModelInfo) -> str:
     vocab = info.config.get("vocab_size")
-    if len(shape) == len(expected) and shape[1:] == expected[1:] and isinstance(vocab, int) and expected[0] == vocab:
-        if shape[0] > vocab:
-            return (
-                f" (the vocab looks padded to {shape[0]}; the source recorded no padding, so ckpttool will not "
-                "guess: record the true size in a sidecar, or fix vocab_size in the config)"
-            )
-        if shape[0] < vocab:
-            k = vocab / shape[0]
-            return f" (vocab_size is {vocab}; {shape[0]} rows is 1/{k:.2f} of it: one TP piece?)"
-    return ""
+    if not (len(shape) == len(expected) and shape[1:] == expected[1:] and expected[0] == vocab and len(shape) == 2):
+        return ""
+    rows = shape[0]
+    if rows > expected[0]:
+        return (
+            f" (the vocab looks padded to {rows}; the source recorded no padding, so ckpttool will not guess: "
+            "record the true size in a sidecar, or fix vocab_size in the config)"
+        )
+    if expected[0] >= 1.5 * rows:
+        return f" ({rows} rows is about 1/{expected[0] / rows:.1f} of vocab_size {expected[0]}: only one TP piece saved?)"
+    return f" (vocab_size {expected[0]} in the config is larger than the {rows} rows saved: wrong config?)"

@@ -1,0 +1,73 @@
+"""Shared test helpers: the committed fixtures, a CLI runner, and tensor comparison."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+
+#: every fixture fixtures/make_fixtures.py produces; a missing one fails the tests rather than skipping
+FIXTURE_NAMES = (
+    "llama_fsdp2_dcp",
+    "llama_tp2_dcp",
+    "llama_tp2_fsdp2_dcp",
+    "llama_hf_tp2",
+    "mixtral_fsdp2_dcp",
+    "mixtral_fsdp8_dcp_zero_chunk",
+    "mixtral_hf_tp2_ep2",
+)
+
+
+def fixture_dir(name: str) -> Path:
+    path = FIXTURES / name
+    assert (path / "checkpoint").is_dir(), f"fixture {name} missing: run fixtures/make_fixtures.py"
+    return path
+
+
+def load_output(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF output directory, single-file or sharded."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def tree_digest(directory: Path) -> dict[str, str]:
+    """sha256 of every file under a directory, to prove a source was not modified."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def copy_fixture(tmp_path: Path):
+    """Copy a fixture (checkpoint + config next to it) into tmp_path, to damage it safely."""
+
+    def make(name: str) -> Path:
+        dest = tmp_path / name
+        shutil.copytree(fixture_dir(name), dest, ignore=shutil.ignore_patterns("reference"))
+        return dest / "checkpoint"
+
+    return make
+
+
+@pytest.fixture
+def cli():
+    from ckpttool.cli import main
+
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    return invoke
