@@ -52,6 +52,16 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
     logging.getLogger("ckpttool").setLevel(level)
 
 
+def _check_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from .writer import parse_size
+
+    try:
+        parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckpttool")
 def main() -> None:
@@ -64,7 +74,7 @@ def main() -> None:
 @click.option("--format", "fmt", type=click.Choice(["dcp", "hf-distributed", "sidecar", "hf"]), help="Source format (detected by default).")
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
 @click.option("--dtype", help="Cast floating-point tensors, e.g. bfloat16, float16, float32.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output file (decimal units: 5GB, 500MB, or bytes).")
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size, help="Largest output file (decimal units: 5GB, 500MB, or bytes).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
@@ -76,21 +86,11 @@ def merge_command(
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT."""
     _setup_logging(verbose, quiet or as_json)
-    from .writer import parse_size
-
-    try:
-        parse_size(max_shard_size)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--max-shard-size") from None
-    bar = None
-    if not (as_json or quiet or dry_run):
-        from tqdm import tqdm
-
-        bar = tqdm(total=None, unit="B", unit_scale=True, unit_divisor=1024, desc="merge", file=sys.stderr, leave=False)
+    bar = _Bar() if not (as_json or quiet or dry_run) else None
     try:
         result: MergeResult = _run(as_json, lambda: merge(
             src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
-            force=force, on_bytes=bar.update if bar is not None else None,
+            force=force, progress=bar,
         ))
     finally:
         if bar is not None:
@@ -99,6 +99,24 @@ def merge_command(
         click.echo(json.dumps(result.to_json(), indent=2))
         return
     _print_result(result, verbose)
+
+
+class _Bar:
+    """A tqdm bar on stderr, opened at the first tensor written (nothing shows while planning fails)."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def __call__(self, written: int, total: int) -> None:
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merge", file=sys.stderr)
+        self._bar.update(written)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def _print_result(result: MergeResult, verbose: int) -> None:

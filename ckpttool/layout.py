@@ -242,6 +242,13 @@ class LayoutBuilder:
             ok = False
         return ok
 
+    @property
+    def declared(self) -> tuple[str, ...]:
+        return tuple(self._shape)
+
+    def dtype_of(self, fqn: str) -> str:
+        return self._dtype[fqn]
+
     def add(self, fqn: str, piece: Piece, *, present: bool = True) -> None:
         """Add a piece of a declared tensor; pieces outside the global shape are problems, not pieces.
 

@@ -101,7 +101,7 @@ def merge(
     max_shard_size: str | int = "5GB",
     dry_run: bool = False,
     force: bool = False,
-    on_bytes: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
 
@@ -114,7 +114,7 @@ def merge(
         max_shard_size: largest output file, e.g. ``"5GB"`` (decimal units) or bytes.
         dry_run: plan and check only; read no tensor data, write nothing.
         force: replace a non-empty destination.
-        on_bytes: called with the byte count of each tensor written (progress).
+        progress: called as ``progress(bytes_just_written, total_bytes)`` after each tensor.
 
     Returns:
         A :class:`MergeResult` describing the output.
@@ -137,7 +137,8 @@ def merge(
     extras: list[str] = []
     if not dry_run:
         with Staging(dest) as staging:
-            write_weights(plan, files, staging.path, on_bytes or (lambda n: None))
+            total = plan.nbytes
+            write_weights(plan, files, staging.path, (lambda n: progress(n, total)) if progress else (lambda n: None))
             search = list(dict.fromkeys(sources))
             extras = write_extras(staging.path, prepared.config, search, _cast(plan))
             staging.publish()

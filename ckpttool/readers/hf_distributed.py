@@ -59,4 +59,17 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
             if builder.declare(key, shape, entry.dtype, where=f"'{name}'"):
                 builder.add(key, Piece(name, key, Box(tuple(offsets), entry.shape), entry.dtype, RAW, entry.begin,
                                        entry.end - entry.begin, (("rank", rank),)))
+    _declare_unsaved(builder, model)
     return builder.build()
+
+
+def _declare_unsaved(builder: LayoutBuilder, model: ModelInfo) -> None:
+    """Tensors of the model that no file holds still exist: declared without pieces, they become coverage
+    errors naming them (e.g. the norms only the missing rank's file held), not silently absent tensors."""
+    dtypes = [builder.dtype_of(fqn) for fqn in builder.declared]
+    if not dtypes:
+        return
+    common = max(set(dtypes), key=dtypes.count)
+    for fqn, shape in model.memory_shapes.items():
+        if fqn not in builder.declared and fqn not in model.tied:
+            builder.declare(fqn, shape, common, where="the model config")

@@ -1,0 +1,27 @@
+"""The README's commands are the ones CI runs, and the fixture it names exists."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import ROOT
+
+
+def _commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", readme, re.S)]
+
+
+def test_ci_runs_the_readme_test_command():
+    test_command = next(c for c in _commands() if c.endswith("pytest -q"))
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_command in ci
+
+
+def test_readme_main_job_uses_a_shipped_fixture_and_pins_torch():
+    main_job = next(c for c in _commands() if "ckpttool merge" in c)
+    fixture = re.search(r"ckpttool merge (\S+)", main_job).group(1)
+    assert (ROOT / fixture / ".metadata").is_file()
+    for command in _commands()[:2]:
+        assert "pip install torch==2.13.0" in command or "pip install -q torch==2.13.0" in command
+        assert "-c .ci/constraints.txt" in command
