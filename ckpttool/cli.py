@@ -18,6 +18,7 @@ import click
 
 from . import __version__
 from .errors import CkptError
+from .executor import predict_peak_bytes
 from .merge import MergeResult, merge
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_AUDIT = 0, 1, 2, 3
@@ -131,7 +132,7 @@ def _print_result(result: MergeResult, verbose: int) -> None:
     if result.extras:
         click.echo(f"  + {', '.join(result.extras)}")
     if result.dry_run:
-        click.echo(f"peak memory: about {_size(2 * plan.largest_target_bytes())} (largest tensor {_size(plan.largest_target_bytes())}, twice when cast)")
+        click.echo(f"peak memory: at most {_size(predict_peak_bytes(plan))} (largest tensor {_size(plan.largest_target_bytes())})")
     for note in plan.notes:
         click.echo(f"note: {note}")
     if result.dry_run or verbose:

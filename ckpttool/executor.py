@@ -9,6 +9,7 @@ replace :func:`assemble` without changing the file layout.
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -16,10 +17,13 @@ from pathlib import Path
 
 import torch
 
-from .dtypes import torch_dtype
+from .dtypes import itemsize, torch_dtype
 from .errors import SourceError
 from .layout import RAW, Box, Piece
-from .plan import Target
+from .plan import Plan, Target
+
+#: recently read pieces kept for the next targets (a stacked expert piece feeds 2E targets)
+CACHE_BYTES = 256 * 2**20
 
 
 class PieceLoader:
@@ -28,7 +32,7 @@ class PieceLoader:
     A stacked expert piece feeds many per-expert targets; the cache reads it once.
     """
 
-    def __init__(self, root: str | Path, cache_bytes: int = 256 * 2**20) -> None:
+    def __init__(self, root: str | Path, cache_bytes: int = CACHE_BYTES) -> None:
         self.root = Path(root)
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[Piece, torch.Tensor] = OrderedDict()
@@ -83,6 +87,20 @@ class PieceLoader:
                 f"only {got} are there; the file is truncated"
             )
         return data
+
+
+def predict_peak_bytes(plan: Plan, cache_bytes: int = CACHE_BYTES) -> int:
+    """Upper bound of the memory :func:`assemble` holds at once: the largest target in its source dtype, its
+    cast copy when the dtype changes, the largest piece it reads, and the piece cache."""
+    peak = 0
+    for t in plan.targets:
+        source = math.prod(t.shape) * itemsize(t.source_dtype)
+        cast = t.nbytes if t.dtype != t.source_dtype else 0
+        piece = max((math.prod(c.piece.box.sizes) * itemsize(c.piece.dtype) for c in t.copies), default=0)
+        peak = max(peak, source + cast + piece)
+    pieces = {c.piece for t in plan.targets for c in t.copies}
+    cached = min(cache_bytes, sum(math.prod(p.box.sizes) * itemsize(p.dtype) for p in pieces))
+    return peak + cached
 
 
 def assemble(target: Target, loader: PieceLoader) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .dtypes import dtype_name
 from .errors import CkptError
+from .executor import predict_peak_bytes
 from .layout import Layout
 from .models import ModelInfo, find_config, hf_specs, model_info, read_config
 from .plan import Plan, identity_specs, plan_merge
@@ -55,6 +56,7 @@ class MergeResult:
             "tensors": len(self.plan.targets),
             "total_bytes": self.plan.nbytes,
             "largest_tensor_bytes": self.plan.largest_target_bytes(),
+            "predicted_peak_bytes": predict_peak_bytes(self.plan),
             "files": [{"name": f.name, "bytes": f.nbytes, "tensors": len(f.targets)} for f in self.files],
             "extras": list(self.extras),
             "notes": list(self.plan.notes),
@@ -132,14 +134,14 @@ def merge(
     files = tuple(assign_files(plan, max_shard_size))
     if not plan.targets:
         raise CkptError(f"'{root}': the checkpoint holds no model tensors")
-    sources = [root] + ([prepared.config_path.parent] if prepared.config_path is not None else [])
     check_destination(dest, [root], force)
     extras: list[str] = []
     if not dry_run:
         with Staging(dest) as staging:
             total = plan.nbytes
             write_weights(plan, files, staging.path, (lambda n: progress(n, total)) if progress else (lambda n: None))
-            search = list(dict.fromkeys(sources))
+            config_dir = [prepared.config_path.parent] if prepared.config_path is not None else []
+            search = list(dict.fromkeys([*config_dir, root]))
             extras = write_extras(staging.path, prepared.config, search, _cast(plan))
             staging.publish()
         log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
