@@ -223,6 +223,15 @@ class LayoutBuilder:
                         f"'{fqn}': padding record (dim {pad.dim}, true size {pad.true_size}) does not fit the "
                         f"global shape {list(shape)} in {where}"
                     )
+            if fusion is not None and (
+                not 0 <= fusion.dim < len(shape)
+                or any(size <= 0 for _, size in fusion.parts)
+                or sum(size for _, size in fusion.parts) != shape[fusion.dim]
+            ):
+                self.problems.append(
+                    f"'{fqn}': fusion parts {[list(p) for p in fusion.parts]} along dim {fusion.dim} do not add up to "
+                    f"the global shape {list(shape)} in {where}"
+                )
             return True
         ok = True
         if shape != self._shape[fqn]:

@@ -186,6 +186,8 @@ def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[T
         copies.extend(_slice_copies(sl, _unique_pieces(tensor)))
     if len(source_dtypes) > 1:
         problems.append(f"'{spec.name}': its sources have different dtypes {sorted(source_dtypes)}")
+    if not spec.slices:
+        problems.append(f"'{spec.name}': the whole tensor covered by no piece (the mapping names no source for it)")
     if problems:
         return None, problems
     problems = check_tiling(spec.name, spec.shape, copies, layout, spec.slices)
@@ -314,9 +316,9 @@ def _gap_message(
     absent = []
     if layout is not None:
         for sl in slices:
-            for piece in layout.absent.get(sl.source, ()):
-                src_gap = sl.src.intersect(piece.box)
-                if src_gap is not None:
+            region = _source_region(sl, gap)
+            for piece in layout.absent.get(sl.source, ()) if region is not None else ():
+                if region.intersect(piece.box) is not None:
                     absent.append(piece.file)
     if absent:
         missing = ", ".join(f"'{f}'" for f in sorted(set(absent)))
@@ -327,6 +329,19 @@ def _gap_message(
     else:
         cause = "Is a rank's file missing, or the checkpoint incomplete?"
     return f"'{name}': {gap.describe(shape)} covered by no piece (shape {list(shape)}; {found}). {cause}"
+
+
+def _source_region(sl: Slice, box: Box) -> Box | None:
+    """The part of source tensor ``sl.source`` that fills ``box`` of the target, or None if ``sl`` misses it."""
+    common = sl.dst.intersect(box)
+    if common is None:
+        return None
+    offsets, sizes = list(sl.src.offsets), list(sl.src.sizes)
+    for d, s in enumerate(sl.dim_map()):
+        if s is not None:
+            offsets[s] += common.offsets[d] - sl.dst.offsets[d]
+            sizes[s] = common.sizes[d]
+    return Box(tuple(offsets), tuple(sizes))
 
 
 def _squeeze(sizes: Shape) -> Shape:

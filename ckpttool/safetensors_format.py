@@ -73,7 +73,8 @@ def read_header(path: str | os.PathLike[str], name: str | None = None) -> Header
         raise SourceError(f"'{label}': safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise SourceError(f"'{label}': safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise SourceError(f"'{label}': safetensors __metadata__ must map strings to strings")
     data_start = 8 + n

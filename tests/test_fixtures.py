@@ -75,11 +75,10 @@ def test_uneven_vocab_split_is_recorded_not_inferred():
     assert sorted(p.box.sizes[0] for p in embed.pieces) == [500, 501]
 
 
-def test_mixtral_stacked_experts_become_per_expert_tensors(merged):
-    name, out = merged
-    if not name.startswith("mixtral"):
-        pytest.skip("dense model")
-    got = load_output(out)
+@pytest.mark.parametrize("name", [n for n in FIXTURE_NAMES if n.startswith("mixtral")])
+def test_mixtral_stacked_experts_become_per_expert_tensors(name, tmp_path):
+    ckpttool.merge(fixture_dir(name) / "checkpoint", tmp_path / "hf")
+    got = load_output(tmp_path / "hf")
     assert "model.layers.0.mlp.experts.gate_up_proj" not in got
     assert got["model.layers.1.block_sparse_moe.experts.3.w1.weight"].shape == (48, 32)
     assert got["model.layers.1.block_sparse_moe.experts.3.w2.weight"].shape == (32, 48)
