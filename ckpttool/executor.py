@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import math
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,36 +22,52 @@ from .errors import SourceError
 from .layout import RAW, Box, Piece
 from .plan import Plan, Target
 
-#: recently read pieces kept for the next targets (a stacked expert piece feeds 2E targets)
+#: most bytes of pieces kept for later targets (a stacked expert piece feeds 2E targets)
 CACHE_BYTES = 256 * 2**20
 
 
 class PieceLoader:
-    """Reads pieces from their files, keeping the most recently read ones up to ``cache_bytes``.
+    """Reads pieces from their files, keeping a piece in memory only while later targets still need it.
 
-    A stacked expert piece feeds many per-expert targets; the cache reads it once.
+    A stacked expert piece feeds many per-expert targets: with ``uses`` (how many copies of the plan read
+    each piece) it is read once and dropped after its last use. At most ``cache_bytes`` are kept; beyond
+    that the oldest piece is dropped and read again when needed.
     """
 
-    def __init__(self, root: str | Path, cache_bytes: int = CACHE_BYTES) -> None:
+    def __init__(self, root: str | Path, uses: Counter[Piece] | None = None, cache_bytes: int = CACHE_BYTES) -> None:
         self.root = Path(root)
         self.cache_bytes = cache_bytes
+        self._uses = Counter(uses or {})
         self._cache: OrderedDict[Piece, torch.Tensor] = OrderedDict()
         self._cached = 0
 
+    @classmethod
+    def for_plan(cls, plan: Plan, cache_bytes: int = CACHE_BYTES) -> PieceLoader:
+        return cls(plan.root, Counter(c.piece for t in plan.targets for c in t.copies), cache_bytes)
+
     def load(self, piece: Piece) -> torch.Tensor:
-        hit = self._cache.get(piece)
-        if hit is not None:
-            self._cache.move_to_end(piece)
-            return hit
-        tensor = self._read(piece)
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes <= self.cache_bytes:
-            self._cache[piece] = tensor
-            self._cached += nbytes
-            while self._cached > self.cache_bytes:
-                _, old = self._cache.popitem(last=False)
-                self._cached -= old.numel() * old.element_size()
+        self._uses[piece] -= 1
+        tensor = self._cache.get(piece)
+        if tensor is None:
+            tensor = self._read(piece)
+            if self._uses[piece] > 0:
+                self._keep(piece, tensor)
+        elif self._uses[piece] <= 0:
+            self._drop(piece)
         return tensor
+
+    def _keep(self, piece: Piece, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self.cache_bytes:
+            return
+        self._cache[piece] = tensor
+        self._cached += nbytes
+        while self._cached > self.cache_bytes:
+            self._drop(next(iter(self._cache)))
+
+    def _drop(self, piece: Piece) -> None:
+        tensor = self._cache.pop(piece)
+        self._cached -= tensor.numel() * tensor.element_size()
 
     def _read(self, piece: Piece) -> torch.Tensor:
         data = self._bytes(piece)
@@ -90,17 +106,21 @@ class PieceLoader:
 
 
 def predict_peak_bytes(plan: Plan, cache_bytes: int = CACHE_BYTES) -> int:
-    """Upper bound of the memory :func:`assemble` holds at once: the largest target in its source dtype, its
-    cast copy when the dtype changes, the largest piece it reads, and the piece cache."""
+    """Upper bound of the memory the executor holds at once: the largest target in its source dtype, its
+    cast copy when the dtype changes, the largest piece it reads, and pieces kept for later targets."""
     peak = 0
+    uses = Counter(c.piece for t in plan.targets for c in t.copies)
+    reused = sum(_nbytes(p) for p, n in uses.items() if n > 1)
     for t in plan.targets:
         source = math.prod(t.shape) * itemsize(t.source_dtype)
         cast = t.nbytes if t.dtype != t.source_dtype else 0
-        piece = max((math.prod(c.piece.box.sizes) * itemsize(c.piece.dtype) for c in t.copies), default=0)
+        piece = max((_nbytes(c.piece) for c in t.copies), default=0)
         peak = max(peak, source + cast + piece)
-    pieces = {c.piece for t in plan.targets for c in t.copies}
-    cached = min(cache_bytes, sum(math.prod(p.box.sizes) * itemsize(p.dtype) for p in pieces))
-    return peak + cached
+    return peak + min(cache_bytes, reused)
+
+
+def _nbytes(piece: Piece) -> int:
+    return math.prod(piece.box.sizes) * itemsize(piece.dtype)
 
 
 def assemble(target: Target, loader: PieceLoader) -> torch.Tensor:

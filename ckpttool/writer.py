@@ -139,7 +139,7 @@ def write_weights(
     plan: Plan, files: Sequence[OutputFile], directory: Path, on_bytes: Callable[[int], None] = lambda n: None
 ) -> None:
     """Write the safetensors files (and the index when there are several) and verify each."""
-    loader = PieceLoader(plan.root)
+    loader = PieceLoader.for_plan(plan)
     for out in files:
         prefix, offsets = encode_header({t.name: (t.dtype, t.shape) for t in out.targets}, {"format": "pt"})
         path = directory / out.name
