@@ -19,7 +19,6 @@ Shape = tuple[int, ...]
 #: How the bytes of a piece are encoded in its file.
 RAW = "raw"  #: contiguous C-order elements (safetensors data, raw DCP safetensors)
 TORCH_SAVE = "torch_save"  #: one ``torch.save`` archive of the piece (DCP ``.distcp`` items)
-ENCODINGS = (RAW, TORCH_SAVE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +133,6 @@ class TensorLayout:
     fusion: Fusion | None = None
 
     @property
-    def files(self) -> tuple[str, ...]:
-        return tuple(sorted({p.file for p in self.pieces}))
-
-    @property
     def true_shape(self) -> Shape:
         """The global shape with recorded padding removed."""
         shape = list(self.global_shape)
@@ -168,12 +163,6 @@ class Layout:
     missing: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        from .dtypes import itemsize
-
-        return sum(math.prod(t.global_shape) * itemsize(t.dtype) for t in self.tensors.values())
 
 
 class LayoutBuilder:

@@ -95,10 +95,6 @@ class Plan:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.targets)
 
-    @property
-    def files(self) -> tuple[str, ...]:
-        return tuple(sorted({c.piece.file for t in self.targets for c in t.copies}))
-
     def largest_target_bytes(self) -> int:
         return max((t.nbytes for t in self.targets), default=0)
 

@@ -241,7 +241,6 @@ def test_tiled_tensor_plans_one_copy_per_piece():
         ("rank0.safetensors", Box((0, 0), (501, 8)), Box((0, 0), (501, 8))),
         ("rank1.safetensors", Box((0, 0), (500, 8)), Box((501, 0), (500, 8))),
     ]
-    assert plan.files == ("rank0.safetensors", "rank1.safetensors")
 
 
 def test_gap_names_tensor_region_files_found_and_likely_cause():
