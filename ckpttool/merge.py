@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .dtypes import dtype_name
-from .errors import CkptError
+from .errors import SourceError
 from .executor import predict_peak_bytes
 from .layout import Layout
 from .models import ModelInfo, find_config, hf_specs, model_info, read_config
@@ -131,9 +131,9 @@ def merge(
     root, dest = Path(src), Path(out)
     prepared = prepare(root, format=format, config=config, dtype=dtype)
     plan = prepared.plan
-    files = tuple(assign_files(plan, max_shard_size))
     if not plan.targets:
-        raise CkptError(f"'{root}': the checkpoint holds no model tensors")
+        raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
+    files = tuple(assign_files(plan, max_shard_size))
     check_destination(dest, [root], force)
     extras: list[str] = []
     if not dry_run:
@@ -142,7 +142,7 @@ def merge(
             write_weights(plan, files, staging.path, (lambda n: progress(n, total)) if progress else (lambda n: None))
             config_dir = [prepared.config_path.parent] if prepared.config_path is not None else []
             search = list(dict.fromkeys([*config_dir, root]))
-            extras = write_extras(staging.path, prepared.config, search, _cast(plan))
+            extras = write_extras(staging.path, prepared.config, search, dtype_name(dtype) if dtype else None)
             staging.publish()
         log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
     return MergeResult(
@@ -155,12 +155,6 @@ def merge(
         config=str(prepared.config_path) if prepared.config_path else None,
         dry_run=dry_run,
     )
-
-
-def _cast(plan: Plan) -> str | None:
-    """The output dtype when the plan casts floating-point tensors, else None."""
-    cast = {t.dtype for t in plan.targets if t.dtype != t.source_dtype}
-    return cast.pop() if len(cast) == 1 else None
 
 
 def _natural(name: str) -> list[object]:
