@@ -320,3 +320,13 @@ def test_help_lists_every_option(cli):
     assert result.exit_code == 0
     for option in ("--format", "--config", "--dtype", "--max-shard-size", "--dry-run", "--force", "--json", "--quiet", "--verbose"):
         assert option in result.output
+
+
+def test_debug_environment_variable_shows_the_traceback(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTTOOL_DEBUG", "1")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = cli("merge", empty, tmp_path / "hf")
+    assert result.exit_code == 1
+    assert "Traceback" in result.stderr and "FormatNotDetectedError" in result.stderr
+    assert "Error: " in result.stderr
