@@ -16,6 +16,7 @@ from .errors import (
     CoverageError,
     DestinationError,
     FormatNotDetectedError,
+    OutputError,
     SourceError,
     SourceNotFoundError,
     UnsafePickleError,
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Box", "CkptError", "ConfigError", "Copy", "CoverageError", "DestinationError", "FormatNotDetectedError",
-    "Fusion", "Layout", "MergeResult", "Padding", "Piece", "PieceSpec", "Plan", "READERS", "Slice", "SourceError",
+    "Fusion", "Layout", "MergeResult", "OutputError", "Padding", "Piece", "PieceSpec", "Plan", "READERS", "Slice", "SourceError",
     "SourceNotFoundError", "Target", "TargetSpec", "TensorLayout", "UnsafePickleError", "detect_format", "merge",
     "plan_merge", "prepare", "read_layout", "save_shard",
 ]

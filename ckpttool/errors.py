@@ -38,6 +38,10 @@ class DestinationError(CkptError, FileExistsError):
     """The destination cannot be written safely (exists, lies inside the source, not writable)."""
 
 
+class OutputError(CkptError, OSError):
+    """Writing the output failed (disk full, I/O error); nothing was published at the destination."""
+
+
 class CoverageError(CkptError, ValueError):
     """The plan does not tile every target tensor exactly once.
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .dtypes import itemsize, torch_dtype
+from .dtypes import dtype_name, itemsize, torch_dtype
 from .errors import SourceError
 from .layout import RAW, Box, Piece
 from .plan import Plan, Target
@@ -81,7 +81,9 @@ class PieceLoader:
         except Exception as e:  # torch raises many types for truncated or refused archives
             raise SourceError(f"'{piece.file}': cannot load '{piece.key}': {_first_line(e)}") from None
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != piece.box.sizes or tensor.dtype != dtype:
-            found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            found = (
+                f"{dtype_name(tensor.dtype)} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            )
             raise SourceError(
                 f"'{piece.file}': '{piece.key}' holds {found} but the metadata records "
                 f"{piece.dtype} {list(piece.box.sizes)}"

@@ -119,15 +119,18 @@ def model_info(config: Mapping[str, object], *, label: str = "config.json") -> M
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise ConfigError(f"'{label}': no model_type; is it a transformers config?")
-    try:
-        cfg = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
-    except ValueError:
+    if model_type not in CONFIG_MAPPING:
         log.info("transformers %s does not know model_type %r", transformers.__version__, model_type)
         return None
+    try:
+        cfg = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
+    except Exception as e:  # transformers validates configs with several exception types
+        raise ConfigError(f"'{label}': transformers rejects this {model_type} config: {e}") from None
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
@@ -214,12 +217,12 @@ def _specs_for(tensor: TensorLayout, name: str, rules: tuple[Rename | Unstack, .
 
 def _unstack(tensor: TensorLayout, prefix: str, rule: Unstack) -> list[TargetSpec]:
     shape = tensor.true_shape
-    experts, rows, rest = shape[0], shape[1], shape[2:]
     parts = len(rule.names)
-    if len(shape) < 2 or rows % parts:
+    if len(shape) < 2 or shape[1] % parts:
         raise ConfigError(
             f"'{tensor.fqn}': shape {list(shape)} cannot be split into {parts} per-expert parts along dim 1"
         )
+    experts, rows, rest = shape[0], shape[1], shape[2:]
     n = rows // parts
     specs = []
     for e in range(experts):

@@ -12,6 +12,8 @@ import io
 import pickle
 from typing import Any
 
+import torch
+
 from .errors import UnsafePickleError
 
 
@@ -74,11 +76,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
 }
-#: torch dtypes pickle as module-level globals ``torch.float32`` etc.; they load as their names.
-_TORCH_DTYPE_NAMES = {
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-    "float8_e4m3fn", "float8_e5m2", "complex64", "complex128",
-}
+#: torch dtypes pickle as module-level globals (``torch.float32``); they load as their names.
 
 
 class _AllowListUnpickler(pickle.Unpickler):
@@ -89,8 +87,8 @@ class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return _ALLOWED[(module, name)]
-        if module == "torch" and name in _TORCH_DTYPE_NAMES:
-            return name
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return name  # a dtype is data; whether safetensors can hold it is the reader's question
         raise UnsafePickleError(
             f"'{self.label}': refused to unpickle: it asks for '{module}.{name}', which is not on ckpttool's "
             "allow-list of metadata classes (nothing was executed)"

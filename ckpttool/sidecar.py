@@ -149,6 +149,10 @@ def save_shard(
                 f"'{fqn}': local shape {list(sizes)} at offsets {list(spec.offsets)} does not fit the global "
                 f"shape {list(spec.global_shape)}"
             )
+        try:
+            dtype = dtype_name(tensor.dtype)
+        except SourceError as e:
+            raise ValueError(f"'{fqn}': {e}") from None
         local[fqn] = tensor.detach().to("cpu").contiguous()
         entry: dict[str, Any] = {
             "fqn": fqn,
@@ -156,7 +160,7 @@ def save_shard(
             "global_shape": list(spec.global_shape),
             "offsets": list(spec.offsets),
             "sizes": list(sizes),
-            "dtype": dtype_name(tensor.dtype),
+            "dtype": dtype,
         }
         if spec.padding:
             entry["padding"] = [{"dim": p.dim, "true_size": p.true_size} for p in spec.padding]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CkptError, DestinationError, SourceError
+from .errors import DestinationError, OutputError, SourceError
 from .executor import PieceLoader, write_file
 from .paths import is_within
 from .plan import Plan, Target
@@ -143,24 +143,34 @@ def write_weights(
     for out in files:
         prefix, offsets = encode_header({t.name: (t.dtype, t.shape) for t in out.targets}, {"format": "pt"})
         path = directory / out.name
-        write_file(path, prefix, [(t, offsets[t.name][0]) for t in out.targets], loader, on_bytes)
+        try:
+            write_file(path, prefix, [(t, offsets[t.name][0]) for t in out.targets], loader, on_bytes)
+        except OSError as e:
+            raise OutputError(f"'{out.name}': cannot write: {e.strerror or e}; nothing was published") from None
         _verify(path, out, len(prefix))
     if len(files) > 1:
         weight_map = {t.name: out.name for out in files for t in out.targets}
         index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        _write_text(directory / INDEX, json.dumps(index, indent=2) + "\n")
 
 
 def _verify(path: Path, out: OutputFile, prefix_len: int) -> None:
     expected = prefix_len + out.nbytes
     size = path.stat().st_size
     if size != expected:
-        raise CkptError(f"'{out.name}': wrote {size} bytes, expected {expected}; is the disk full?")
+        raise OutputError(f"'{out.name}': wrote {size} bytes, expected {expected}; is the disk full?")
     header = read_header(path, out.name)
     for t in out.targets:
         entry = header.entries.get(t.name)
         if entry is None or entry.shape != t.shape or entry.dtype != t.dtype:
-            raise CkptError(f"'{out.name}': '{t.name}' was not written as planned")
+            raise OutputError(f"'{out.name}': '{t.name}' was not written as planned")
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise OutputError(f"'{path.name}': cannot write: {e.strerror or e}; nothing was published") from None
 
 
 def write_extras(directory: Path, config: Mapping[str, object] | None, search: Sequence[Path], dtype: str | None) -> list[str]:
@@ -175,7 +185,7 @@ def write_extras(directory: Path, config: Mapping[str, object] | None, search: S
             keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
             for key in keys:
                 config[key] = name
-        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_text(directory / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
         written.append("config.json")
     for name in EXTRA_FILES:
         for folder in search:

@@ -31,10 +31,7 @@ def detect_format(root: Path) -> str:
         SourceNotFoundError: ``root`` does not exist.
         FormatNotDetectedError: no reader matched; the message lists what was looked for.
     """
-    if not root.exists():
-        raise SourceNotFoundError(f"'{root}': no such file or directory")
-    if not root.is_dir():
-        raise SourceError(f"'{root}': not a directory; give the checkpoint's directory")
+    _check_directory(root)
     for name, reader in READERS.items():
         if reader.matches(root):
             return name
@@ -63,9 +60,17 @@ def read_layout(src: str | Path, *, format: str | None = None, model: ModelInfo 
         (1001, 32)
     """
     root = Path(src)
-    name = format or detect_format(root)
-    if name not in READERS:
-        raise SourceError(f"unknown format {name!r}; known: {', '.join(READERS)}")
+    if format is None:
+        format = detect_format(root)
+    elif format not in READERS:
+        raise SourceError(f"unknown format {format!r}; known: {', '.join(READERS)}")
+    else:
+        _check_directory(root)
+    return READERS[format].read(root, model)
+
+
+def _check_directory(root: Path) -> None:
+    if not root.exists():
+        raise SourceNotFoundError(f"'{root}': no such file or directory")
     if not root.is_dir():
-        raise SourceNotFoundError(f"'{root}': no such directory")
-    return READERS[name].read(root, model)
+        raise SourceError(f"'{root}': not a directory; give the checkpoint's directory")

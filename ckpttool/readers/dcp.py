@@ -35,8 +35,8 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     if not path.is_file():
         raise SourceNotFoundError(f"'{root}': no {METADATA} file")
     md = load_metadata_pickle(path.read_bytes(), METADATA)
-    tensors_md = md.get("state_dict_metadata")
-    storage_md = md.get("storage_data")
+    tensors_md = md.get("state_dict_metadata") if getattr(md, "kind", None) == "Metadata" else None
+    storage_md = md.get("storage_data") if tensors_md is not None else None
     if not isinstance(tensors_md, dict) or not isinstance(storage_md, dict):
         raise SourceError(f"'{METADATA}': not DCP metadata (no state_dict_metadata/storage_data)")
     storage = {}
@@ -54,14 +54,23 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
             skipped_state += 1
             continue
         props = tmd.get("properties")
-        dtype = dtype_name(props.get("dtype") if props is not None else "")
+        stored = props.get("dtype") if props is not None else None
+        try:
+            dtype = dtype_name(stored or "")
+        except SourceError:
+            raise SourceError(f"'{METADATA}': '{fqn}' has dtype {stored!r}, which safetensors cannot hold") from None
         shape = tmd.get("size")
         if not isinstance(shape, tuple):
             raise SourceError(f"'{METADATA}': '{fqn}' has no global size")
-        if not builder.declare(fqn, shape, dtype, where=METADATA):
+        if not builder.declare(fqn, shape, dtype, where=f"'{METADATA}'"):
             continue
         for chunk in tmd.get("chunks") or ():
-            offsets, chunk_sizes = tuple(chunk.get("offsets")), tuple(chunk.get("sizes"))
+            offsets, chunk_sizes = tuple(chunk.get("offsets") or ()), tuple(chunk.get("sizes") or ())
+            if not len(offsets) == len(chunk_sizes) == len(shape):
+                raise SourceError(
+                    f"'{METADATA}': '{fqn}' has a chunk with offsets {list(offsets)} and sizes {list(chunk_sizes)} "
+                    f"for a tensor of {len(shape)} dims"
+                )
             info = storage.get((fqn, offsets))
             if info is None:
                 raise SourceError(f"'{METADATA}': '{fqn}' chunk at offsets {list(offsets)} has no storage entry")

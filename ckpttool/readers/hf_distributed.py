@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from ..errors import ConfigError, SourceError
+from ..errors import ConfigError, SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
 from ..models import ModelInfo
 from ..safetensors_format import read_header
@@ -29,6 +29,8 @@ def matches(root: Path) -> bool:
 
 def read(root: Path, model: ModelInfo | None) -> Layout:
     files = sorted(p.name for p in root.iterdir() if PATTERN.match(p.name))
+    if not files:
+        raise SourceNotFoundError(f"'{root}': no shard-*-model-*-of-*.safetensors files")
     if model is None:
         raise ConfigError(
             f"'{root}': transformers distributed checkpoints record no global shapes; ckpttool takes them from the "
@@ -45,6 +47,8 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
             sharding = json.loads(info) if info is not None else {}
         except json.JSONDecodeError:
             raise SourceError(f"'{name}': {SHARDING_KEY} metadata is not valid JSON") from None
+        if not isinstance(sharding, dict):
+            raise SourceError(f"'{name}': {SHARDING_KEY} metadata must map tensor names to their saved_offsets")
         rank = int(PATTERN.match(name).group(1)) - 1
         for key, entry in header.entries.items():
             shape = model.memory_shapes.get(key)
@@ -53,9 +57,15 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                     f"'{name}': tensor '{key}' is not a parameter of the {model.model_type} model the config describes"
                 )
             record = sharding.get(key, {})
-            offsets = record.get("saved_offsets", [0] * len(entry.shape)) if isinstance(record, dict) else None
-            if not isinstance(offsets, list) or len(offsets) != len(entry.shape):
-                raise SourceError(f"'{name}': '{key}' has malformed saved_offsets {offsets!r}")
+            offsets = record.get("saved_offsets", [0] * len(entry.shape)) if isinstance(record, dict) else record
+            if (
+                not isinstance(offsets, list)
+                or len(offsets) != len(entry.shape)
+                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+            ):
+                raise SourceError(
+                    f"'{name}': '{key}' needs saved_offsets of {len(entry.shape)} non-negative integers, found {offsets!r}"
+                )
             if builder.declare(key, shape, entry.dtype, where=f"'{name}'"):
                 builder.add(key, Piece(name, key, Box(tuple(offsets), entry.shape), entry.dtype, RAW, entry.begin,
                                        entry.end - entry.begin, (("rank", rank),)))

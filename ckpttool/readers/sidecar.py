@@ -23,7 +23,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     paths = sorted(root.glob(f"*{SUFFIX}"))
     if not paths:
         raise SourceNotFoundError(f"'{root}': no *{SUFFIX} sidecar")
-    sidecars = [parse_sidecar(p.read_text(), p.name) for p in paths]
+    sidecars = [parse_sidecar(_text(p), p.name) for p in paths]
     worlds = {s.world_size for s in sidecars}
     if len(worlds) > 1:
         raise SourceError(
@@ -58,3 +58,10 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                                          entry.end - entry.begin, tags))
     notes = [f"{len(ranks)} of {world} rank sidecars present"] if len(ranks) != world else []
     return builder.build(notes)
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise SourceError(f"'{path.name}': not valid JSON (not UTF-8 text)") from None
