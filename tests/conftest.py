@@ -49,6 +49,16 @@ def tree_digest(directory: Path) -> dict[str, str]:
     }
 
 
+def assert_failed_cleanly(result, out: Path, *needles: str) -> None:
+    """Exit code 1, no traceback, every needle in stderr, nothing at the destination and no staging left."""
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in result.stderr, f"{needle!r} not in:\n{result.stderr}"
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.ckpttool-partial-*")), "staging directory left behind"
+
+
 @pytest.fixture
 def copy_fixture(tmp_path: Path):
     """Copy a fixture (checkpoint + config next to it) into tmp_path, to damage it safely."""

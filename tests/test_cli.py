@@ -4,21 +4,9 @@ from __future__ import annotations
 
 import json
 import pickle
-import re
-from pathlib import Path
-
-import pytest
-
-from conftest import FIXTURES, fixture_dir, load_output, tree_digest
 
 
-def assert_failed_cleanly(result, out: Path, *needles: str) -> None:
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in result.stderr, f"{needle!r} not in:\n{result.stderr}"
-    assert not out.exists()
-    assert not list(out.parent.glob(f".{out.name}.ckpttool-partial-*")), "staging directory left behind"
+from conftest import assert_failed_cleanly, fixture_dir, tree_digest
 
 
 def test_merge_prints_summary_and_exits_0(cli, tmp_path):

@@ -22,24 +22,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckpttool
-from ckpttool.errors import CkptError, ConfigError, CoverageError, SourceError
-from conftest import fixture_dir
+from ckpttool.errors import CkptError, CoverageError, SourceError
+from conftest import assert_failed_cleanly as failed_cleanly, fixture_dir
 
 SHARD1 = "shard-00001-model-00001-of-00001.safetensors"
 SHARD2 = "shard-00002-model-00001-of-00001.safetensors"
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def failed_cleanly(result, out: Path, *needles: str) -> None:
-    """Exit code 1, no traceback, every needle in stderr, nothing at the destination and no staging left."""
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in result.stderr, f"{needle!r} not in:\n{result.stderr}"
-    assert not out.exists()
-    assert not list(out.parent.glob(f".{out.name}.ckpttool-partial-*")), "staging directory left behind"
 
 
 def not_unexpected(result) -> None:
