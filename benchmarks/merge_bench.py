@@ -35,8 +35,8 @@ def build(src: Path, size_gib: float) -> int:
     """A 4-rank sidecar checkpoint of about ``size_gib``: returns its byte count."""
     target = int(size_gib * 2**30)
     vocab = 32003  # padded to 32004 for TP=4
-    per_layer = 2 * (3 * HIDDEN * HIDDEN)  # column (3H x H) + row (H x 3H), bf16
-    budget = target - 2 * vocab * HIDDEN * 2
+    per_layer = 2 * (3 * HIDDEN * HIDDEN) * 2  # bytes: column (3H x H) + row (H x 3H), bf16
+    budget = target - (vocab + 1) * HIDDEN * 2
     n_layers = max(1, budget // per_layer)
     g = torch.Generator().manual_seed(0)
     for rank in range(TP):
