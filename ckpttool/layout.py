@@ -153,7 +153,6 @@ class Layout:
             out of ``tensors`` and named in coverage errors ("rows 501..1001 are in '__1_0.distcp', missing").
         missing: files the reader knows should exist but are not on disk (with or without known pieces).
         notes: what the reader skipped or assumed, for the user.
-        files: every data file the source names, present or not.
     """
 
     root: str
@@ -162,7 +161,6 @@ class Layout:
     absent: Mapping[str, tuple[Piece, ...]] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-    files: tuple[str, ...] = ()
 
 
 class LayoutBuilder:
@@ -184,7 +182,6 @@ class LayoutBuilder:
         self.problems: list[str] = []
         self.notes: list[str] = []
         self._absent: dict[str, list[Piece]] = {}
-        self.files: set[str] = set()
         self.missing: set[str] = set()
 
     def declare(
@@ -264,7 +261,6 @@ class LayoutBuilder:
                 f"{list(piece.box.sizes)} lies outside the global shape {list(shape)}"
             )
             return
-        self.files.add(piece.file)
         if piece.box.numel == 0:
             return
         if present:
@@ -296,5 +292,4 @@ class LayoutBuilder:
             absent={fqn: tuple(pieces) for fqn, pieces in self._absent.items()},
             missing=tuple(sorted(self.missing)),
             notes=tuple(self.notes) + tuple(notes),
-            files=tuple(sorted(self.files)),
         )

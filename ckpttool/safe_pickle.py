@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import UnsafePickleError
+from .errors import SourceError, UnsafePickleError
 
 
 class Record:
@@ -105,8 +105,6 @@ def load_metadata_pickle(data: bytes, label: str) -> Any:
         UnsafePickleError: the pickle names a class outside the allow-list.
         SourceError: the bytes are not a valid pickle (truncated, garbage).
     """
-    from .errors import SourceError
-
     try:
         return _AllowListUnpickler(data, label).load()
     except UnsafePickleError:

@@ -80,8 +80,8 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                     f"'{rel}': '{fqn}' is stored with transforms {info.get('transform_descriptors')}, "
                     "which ckpttool does not decode yet"
                 )
-            file = inside(root, rel, named_by=METADATA)
-            if rel not in sizes:
+            if rel not in sizes:  # confine and stat each file once, not once per chunk
+                file = inside(root, rel, named_by=METADATA)
                 sizes[rel] = os.path.getsize(file) if file.is_file() else None
             start, length = int(info.get("offset")), int(info.get("length"))
             if sizes[rel] is not None and start + length > sizes[rel]:
