@@ -8,6 +8,10 @@ resemble, so callers can catch either ``ckpttool.CoverageError`` or plain ``Valu
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .findings import Report
 
 
 class CkptError(Exception):
@@ -55,3 +59,18 @@ class CoverageError(CkptError, ValueError):
         shown = self.problems[:20]
         more = [f"... and {count - len(shown)} more"] if count > len(shown) else []
         super().__init__("\n".join([head, *(f"  - {p}" for p in shown), *more]))
+
+
+class AuditError(CkptError):
+    """The merged checkpoint failed its audit; nothing was published. ``report`` holds every finding."""
+
+    def __init__(self, report: Report, output: str) -> None:
+        self.report = report
+        errors = report.errors
+        lines = [f"  - [{f.code}] {f.message}" for f in errors[:20]]
+        if len(errors) > 20:
+            lines.append(f"  ... and {len(errors) - 20} more")
+        super().__init__(
+            f"the merged checkpoint fails its audit ({len(errors)} error{'s' if len(errors) != 1 else ''}); nothing was "
+            f"published at '{output}':\n" + "\n".join(lines) + "\nPass --no-audit to publish it anyway."
+        )

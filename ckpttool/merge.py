@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .audit import check
 from .dtypes import dtype_name
-from .errors import SourceError
+from .errors import AuditError, SourceError
 from .executor import predict_peak_bytes
+from .findings import Report
 from .layout import Layout
 from .models import ModelInfo, find_config, hf_specs, model_info, read_config
 from .plan import Plan, identity_specs, plan_merge
 from .readers import read_layout
-from .writer import OutputFile, Staging, assign_files, check_destination, write_extras, write_weights
+from .writer import OutputFile, Staging, assign_files, check_destination, write_extras, write_text, write_weights
 
 log = logging.getLogger(__name__)
+
+#: the audit report a merge writes beside the weights (transformers ignores it)
+AUDIT_FILE = "ckpttool-audit.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +49,7 @@ class MergeResult:
     extras: tuple[str, ...]
     config: str | None
     dry_run: bool
+    audit: Report | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -64,6 +71,7 @@ class MergeResult:
                 {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "pieces": len(t.copies), "sources": list(t.sources)}
                 for t in self.plan.targets
             ],
+            "audit": self.audit.to_json() if self.audit is not None else None,
         }
 
 
@@ -103,6 +111,7 @@ def merge(
     max_shard_size: str | int = "5GB",
     dry_run: bool = False,
     force: bool = False,
+    audit: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
@@ -116,6 +125,8 @@ def merge(
         max_shard_size: largest output file, e.g. ``"5GB"`` (decimal units) or bytes.
         dry_run: plan and check only; read no tensor data, write nothing.
         force: replace a non-empty destination.
+        audit: audit what was written (headers, names and shapes against the config, index, dtypes), write
+            the report to ``ckpttool-audit.json`` beside it, and refuse to publish when it finds errors.
         progress: called as ``progress(bytes_just_written, total_bytes)`` after each tensor.
 
     Returns:
@@ -123,6 +134,7 @@ def merge(
 
     Raises:
         CoverageError: a tensor is not covered exactly once (missing rank file, overlap).
+        AuditError: the written checkpoint has audit errors (``audit=True``); nothing was published.
         SourceError, ConfigError, DestinationError: bad input, config or destination; nothing is written.
 
     Example:
@@ -136,6 +148,7 @@ def merge(
     files = tuple(assign_files(plan, max_shard_size))
     check_destination(dest, [root], force)
     extras: list[str] = []
+    report = None
     if not dry_run:
         with Staging(dest) as staging:
             total = plan.nbytes
@@ -143,6 +156,9 @@ def merge(
             config_dir = [prepared.config_path.parent] if prepared.config_path is not None else []
             search = list(dict.fromkeys([*config_dir, root]))
             extras = write_extras(staging.path, prepared.config, search, dtype_name(dtype) if dtype else None)
+            if audit:
+                report = _audit_output(staging.path, dest, prepared, dtype)
+                extras.append(AUDIT_FILE)
             staging.publish()
         log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
     return MergeResult(
@@ -154,7 +170,20 @@ def merge(
         extras=tuple(extras),
         config=str(prepared.config_path) if prepared.config_path else None,
         dry_run=dry_run,
+        audit=report,
     )
+
+
+def _audit_output(staging: Path, dest: Path, prepared: Prepared, dtype: str | None) -> Report:
+    """The shape audit (headers only) of what was written; its report goes beside the weights."""
+    config_path = staging / "config.json" if prepared.config is not None else None
+    config = read_config(config_path) if config_path is not None else None
+    report = replace(check(staging, config_path=config_path, config=config, model=prepared.model, data=False),
+                     source=str(dest), config=str(prepared.config_path) if prepared.config_path else None)
+    write_text(staging / AUDIT_FILE, json.dumps(report.to_json(), indent=2) + "\n")
+    if report.errors:
+        raise AuditError(report, str(dest))
+    return report
 
 
 def _natural(name: str) -> list[object]:

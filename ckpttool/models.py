@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .diagnose import Diagnosis, diagnose
 from .errors import ConfigError
 from .layout import Box, Layout, Shape, TensorLayout
 from .plan import Slice, TargetSpec, tensor_specs
@@ -162,12 +163,45 @@ def rules_for(model_type: str) -> tuple[Rename | Unstack, ...]:
     return RULES.get(aliases.get(model_type, ""), ())
 
 
-def hf_specs(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str]]:
-    """The targets of a HuggingFace checkpoint of ``info``'s architecture made from ``layout``.
+@dataclass(frozen=True, slots=True)
+class HfMapping:
+    """A layout's tensors under the on-disk HuggingFace names of ``info``'s architecture, not yet checked.
 
-    In-memory names (DCP, FSDP, transformers distributed) are cut into on-disk names by the family's rules;
-    on-disk names pass through. Tied weights are dropped. Then the targets are checked against what
-    transformers expects on disk.
+    Attributes:
+        specs: the targets, tied weights excluded.
+        tied: targets ``save_pretrained`` would drop because they are tied (e.g. ``lm_head.weight``).
+        notes: what was done for the user (a stripped wrapper prefix).
+        problems: ``(source tensor, message)`` for tensors the family's rules cannot cut.
+    """
+
+    specs: list[TargetSpec]
+    tied: list[TargetSpec]
+    notes: list[str]
+    problems: list[tuple[str, str]]
+
+
+def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
+    """In-memory names (DCP, FSDP, transformers distributed) cut into on-disk names by the family's rules;
+    on-disk names pass through; a wrapper prefix (``model.``/``module.``) is stripped."""
+    notes: list[str] = []
+    prefix = _wrapper_prefix(layout, info)
+    if prefix:
+        notes.append(f"stripped the prefix '{prefix}' the training loop put before every tensor name")
+    rules = rules_for(info.model_type)
+    specs: list[TargetSpec] = []
+    problems: list[tuple[str, str]] = []
+    for tensor in layout.tensors.values():
+        try:
+            specs.extend(_specs_for(tensor, tensor.fqn[len(prefix):], rules))
+        except ConfigError as e:
+            problems.append((tensor.fqn, str(e)))
+    tied = [s for s in specs if s.name in info.tied]
+    return HfMapping([s for s in specs if s.name not in info.tied], tied, notes, problems)
+
+
+def hf_specs(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str]]:
+    """The targets of a HuggingFace checkpoint of ``info``'s architecture made from ``layout``, checked
+    against what transformers expects on disk. Tied weights are dropped, as ``save_pretrained`` drops them.
 
     Returns:
         The target specs and notes for the user.
@@ -175,21 +209,74 @@ def hf_specs(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[st
     Raises:
         ConfigError: missing, unexpected or wrongly shaped tensors, all listed, with the likely cause.
     """
-    notes: list[str] = []
-    prefix = _wrapper_prefix(layout, info)
-    if prefix:
-        notes.append(f"stripped the prefix '{prefix}' the training loop put before every tensor name")
-    rules = rules_for(info.model_type)
-    specs: list[TargetSpec] = []
-    for tensor in layout.tensors.values():
-        name = tensor.fqn[len(prefix):]
-        specs.extend(_specs_for(tensor, name, rules))
-    dropped = [s.name for s in specs if s.name in info.tied]
-    if dropped:
+    mapping = map_to_hf(layout, info)
+    notes = list(mapping.notes)
+    if mapping.tied:
+        dropped = [s.name for s in mapping.tied]
         notes.append(f"dropped {', '.join(dropped)}: tied to {', '.join(info.tied[n] for n in dropped)} (as save_pretrained does)")
-        specs = [s for s in specs if s.name not in info.tied]
-    _check_against_model(specs, info, layout)
-    return specs, notes
+    problems = [message for _, message in mapping.problems]
+    for m in compare_with_model({s.name: s.shape for s in mapping.specs}, info):
+        problems.append(m.message())
+    if problems:
+        raise ConfigError(
+            f"the checkpoint in '{layout.root}' does not match its {info.model_type} config "
+            f"({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n"
+            + "\n".join(f"  - {p}" for p in problems[:40])
+            + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
+            + "\nPass the config the model was trained with (--config), or no config for a generic merge."
+        )
+    return mapping.specs, notes
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """One difference between a checkpoint's tensors and the architecture.
+
+    ``kind`` is ``"missing"`` (expected, not there), ``"unexpected"`` (there, not expected) or ``"shape"``;
+    ``diagnosis`` explains a wrong shape.
+    """
+
+    kind: str
+    name: str
+    shape: Shape | None
+    expected: Shape | None
+    model_type: str
+    diagnosis: Diagnosis | None = None
+
+    def message(self) -> str:
+        if self.kind == "missing":
+            return f"'{self.name}': expected by the config but not in the checkpoint"
+        if self.kind == "unexpected":
+            return f"'{self.name}': not a tensor of a {self.model_type} model built from this config"
+        assert self.shape is not None and self.expected is not None and self.diagnosis is not None
+        return (
+            f"'{self.name}': shape {list(self.shape)}, but the config gives {list(self.expected)} "
+            f"({self.diagnosis.text})"
+        )
+
+
+def compare_with_model(shapes: Mapping[str, Shape], info: ModelInfo) -> list[Mismatch]:
+    """Every tensor of ``shapes`` (on-disk names) that the architecture does not expect, or expects with
+    another shape, then every expected tensor that is missing; wrong shapes come with a diagnosis."""
+    vocab = info.config.get("vocab_size")
+    vocab = vocab if isinstance(vocab, int) else None
+    vocab_rows = {
+        name: shapes[name][0] for name, expected in info.disk_shapes.items()
+        if vocab and expected and expected[0] == vocab and name in shapes and shapes[name]
+    }
+    found: list[Mismatch] = []
+    for name, shape in shapes.items():
+        expected = info.disk_shapes.get(name)
+        if expected is None:
+            found.append(Mismatch("unexpected", name, tuple(shape), None, info.model_type))
+        elif tuple(expected) != tuple(shape):
+            why = diagnose(name, tuple(shape), tuple(expected), vocab, vocab_rows)
+            found.append(Mismatch("shape", name, tuple(shape), tuple(expected), info.model_type, why))
+    found.extend(
+        Mismatch("missing", name, None, tuple(expected), info.model_type)
+        for name, expected in info.disk_shapes.items() if name not in shapes
+    )
+    return found
 
 
 def _wrapper_prefix(layout: Layout, info: ModelInfo) -> str:
@@ -232,41 +319,3 @@ def _unstack(tensor: TensorLayout, prefix: str, rule: Unstack) -> list[TargetSpe
             name = template.format(prefix=prefix, expert=e)
             specs.append(TargetSpec(name, out_shape, (Slice(tensor.fqn, src, Box.whole(out_shape)),)))
     return specs
-
-
-def _check_against_model(specs: list[TargetSpec], info: ModelInfo, layout: Layout) -> None:
-    problems = []
-    got = {s.name: s.shape for s in specs}
-    for name, shape in got.items():
-        expected = info.disk_shapes.get(name)
-        if expected is None:
-            problems.append(f"'{name}': not a tensor of a {info.model_type} model built from this config")
-        elif tuple(expected) != tuple(shape):
-            problems.append(f"'{name}': shape {list(shape)}, but the config gives {list(expected)}{_shape_hint(shape, expected, info)}")
-    missing = [n for n in info.disk_shapes if n not in got]
-    for name in missing[:20]:
-        problems.append(f"'{name}': expected by the config but not in the checkpoint")
-    if len(missing) > 20:
-        problems.append(f"... and {len(missing) - 20} more expected tensors are missing")
-    if problems:
-        raise ConfigError(
-            f"the checkpoint in '{layout.root}' does not match its {info.model_type} config "
-            f"({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n"
-            + "\n".join(f"  - {p}" for p in problems[:40])
-            + "\nPass the config the model was trained with (--config), or no config for a generic merge."
-        )
-
-
-def _shape_hint(shape: Shape, expected: Shape, info: ModelInfo) -> str:
-    vocab = info.config.get("vocab_size")
-    if not (len(shape) == len(expected) and shape[1:] == expected[1:] and expected[0] == vocab and len(shape) == 2):
-        return ""
-    rows = shape[0]
-    if rows > expected[0]:
-        return (
-            f" (the vocab looks padded to {rows}; the source recorded no padding, so ckpttool will not guess: "
-            "record the true size in a sidecar, or fix vocab_size in the config)"
-        )
-    if expected[0] >= 1.5 * rows:
-        return f" ({rows} rows is about 1/{expected[0] / rows:.1f} of vocab_size {expected[0]}: only one TP piece saved?)"
-    return f" (vocab_size {expected[0]} in the config is larger than the {rows} rows saved: wrong config?)"

@@ -151,7 +151,7 @@ def write_weights(
     if len(files) > 1:
         weight_map = {t.name: out.name for out in files for t in out.targets}
         index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
-        _write_text(directory / INDEX, json.dumps(index, indent=2) + "\n")
+        write_text(directory / INDEX, json.dumps(index, indent=2) + "\n")
 
 
 def _verify(path: Path, out: OutputFile, prefix_len: int) -> None:
@@ -166,7 +166,8 @@ def _verify(path: Path, out: OutputFile, prefix_len: int) -> None:
             raise OutputError(f"'{out.name}': '{t.name}' was not written as planned")
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
+    """Write a small output file; a failure is an :class:`OutputError`."""
     try:
         path.write_text(text)
     except OSError as e:
@@ -185,7 +186,7 @@ def write_extras(directory: Path, config: Mapping[str, object] | None, search: S
             keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
             for key in keys:
                 config[key] = name
-        _write_text(directory / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_text(directory / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
         written.append("config.json")
     for name in EXTRA_FILES:
         for folder in search:

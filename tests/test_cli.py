@@ -134,7 +134,8 @@ def test_wrong_vocab_size_in_config_is_explained(cli, tmp_path):
     assert_failed_cleanly(
         result, out,
         "'model.embed_tokens.weight': shape [1001, 32], but the config gives [2002, 32] "
-        "(1001 rows is about 1/2.0 of vocab_size 2002: only one TP piece saved?)",
+        "(1001 rows is one of 2 TP pieces of the 2002-row vocab; the other piece is missing; or, as lm_head.weight and "
+        "model.embed_tokens.weight agree on 1001 rows, the config's vocab_size is wrong)",
     )
 
 

@@ -129,7 +129,7 @@ def test_merge_restores_the_true_embedding_the_norm_once_and_the_column_split(tm
     save_seed_checkpoint(tmp_path / "ckpt")
     result = ckpttool.merge(tmp_path / "ckpt", tmp_path / "out")
     assert result.format == "sidecar"
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ckpttool-audit.json", "model.safetensors"]
     merged = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(merged) == sorted([EMBED, NORM, PROJ])
     assert torch.equal(merged[EMBED], EMBED_TRUE)  # exactly the 1001 real rows, padding stripped

@@ -1,14 +1,18 @@
 """HuggingFace safetensors: ``model.safetensors``, or shards named by ``model.safetensors.index.json``.
 
-Every tensor is whole in one file, so each is one piece covering its whole shape.
+Every tensor is whole in one file, so each is one piece covering its whole shape. :func:`scan` reads the
+directory tolerantly and reports every problem as a finding (the audit shows them all); :func:`read` refuses
+the first problem that makes the checkpoint unreadable (the merge).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SourceError, SourceNotFoundError
+from ..findings import Finding, finding
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
 from ..models import ModelInfo
 from ..paths import inside
@@ -18,6 +22,16 @@ NAME = "hf"
 LOOKS_FOR = "model.safetensors or model.safetensors.index.json (HuggingFace)"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+#: problems that leave a tensor unreadable; the others (a wrong total_size, a stray file) do not stop a merge
+FATAL = ("index-invalid", "index-outside", "index-missing-file", "header-invalid", "index-wrong-file")
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    """A HuggingFace directory as far as it is readable, and every problem found on the way."""
+
+    layout: Layout
+    findings: tuple[Finding, ...]
 
 
 def matches(root: Path) -> bool:
@@ -25,35 +39,104 @@ def matches(root: Path) -> bool:
 
 
 def read(root: Path, model: ModelInfo | None) -> Layout:
+    result = scan(root)
+    for f in result.findings:
+        if f.code in FATAL:
+            raise (SourceNotFoundError if f.code == "index-missing-file" else SourceError)(f.message)
+    return result.layout
+
+
+def scan(root: Path) -> Scan:
+    """Every tensor the index (or the single file) names, read from the headers; problems as findings."""
     builder = LayoutBuilder(str(root), NAME)
+    found: list[Finding] = []
     if (root / INDEX).is_file():
-        weight_map = _weight_map(root)
+        weight_map, total_size = _read_index(root, found)
     elif (root / SINGLE).is_file():
-        weight_map = {key: SINGLE for key in read_header(root / SINGLE, SINGLE).entries}
+        weight_map, total_size = None, None
     else:
         raise SourceNotFoundError(f"'{root}': neither {INDEX} nor {SINGLE} found")
+    keys_of: dict[str, list[str]] = {}
+    for key, rel in (weight_map or {SINGLE: SINGLE}).items():
+        keys_of.setdefault(rel, []).append(key)
     headers: dict[str, Header] = {}
+    for rel, keys in sorted(keys_of.items()):
+        header = _header(root, rel, keys if weight_map is not None else [], found)
+        if header is not None:
+            headers[rel] = header
+    if weight_map is None:
+        weight_map = {key: SINGLE for key in headers[SINGLE].entries} if SINGLE in headers else {}
     for key, rel in weight_map.items():
-        path = inside(root, rel, named_by=INDEX)
-        if rel not in headers:
-            if not path.is_file():
-                raise SourceNotFoundError(f"'{INDEX}' puts '{key}' in '{rel}', which does not exist")
-            headers[rel] = read_header(path, rel)
-        entry = headers[rel].entries.get(key)
+        header = headers.get(rel)
+        if header is None:
+            continue
+        entry = header.entries.get(key)
         if entry is None:
-            raise SourceError(f"'{INDEX}' puts '{key}' in '{rel}', but that file has no such tensor")
-        where = f"'{rel}'"
-        if builder.declare(key, entry.shape, entry.dtype, where=where):
+            holders = [f for f, h in headers.items() if key in h.entries]
+            also = f"; it is in '{holders[0]}'" if holders else ""
+            found.append(finding("index-wrong-file", f"'{INDEX}' puts '{key}' in '{rel}', but that file has no such tensor{also}",
+                                 tensor=key, file=rel))
+            continue
+        if builder.declare(key, entry.shape, entry.dtype, where=f"'{rel}'"):
             builder.add(key, Piece(rel, key, Box.whole(entry.shape), entry.dtype, RAW, entry.begin, entry.end - entry.begin))
-    return builder.build()
+    _cross_check(root, weight_map, headers, total_size, found)
+    return Scan(builder.build(), tuple(found))
 
 
-def _weight_map(root: Path) -> dict[str, str]:
+def _read_index(root: Path, found: list[Finding]) -> tuple[dict[str, str], object]:
     try:
         index = json.loads((root / INDEX).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SourceError(f"'{INDEX}': cannot read: {e}") from None
+        found.append(finding("index-invalid", f"'{INDEX}': cannot read: {e}", file=INDEX))
+        return {}, None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise SourceError(f"'{INDEX}': no 'weight_map' of tensor names to file names")
-    return weight_map
+        found.append(finding("index-invalid", f"'{INDEX}': no 'weight_map' of tensor names to file names", file=INDEX))
+        return {}, None
+    metadata = index.get("metadata")
+    return weight_map, metadata.get("total_size") if isinstance(metadata, dict) else None
+
+
+def _header(root: Path, rel: str, keys: list[str], found: list[Finding]) -> Header | None:
+    try:
+        path = inside(root, rel, named_by=INDEX)
+    except SourceError as e:
+        found.append(finding("index-outside", str(e), file=rel))
+        return None
+    if not path.is_file():
+        more = f" (and {len(keys) - 1} more tensors)" if len(keys) > 1 else ""
+        found.append(finding("index-missing-file", f"'{INDEX}' puts '{keys[0]}'{more} in '{rel}', which does not exist",
+                             tensor=keys[0], file=rel))
+        return None
+    try:
+        return read_header(path, rel)
+    except SourceError as e:
+        found.append(finding("header-invalid", str(e), file=rel))
+        return None
+
+
+def _cross_check(root: Path, weight_map: dict[str, str], headers: dict[str, Header], total_size: object,
+                 found: list[Finding]) -> None:
+    """Tensors in two files, tensors no index entry names, files no index entry names, total_size."""
+    holders: dict[str, list[str]] = {}
+    for rel, header in headers.items():
+        for key in header.entries:
+            holders.setdefault(key, []).append(rel)
+    for key, files in holders.items():
+        if len(files) > 1:
+            found.append(finding("tensor-duplicated", f"'{key}' is stored in {' and '.join(repr(f) for f in files)}",
+                                 tensor=key, file=files[1]))
+        elif key not in weight_map:
+            found.append(finding("tensor-unlisted", f"'{key}' is in '{files[0]}' but not in '{INDEX}'; transformers will not load it",
+                                 tensor=key, file=files[0]))
+    if (root / INDEX).is_file():
+        named = set(weight_map.values())
+        for path in sorted(root.glob("*.safetensors")):
+            if path.name not in named:
+                found.append(finding("file-unreferenced", f"'{path.name}' is not named by '{INDEX}'; transformers will not read it",
+                                     file=path.name))
+    if total_size is not None and all(f.code not in FATAL for f in found):
+        actual = sum(headers[rel].entries[key].end - headers[rel].entries[key].begin for key, rel in weight_map.items())
+        if total_size != actual:
+            found.append(finding("index-total-size", f"'{INDEX}': metadata.total_size is {total_size}, but its tensors hold "
+                                 f"{actual} bytes", file=INDEX))

@@ -1,0 +1,167 @@
+"""Findings and the report: stable codes, severities, and the one JSON document ``audit`` prints.
+
+Every code is listed in :data:`CODES` with its severity and what it means; the README's table is generated
+from the same list in spirit (a test checks they agree), so users can gate CI on codes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+SEVERITIES = (ERROR, WARNING, INFO)
+
+#: code -> (severity, what it means)
+CODES: dict[str, tuple[str, str]] = {
+    # files and index of a HuggingFace directory
+    "header-invalid": (ERROR, "a safetensors file cannot be read: truncated, bad header, offsets outside the file"),
+    "index-invalid": (ERROR, "model.safetensors.index.json is not valid JSON or has no weight_map"),
+    "index-outside": (ERROR, "the index names a file outside the directory (../, an absolute path, a symlink out)"),
+    "index-missing-file": (ERROR, "the index names a file that does not exist"),
+    "index-wrong-file": (ERROR, "the index puts a tensor in a file that does not hold it"),
+    "index-total-size": (ERROR, "metadata.total_size is not the sum of the tensors' bytes"),
+    "tensor-duplicated": (ERROR, "a tensor is stored in two files"),
+    "file-unreferenced": (WARNING, "a safetensors file the index does not name (transformers will not read it)"),
+    "tensor-unlisted": (WARNING, "a tensor in a file but not in the index (transformers will not load it)"),
+    "no-weights": (ERROR, "no tensors at all"),
+    # sharded sources
+    "coverage": (ERROR, "a tensor is not covered exactly once by the source's pieces (missing rank file, overlap)"),
+    "padding-recorded": (INFO, "the source recorded padding that a merge strips"),
+    "replica-divergence": (ERROR, "copies of a replicated tensor (e.g. a layer norm on every TP rank) differ"),
+    "source-note": (INFO, "what the reader skipped or assumed (optimizer state, generic names)"),
+    # names and shapes against the config
+    "no-config": (INFO, "no config.json: names and shapes are not checked against an architecture"),
+    "tensor-missing": (ERROR, "the architecture expects a tensor that is not there"),
+    "layers-missing": (ERROR, "every tensor of a range of layers is missing (a pipeline stage not merged)"),
+    "expert-missing": (ERROR, "every tensor of an expert is missing"),
+    "tensor-unexpected": (WARNING, "a tensor the architecture does not have (transformers ignores it)"),
+    "shape-mismatch": (ERROR, "a tensor has another shape than the architecture gives"),
+    "shape-tp-piece": (ERROR, "a tensor is one tensor-parallel piece of the expected one"),
+    "shape-transposed": (ERROR, "a 2-D tensor is stored transposed"),
+    "vocab-tp-piece": (ERROR, "the embedding or head is one TP piece of the vocab (padded or not)"),
+    "vocab-padding-not-stripped": (ERROR, "the embedding or head still has the vocab padding rows"),
+    "vocab-padding-doubled": (ERROR, "the vocab padding was applied twice"),
+    "config-vocab-size": (ERROR, "embedding and head agree on a row count that is not the config's vocab_size"),
+    # config consistency
+    "tie-mismatch": (ERROR, "tie_word_embeddings contradicts lm_head (missing while untied, different while tied)"),
+    "tied-copy": (INFO, "lm_head is saved although tied; it equals the embedding, transformers ignores it"),
+    "tokenizer-vocab": (ERROR, "the tokenizer has token ids beyond the config's vocab_size"),
+    "tokenizer-smaller": (INFO, "the tokenizer has fewer tokens than vocab_size (usual with padded vocabs)"),
+    "dtype-mix": (ERROR, "a floating-point tensor in another dtype than the rest of the model"),
+    "config-dtype": (WARNING, "the config's dtype is not the dtype of the weights"),
+    # data
+    "nan": (ERROR, "the tensor holds NaN values"),
+    "inf": (ERROR, "the tensor holds infinite values"),
+    "zero-tensor": (ERROR, "a weight that is all zeros (a dead expert, a zero-filled missing piece)"),
+    "zero-bias": (INFO, "a bias that is all zeros (normal in an untrained model)"),
+    "constant-tensor": (WARNING, "a matrix whose every element has the same non-zero value"),
+    "constant-vector": (INFO, "a vector whose every element is equal (norm weights at their initial value)"),
+    "experts-identical": (ERROR, "two experts of a layer hold identical weights"),
+    "norm-outlier": (WARNING, "a layer's tensor whose RMS is far from the same tensor in the other layers"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing the audit found: a stable ``code``, its severity, the tensor and file concerned, and why."""
+
+    code: str
+    severity: str
+    message: str
+    tensor: str | None = None
+    file: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {"code": self.code, "severity": self.severity, "tensor": self.tensor, "file": self.file,
+                "message": self.message}
+
+
+def finding(code: str, message: str, *, tensor: str | None = None, file: str | None = None,
+            severity: str | None = None) -> Finding:
+    """A finding with the code's registered severity (or ``severity`` to lower it, e.g. without data)."""
+    return Finding(code, severity or CODES[code][0], message, tensor, file)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorStats:
+    """Per-tensor statistics of a data check (float stats are None for integer tensors)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    fingerprint: str
+    rms: float | None = None
+    mean: float | None = None
+    min: float | None = None
+    max: float | None = None
+    nan: int = 0
+    inf: int = 0
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "fingerprint": self.fingerprint,
+                "rms": self.rms, "mean": self.mean, "min": self.min, "max": self.max, "nan": self.nan, "inf": self.inf}
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What :func:`ckpttool.audit` found.
+
+    Attributes:
+        source: the audited directory.
+        format: the reader used.
+        config: the config.json used, if any.
+        model_type: the architecture checked against, if any.
+        data_checked: whether tensor data was read (False with ``--no-data``).
+        tensors: how many tensors the checkpoint holds (after mapping to HuggingFace names).
+        findings: errors first, then warnings, then info.
+        stats: per-tensor statistics, when data was checked.
+    """
+
+    source: str
+    format: str
+    config: str | None
+    model_type: str | None
+    data_checked: bool
+    tensors: int
+    findings: tuple[Finding, ...]
+    stats: tuple[TensorStats, ...] = field(default=())
+
+    @property
+    def errors(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == ERROR)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def strict(self) -> Report:
+        """The same report with every warning promoted to an error (``--strict``)."""
+        promoted = tuple(replace(f, severity=ERROR) if f.severity == WARNING else f for f in self.findings)
+        return replace(self, findings=sort_findings(promoted))
+
+    def summary(self) -> dict[str, object]:
+        counts = Counter(f.severity for f in self.findings)
+        return {
+            "source": self.source,
+            "format": self.format,
+            "config": self.config,
+            "model_type": self.model_type,
+            "data_checked": self.data_checked,
+            "tensors": self.tensors,
+            "errors": counts[ERROR],
+            "warnings": counts[WARNING],
+            "info": counts[INFO],
+            "verdict": "pass" if self.ok else "fail",
+        }
+
+    def to_json(self) -> dict[str, object]:
+        doc: dict[str, object] = {"findings": [f.to_json() for f in self.findings], "summary": self.summary()}
+        if self.stats:
+            doc["tensors"] = [s.to_json() for s in self.stats]
+        return doc
+
+
+def sort_findings(findings: list[Finding] | tuple[Finding, ...]) -> tuple[Finding, ...]:
+    order = {s: i for i, s in enumerate(SEVERITIES)}
+    return tuple(sorted(findings, key=lambda f: order[f.severity]))
