@@ -6,11 +6,16 @@ Python API (mirrors the CLI)::
     layout = ckpttool.read_layout("ckpt/")           # metadata only: global shapes, pieces, files
     plan = ckpttool.plan_merge(layout)               # coverage-checked before any byte is read
     result = ckpttool.merge("ckpt/", "out/", config="config.json", dtype="bfloat16")
+    report = ckpttool.audit("out/")                  # findings with stable codes; report.ok, report.to_json()
+    same = ckpttool.diff("ckpt/", "out/").equal      # layout-independent fingerprints
 """
 
 from __future__ import annotations
 
+from .audit import audit
+from .diff import DiffResult, diff
 from .errors import (
+    AuditError,
     CkptError,
     ConfigError,
     CoverageError,
@@ -21,6 +26,7 @@ from .errors import (
     SourceNotFoundError,
     UnsafePickleError,
 )
+from .findings import Finding, Report
 from .layout import Box, Fusion, Layout, Padding, Piece, TensorLayout
 from .merge import MergeResult, merge, prepare
 from .plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge
@@ -30,6 +36,7 @@ from .sidecar import PieceSpec, save_shard
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuditError", "DiffResult", "Finding", "Report", "audit", "diff",
     "Box", "CkptError", "ConfigError", "Copy", "CoverageError", "DestinationError", "FormatNotDetectedError",
     "Fusion", "Layout", "MergeResult", "OutputError", "Padding", "Piece", "PieceSpec", "Plan", "READERS", "Slice", "SourceError",
     "SourceNotFoundError", "Target", "TargetSpec", "TensorLayout", "UnsafePickleError", "detect_format", "merge",

@@ -34,8 +34,8 @@ from .stats import iter_tensors, tensor_stats
 log = logging.getLogger(__name__)
 
 _FLOATS = ("F64", "F32", "F16", "BF16")
-_LAYER = re.compile(r"^(?P<prefix>.*?\.layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
-_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
+LAYER_NAME = re.compile(r"^(?P<prefix>.*?\.layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
+EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
 #: a tensor's RMS this many times above or below the median of its layer group is an outlier
 OUTLIER_FACTOR = 10.0
 
@@ -191,7 +191,7 @@ def shape_findings(mismatches: Iterable[Mismatch], model: ModelInfo) -> list[Fin
 def _missing_layers(missing: set[str], expected: Mapping[str, object], found: list[Finding]) -> set[str]:
     layers: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     for name in expected:
-        match = _LAYER.match(name)
+        match = LAYER_NAME.match(name)
         if match:
             layers[match["prefix"]][int(match["index"])].append(name)
     grouped: set[str] = set()
@@ -214,7 +214,7 @@ def _missing_layers(missing: set[str], expected: Mapping[str, object], found: li
 def _missing_experts(missing: set[str], expected: Mapping[str, object], found: list[Finding]) -> set[str]:
     experts: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     for name in expected:
-        match = _EXPERT.match(name)
+        match = EXPERT_NAME.match(name)
         if match:
             experts[match["prefix"]][int(match["index"])].append(name)
     grouped: set[str] = set()
@@ -322,7 +322,7 @@ def data_findings(stats: Sequence[TensorStats]) -> list[Finding]:
         if s.min is None or s.max is None or s.min != s.max or numel < 2 or s.nan or s.inf:
             continue
         flat.add(s.name)
-        expert = _EXPERT.match(s.name)
+        expert = EXPERT_NAME.match(s.name)
         if s.min == 0:
             if len(s.shape) == 1 and s.name.endswith("bias"):
                 found.append(finding("zero-bias", f"'{s.name}' is all zeros", tensor=s.name))
@@ -342,7 +342,7 @@ def _identical_experts(stats: Sequence[TensorStats]) -> list[Finding]:
     seen: dict[tuple[str, str, str], str] = {}
     found = []
     for s in stats:
-        match = _EXPERT.match(s.name)
+        match = EXPERT_NAME.match(s.name)
         if match is None:
             continue
         key = (match["prefix"], match["rest"], s.fingerprint)
@@ -356,7 +356,7 @@ def _identical_experts(stats: Sequence[TensorStats]) -> list[Finding]:
 def _outliers(stats: Sequence[TensorStats]) -> list[Finding]:
     groups: dict[str, list[TensorStats]] = defaultdict(list)
     for s in stats:
-        match = _LAYER.match(s.name)
+        match = LAYER_NAME.match(s.name)
         if match is not None and s.rms:
             groups[f"{match['prefix']}.{{L}}.{match['rest']}"].append(s)
     found = []

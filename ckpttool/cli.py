@@ -19,9 +19,12 @@ import click
 from . import __version__
 from .errors import CkptError
 from .executor import predict_peak_bytes
+from .findings import Report
 from .merge import MergeResult, merge
+from .readers import READERS
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_AUDIT = 0, 1, 2, 3
+FORMATS = click.Choice(list(READERS))
 
 
 def _fail(message: str, as_json: bool) -> None:
@@ -72,18 +75,19 @@ def main() -> None:
 @main.command("merge")
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("out", type=click.Path(path_type=str))
-@click.option("--format", "fmt", type=click.Choice(["dcp", "hf-distributed", "sidecar", "hf"]), help="Source format (detected by default).")
+@click.option("--format", "fmt", type=FORMATS, help="Source format (detected by default).")
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
 @click.option("--dtype", help="Cast floating-point tensors, e.g. bfloat16, float16, float32.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size, help="Largest output file (decimal units: 5GB, 500MB, or bytes).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@click.option("--no-audit", is_flag=True, help="Do not audit the output (by default audit errors stop the publish).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug); with --dry-run, list every tensor.")
 def merge_command(
     src: str, out: str, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str,
-    dry_run: bool, force: bool, as_json: bool, quiet: bool, verbose: int,
+    dry_run: bool, force: bool, no_audit: bool, as_json: bool, quiet: bool, verbose: int,
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT."""
     _setup_logging(verbose, quiet or as_json)
@@ -91,7 +95,7 @@ def merge_command(
     try:
         result: MergeResult = _run(as_json, lambda: merge(
             src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
-            force=force, progress=bar,
+            force=force, audit=not no_audit, progress=bar,
         ))
     finally:
         if bar is not None:
@@ -100,19 +104,98 @@ def merge_command(
         click.echo(json.dumps(result.to_json(), indent=2))
         return
     _print_result(result, verbose)
+    if result.audit is not None and not quiet:
+        _print_summary(result.audit, f" (report: {result.output}/ckpttool-audit.json)")
+
+
+@main.command("audit")
+@click.argument("src", type=click.Path(path_type=str))
+@click.option("--format", "fmt", type=FORMATS, help="Source format (detected by default).")
+@click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
+@click.option("--no-data", is_flag=True, help="Read headers and metadata only: no NaN/zero/expert/outlier checks.")
+@click.option("--strict", is_flag=True, help="Treat warnings as errors.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document on stdout.")
+@click.option("--html", "html_path", type=click.Path(path_type=str), help="Also write a self-contained HTML report to this file.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the verdict and the errors.")
+@click.option("-v", "--verbose", count=True, help="More logging.")
+def audit_command(
+    src: str, fmt: str | None, config: str | None, no_data: bool, strict: bool, as_json: bool,
+    html_path: str | None, quiet: bool, verbose: int,
+) -> None:
+    """Audit the checkpoint in SRC (any format merge reads). Exit 0: no errors; 3: errors found; 1: unreadable."""
+    from .audit import audit
+
+    _setup_logging(verbose, quiet or as_json)
+    bar = _Bar("audit") if not (as_json or quiet or no_data) else None
+    try:
+        report: Report = _run(as_json, lambda: audit(src, config=config, format=fmt, data=not no_data, progress=bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    if strict:
+        report = report.strict()
+    if html_path is not None:
+        from .report_html import render
+
+        try:
+            with open(html_path, "w", encoding="utf-8") as f:
+                f.write(render(report))
+        except OSError as e:
+            _fail(f"'{html_path}': cannot write the HTML report: {e.strerror or e}", as_json)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        _print_report(report, quiet)
+    sys.exit(EXIT_OK if report.ok else EXIT_AUDIT)
+
+
+@main.command("diff")
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=click.Path(path_type=str))
+@click.option("--config", type=click.Path(path_type=str), help="config.json for A (and B); default: each side's own.")
+@click.option("--config-b", type=click.Path(path_type=str), help="config.json for B when it differs from --config.")
+@click.option("--format-a", type=FORMATS, help="Format of A (detected by default).")
+@click.option("--format-b", type=FORMATS, help="Format of B (detected by default).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the verdict and the differences.")
+def diff_command(
+    a: str, b: str, config: str | None, config_b: str | None, format_a: str | None, format_b: str | None,
+    as_json: bool, quiet: bool,
+) -> None:
+    """Compare two checkpoints of any formats and shardings. Exit 0: equal; 3: different; 1: unreadable."""
+    from .diff import DiffResult, diff
+
+    _setup_logging(0, quiet or as_json)
+    bar = _Bar("diff") if not (as_json or quiet) else None
+    try:
+        result: DiffResult = _run(as_json, lambda: diff(
+            a, b, config=config, config_b=config_b, format_a=format_a, format_b=format_b, progress=bar,
+        ))
+    finally:
+        if bar is not None:
+            bar.close()
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        for d in result.differences:
+            click.echo(f"  {d.name}: {d.describe()}")
+        verdict = "equal" if result.equal else f"different ({len(result.differences)} tensors)"
+        click.echo(f"{verdict}: {len(result.fingerprints)} tensors identical")
+    sys.exit(EXIT_OK if result.equal else EXIT_AUDIT)
 
 
 class _Bar:
-    """A tqdm bar on stderr, opened at the first tensor written (nothing shows while planning fails)."""
+    """A tqdm bar on stderr, opened at the first tensor done (nothing shows while planning fails)."""
 
-    def __init__(self) -> None:
+    def __init__(self, desc: str = "merge") -> None:
         self._bar: Any = None
+        self._desc = desc
 
     def __call__(self, written: int, total: int) -> None:
         if self._bar is None:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merge", file=sys.stderr)
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self._desc, file=sys.stderr)
         self._bar.update(written)
 
     def close(self) -> None:
@@ -139,6 +222,28 @@ def _print_result(result: MergeResult, verbose: int) -> None:
         for t in plan.targets:
             shape = "x".join(str(n) for n in t.shape) or "scalar"
             click.echo(f"  {t.name}  {t.dtype} [{shape}]  from {len(t.copies)} piece{'s' if len(t.copies) != 1 else ''}")
+
+
+def _print_report(report: Report, quiet: bool) -> None:
+    """A table of findings (errors only with ``quiet``) and the verdict."""
+    shown = report.errors if quiet else report.findings
+    if shown:
+        width = min(max(len(f.code) for f in shown), 28)
+        for f in shown:
+            where = f.tensor or f.file or ""
+            click.echo(f"{f.severity:<7}  {f.code:<{width}}  {where}")
+            click.echo(f"         {f.message}")
+    _print_summary(report, "", err=False)
+
+
+def _print_summary(report: Report, suffix: str, err: bool = True) -> None:
+    s = report.summary()
+    checked = "data and headers" if report.data_checked else "headers only"
+    click.echo(
+        f"audit: {s['verdict'].upper()}, {s['errors']} errors, {s['warnings']} warnings, {s['info']} info "
+        f"({report.tensors} tensors, {checked}){suffix}",
+        err=err,
+    )
 
 
 def _size(n: int) -> str:
