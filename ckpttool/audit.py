@@ -29,7 +29,7 @@ from .layout import Layout
 from .models import Mismatch, ModelInfo, compare_with_model, find_config, map_to_hf, model_info, read_config
 from .plan import Plan, Target, TargetSpec, identity_specs, plan_merge
 from .readers import detect_format, hf, read_layout
-from .stats import iter_tensors, tensor_stats
+from .stats import map_tensors, tensor_stats
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,6 @@ def check(
     progress: Callable[[int, int], None] | None = None,
 ) -> Report:
     """:func:`audit` with the config already found and the architecture already built (the merge's case)."""
-    config_dict = config
     fmt = format or detect_format(root)
     found: list[Finding] = []
     if fmt == hf.NAME:
@@ -106,7 +105,7 @@ def check(
         found.extend(finding("shape-mismatch", message, tensor=fqn) for fqn, message in mapping.problems)
     else:
         specs = identity_specs(layout)
-        why = "no config.json found" if config_dict is None else f"transformers does not know model_type {config_dict.get('model_type')!r}"
+        why = "no config.json found" if config is None else f"transformers has no causal LM for model_type {config.get('model_type')!r}"
         found.append(finding("no-config", f"{why}: names and shapes are not checked against an architecture"))
     plan, coverage = _plan(layout, [*specs, *tied])
     found.extend(coverage)
@@ -114,14 +113,13 @@ def check(
         found.append(finding("no-weights", f"'{root}' holds no model tensors"))
     if model is not None:
         found.extend(shape_findings(compare_with_model({s.name: s.shape for s in specs}, model), model))
-    found.extend(_dtypes(plan.targets, config_dict))
-    found.extend(_tokenizer(root, config_path, config_dict))
+    found.extend(_dtypes(plan.targets, config))
+    found.extend(_tokenizer(root, config_path, config))
 
     stats: list[TensorStats] = []
     if data:
         total = plan.nbytes
-        for target, tensor in iter_tensors(plan, (lambda n: progress(n, total)) if progress else (lambda n: None)):
-            stats.append(tensor_stats(target, tensor))
+        stats = map_tensors(plan, tensor_stats, (lambda n: progress(n, total)) if progress else (lambda n: None))
         found.extend(data_findings(stats))
         found.extend(_replicas(layout))
     if model is not None:

@@ -157,7 +157,7 @@ def audit_command(
 @click.option("--format-a", type=FORMATS, help="Format of A (detected by default).")
 @click.option("--format-b", type=FORMATS, help="Format of B (detected by default).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
-@click.option("-q", "--quiet", is_flag=True, help="Print only the verdict and the differences.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def diff_command(
     a: str, b: str, config: str | None, config_b: str | None, format_a: str | None, format_b: str | None,
     as_json: bool, quiet: bool,

@@ -15,7 +15,8 @@ import torch
 
 from .merge import prepare
 from .plan import Plan, Target
-from .stats import blocks, fingerprint, iter_tensors
+from .executor import PieceLoader, assemble
+from .stats import blocks, fingerprint, map_tensors
 
 EQUAL, DIFFERENT, ONLY_A, ONLY_B, SHAPE, DTYPE = "equal", "different", "only-a", "only-b", "shape", "dtype"
 
@@ -128,17 +129,19 @@ def diff(
 
 
 def _fingerprints(plan: Plan, tick: Callable[[int], None]) -> dict[str, str]:
-    return {target.name: fingerprint(tensor, target.dtype) for target, tensor in iter_tensors(plan, tick)}
+    prints = map_tensors(plan, lambda target, tensor: fingerprint(tensor, target.dtype), tick)
+    return {target.name: p for target, p in zip(plan.targets, prints)}
 
 
 def _compare(plan_a: Plan, plan_b: Plan, names: list[str]) -> list[TensorDiff]:
     """Read the differing tensors of both sides again, side by side, for the size of the difference."""
-    wanted = set(names)
-    sub_a = Plan(plan_a.root, plan_a.format, tuple(t for t in plan_a.targets if t.name in wanted))
-    sub_b = {t.name: t for t in plan_b.targets if t.name in wanted}
-    tensors_b = iter_tensors(Plan(plan_b.root, plan_b.format, tuple(sub_b[t.name] for t in sub_a.targets)))
+    targets_a = {t.name: t for t in plan_a.targets}
+    targets_b = {t.name: t for t in plan_b.targets}
+    loader_a, loader_b = PieceLoader(plan_a.root), PieceLoader(plan_b.root)
     out = []
-    for (ta, xa), (tb, xb) in zip(iter_tensors(sub_a), tensors_b):
+    for name in names:
+        ta, tb = targets_a[name], targets_b[name]
+        xa, xb = assemble(ta, loader_a), assemble(tb, loader_b)
         largest, differing = 0.0, 0
         for block_a, block_b in zip(blocks(xa), blocks(xb)):
             da, db = block_a.double(), block_b.double()
@@ -147,8 +150,9 @@ def _compare(plan_a: Plan, plan_b: Plan, names: list[str]) -> list[TensorDiff]:
             if unequal.any():
                 largest = max(largest, float((da[unequal] - db[unequal]).abs().max()))
         status = DTYPE if ta.dtype != tb.dtype else DIFFERENT
-        out.append(TensorDiff(ta.name, status, a=_describe(ta), b=_describe(tb), max_abs_diff=largest,
+        out.append(TensorDiff(name, status, a=_describe(ta), b=_describe(tb), max_abs_diff=largest,
                               differing=differing, numel=xa.numel()))
+        del xa, xb
     return out
 
 

@@ -126,7 +126,13 @@ def _nbytes(piece: Piece) -> int:
 
 
 def assemble(target: Target, loader: PieceLoader) -> torch.Tensor:
-    """The full target tensor, in the output dtype, built from its copies."""
+    """The full target tensor, in the output dtype, built from its copies.
+
+    A target that is one whole piece (a HuggingFace file, an unsharded DCP item) is the piece itself, not a copy.
+    """
+    if len(target.copies) == 1 and target.copies[0].src == Box.whole(target.copies[0].piece.box.sizes):
+        whole = loader.load(target.copies[0].piece).reshape(target.shape)
+        return whole if target.dtype == target.source_dtype else whole.to(torch_dtype(target.dtype))
     out = torch.empty(target.shape, dtype=torch_dtype(target.source_dtype))
     for copy in target.copies:
         piece = loader.load(copy.piece)
@@ -151,6 +157,7 @@ def write_file(
             tensor = assemble(target, loader)
             data = tensor.reshape(-1).view(torch.uint8).numpy()
             _write_all(fd, memoryview(data), len(prefix) + offset)
+            del tensor, data  # before the next target is assembled: one tensor alive at a time
             on_bytes(target.nbytes)
         os.fsync(fd)
     finally:

@@ -142,6 +142,15 @@ def test_the_seed_incident_arithmetic():
     assert diagnose(EMBED, (128768, 8192), (128256, 8192), 128256, {}).code == "vocab-padding-doubled"
 
 
+def test_tokenizer_smaller_than_vocab_is_info(tmp_path):
+    tensors, config = reference("llama_fsdp2_dcp")
+    hf = write_hf(tmp_path / "hf", tensors, config)
+    (hf / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1}}, "added_tokens": []}))
+    report = ckpttool.audit(hf, data=False)
+    assert report.ok
+    assert message(report, "tokenizer-smaller") == "'tokenizer.json' has 2 token ids for vocab_size 1001"
+
+
 def test_tokenizer_larger_than_vocab(tmp_path):
     tensors, config = reference("llama_fsdp2_dcp")
     hf = write_hf(tmp_path / "hf", tensors, config)
@@ -203,6 +212,18 @@ def test_missing_expert(tmp_path, family, qwen2_moe):
     assert f"expert 2 of '{prefix}' is missing entirely (3 tensors; 3 of 4 experts present)" == message(report, "expert-missing")
 
 
+@pytest.mark.parametrize(("name", "rows", "says"), [
+    ("model.layers.0.self_attn.q_proj.weight", 30, "([30, 32] instead of [32, 32])"),
+    ("model.layers.0.mlp.up_proj.weight", 128, "(dim 0 is 2x the expected 64: pieces concatenated 2 times, or a fused tensor that was not split)"),
+])
+def test_other_wrong_shapes(tmp_path, name, rows, says):
+    tensors, config = reference("llama_fsdp2_dcp")
+    tensors[name] = tensors[name].repeat(2, 1)[:rows].contiguous()
+    report = ckpttool.audit(write_hf(tmp_path / "hf", tensors, config), data=False)
+    assert errors(report) == {("shape-mismatch", name)}
+    assert message(report, "shape-mismatch").endswith(says)
+
+
 def test_missing_single_tensor(tmp_path):
     tensors, config = reference("llama_fsdp2_dcp")
     del tensors["model.layers.0.self_attn.k_proj.weight"]
@@ -222,23 +243,39 @@ def test_unexpected_tensor_is_a_warning(tmp_path):
 # ---------------------------------------------------------------------------------- seeded faults: data
 
 
-def test_two_identical_experts(tmp_path):
-    tensors, config = reference("mixtral_fsdp2_dcp")
-    for w in ("w1", "w2", "w3"):
-        tensors[MOE.format(layer=0, expert=3, w=w)] = tensors[MOE.format(layer=0, expert=1, w=w)].clone()
-    report = ckpttool.audit(write_hf(tmp_path / "hf", tensors, config))
-    assert errors(report) == {("experts-identical", MOE.format(layer=0, expert=3, w=w)) for w in ("w1", "w2", "w3")}
-    name = MOE.format(layer=0, expert=3, w="w2")
-    assert message(report, "experts-identical", name) == f"'{name}' is identical to '{MOE.format(layer=0, expert=1, w='w2')}'"
+QWEN_MOE = "model.layers.{layer}.mlp.experts.{expert}.{w}.weight"
+PROJECTIONS = {"mixtral": (MOE, ("w1", "w2", "w3")), "qwen2_moe": (QWEN_MOE, ("gate_proj", "up_proj", "down_proj"))}
 
 
-def test_dead_expert(tmp_path):
-    tensors, config = reference("mixtral_fsdp2_dcp")
-    for w in ("w1", "w2", "w3"):
-        tensors[MOE.format(layer=1, expert=2, w=w)].zero_()
+def moe_family(family: str, qwen2_moe: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    if family == "mixtral":
+        return reference("mixtral_fsdp2_dcp")
+    return load_output(qwen2_moe), json.loads((qwen2_moe / "config.json").read_text())
+
+
+@pytest.mark.parametrize("family", PROJECTIONS)
+def test_two_identical_experts(tmp_path, family, qwen2_moe):
+    tensors, config = moe_family(family, qwen2_moe)
+    template, projections = PROJECTIONS[family]
+    for w in projections:
+        tensors[template.format(layer=0, expert=3, w=w)] = tensors[template.format(layer=0, expert=1, w=w)].clone()
     report = ckpttool.audit(write_hf(tmp_path / "hf", tensors, config))
-    assert errors(report) == {("zero-tensor", MOE.format(layer=1, expert=2, w=w)) for w in ("w1", "w2", "w3")}
-    assert "is all zeros (expert 2 is dead: 1536 elements)" in message(report, "zero-tensor", MOE.format(layer=1, expert=2, w="w1"))
+    assert errors(report) == {("experts-identical", template.format(layer=0, expert=3, w=w)) for w in projections}
+    name = template.format(layer=0, expert=3, w=projections[1])
+    assert message(report, "experts-identical", name) == f"'{name}' is identical to '{template.format(layer=0, expert=1, w=projections[1])}'"
+
+
+@pytest.mark.parametrize("family", PROJECTIONS)
+def test_dead_expert(tmp_path, family, qwen2_moe):
+    tensors, config = moe_family(family, qwen2_moe)
+    template, projections = PROJECTIONS[family]
+    for w in projections:
+        tensors[template.format(layer=1, expert=2, w=w)].zero_()
+    report = ckpttool.audit(write_hf(tmp_path / "hf", tensors, config))
+    assert errors(report) == {("zero-tensor", template.format(layer=1, expert=2, w=w)) for w in projections}
+    name = template.format(layer=1, expert=2, w=projections[0])
+    numel = tensors[name].numel()
+    assert message(report, "zero-tensor", name) == f"'{name}' is all zeros (expert 2 is dead: {numel} elements)"
 
 
 @pytest.mark.parametrize(("value", "code", "says"), [(math.nan, "nan", "holds 2 NaN values of 1024"),
@@ -373,9 +410,11 @@ def test_index_putting_a_tensor_in_the_wrong_file(tmp_path):
     assert "but that file has no such tensor; it is in" in message(report, "index-wrong-file")
 
 
-@pytest.mark.parametrize("path", ["../outside.safetensors", "/etc/passwd"])
+@pytest.mark.parametrize("path", ["../outside.safetensors", "/etc/passwd", "link.safetensors"])
 def test_index_naming_a_file_outside(tmp_path, path):
     hf = sharded_llama(tmp_path)
+    (tmp_path / "outside.safetensors").write_bytes((hf / "model-00001-of-00002.safetensors").read_bytes())
+    (hf / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
     edit_index(hf, lambda index: index["weight_map"].update({"model.norm.weight": path}))
     report = ckpttool.audit(hf, data=False)
     assert ("index-outside", None) in {(f.code, None) for f in report.errors}
@@ -391,6 +430,32 @@ def test_tensor_in_two_files_and_unlisted_file(tmp_path):
     (hf / "stray.safetensors").write_bytes((hf / "extra.safetensors").read_bytes())
     report = ckpttool.audit(hf, data=False)
     assert [f.file for f in report.findings if f.code == "file-unreferenced"] == ["stray.safetensors"]
+
+
+def test_tensor_in_a_file_but_not_in_the_index(tmp_path):
+    hf = sharded_llama(tmp_path)
+    edit_index(hf, lambda index: index["weight_map"].pop("model.norm.weight"))
+    report = ckpttool.audit(hf, data=False)
+    assert report.ok is False  # the architecture still misses it
+    assert message(report, "tensor-unlisted", "model.norm.weight").endswith("but not in 'model.safetensors.index.json'; transformers will not load it")
+    assert ("tensor-missing", "model.norm.weight") in errors(report)
+
+
+def test_index_that_is_not_json(tmp_path):
+    hf = sharded_llama(tmp_path)
+    (hf / "model.safetensors.index.json").write_text("{not json")
+    report = ckpttool.audit(hf, data=False)
+    assert report.findings[0].code == "index-invalid"
+    assert report.findings[0].message.startswith("'model.safetensors.index.json': cannot read: Expecting property name")
+
+
+def test_no_tensors_at_all(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({}, str(hf / "model.safetensors"))
+    report = ckpttool.audit(hf)
+    assert errors(report) == {("no-weights", None)}
+    assert message(report, "no-weights") == f"'{hf}' holds no model tensors"
 
 
 def test_truncated_shard_is_a_header_finding(tmp_path):
@@ -431,6 +496,17 @@ def test_recorded_padding_and_diverging_replicas(tmp_path):
         "'embed': dim 0 padded to 12, true size 10; a merge strips rows 10..12"
     )
     assert message(report, "no-config").startswith("no config.json found")
+
+
+def test_skipped_optimizer_state_is_a_note(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.randn(4, 4), "optim": {"state": {"w": {"exp_avg": torch.zeros(4, 4)}}}}
+    with pytest.warns(UserWarning):
+        dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    report = ckpttool.audit(tmp_path / "dcp")
+    assert report.ok
+    assert message(report, "source-note") == "skipped 1 optimizer/training-state tensors"
 
 
 # ------------------------------------------------------------------------------------- report and codes
