@@ -187,14 +187,8 @@ def shape_findings(mismatches: Iterable[Mismatch], model: ModelInfo) -> list[Fin
 
 
 def _missing_layers(missing: set[str], expected: Mapping[str, object], found: list[Finding]) -> set[str]:
-    layers: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for name in expected:
-        match = LAYER_NAME.match(name)
-        if match:
-            layers[match["prefix"]][int(match["index"])].append(name)
     grouped: set[str] = set()
-    for prefix, by_index in layers.items():
-        gone = sorted(i for i, names in by_index.items() if all(n in missing for n in names))
+    for prefix, by_index, gone in _wholly_missing(missing, expected, LAYER_NAME):
         for start, end in _ranges(gone):
             names = [n for i in range(start, end + 1) for n in by_index[i]]
             grouped.update(names)
@@ -210,14 +204,8 @@ def _missing_layers(missing: set[str], expected: Mapping[str, object], found: li
 
 
 def _missing_experts(missing: set[str], expected: Mapping[str, object], found: list[Finding]) -> set[str]:
-    experts: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for name in expected:
-        match = EXPERT_NAME.match(name)
-        if match:
-            experts[match["prefix"]][int(match["index"])].append(name)
     grouped: set[str] = set()
-    for prefix, by_index in experts.items():
-        gone = sorted(i for i, names in by_index.items() if all(n in missing for n in names))
+    for prefix, by_index, gone in _wholly_missing(missing, expected, EXPERT_NAME):
         for e in gone:
             grouped.update(by_index[e])
             found.append(finding(
@@ -227,6 +215,22 @@ def _missing_experts(missing: set[str], expected: Mapping[str, object], found: l
                 tensor=f"{prefix}.{e}",
             ))
     return grouped
+
+
+def _wholly_missing(
+    missing: set[str], expected: Iterable[str], pattern: re.Pattern[str]
+) -> list[tuple[str, dict[int, list[str]], list[int]]]:
+    """Expected names grouped by ``pattern``'s prefix and index (a layer, an expert), with the sorted indices
+    whose every expected tensor is missing."""
+    groups: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for name in expected:
+        match = pattern.match(name)
+        if match:
+            groups[match["prefix"]][int(match["index"])].append(name)
+    return [
+        (prefix, by_index, sorted(i for i, names in by_index.items() if all(n in missing for n in names)))
+        for prefix, by_index in groups.items()
+    ]
 
 
 def _ranges(indices: Sequence[int]) -> list[tuple[int, int]]:

@@ -120,16 +120,11 @@ def _vocab(rows: int, vocab: int, vocab_rows: Mapping[str, int]) -> Diagnosis | 
 
 
 def _padding_multiple(vocab: int, rows: int) -> int | None:
-    """The largest multiple ``q`` (a padding multiple times a TP degree) with ``rows == padded(vocab, q)``."""
+    """The smallest multiple ``q`` (a padding multiple times a TP degree) with ``rows == padded(vocab, q)``."""
     if rows <= vocab:
         return None
-    best = None
-    for m in PAD_MULTIPLES:
-        for k in (1, 2, 4, 8, 16, 32, 64):
-            q = m * k
-            if padded(vocab, q) == rows and (best is None or q > best):
-                best = q
-    return best
+    candidates = sorted({m * k for m in PAD_MULTIPLES for k in (1, 2, 4, 8, 16, 32, 64)})
+    return next((q for q in candidates if padded(vocab, q) == rows), None)
 
 
 def _pieces(part: int, whole: int) -> int | None:

@@ -215,8 +215,9 @@ def hf_specs(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[st
         dropped = [s.name for s in mapping.tied]
         notes.append(f"dropped {', '.join(dropped)}: tied to {', '.join(info.tied[n] for n in dropped)} (as save_pretrained does)")
     problems = [message for _, message in mapping.problems]
-    for m in compare_with_model({s.name: s.shape for s in mapping.specs}, info):
-        problems.append(m.message())
+    mismatches = compare_with_model({s.name: s.shape for s in mapping.specs}, info)
+    problems.extend(m.message() for m in mismatches)
+    padded = any(m.diagnosis is not None and m.diagnosis.code.startswith("vocab-padding") for m in mismatches)
     if problems:
         raise ConfigError(
             f"the checkpoint in '{layout.root}' does not match its {info.model_type} config "
@@ -224,6 +225,8 @@ def hf_specs(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[st
             + "\n".join(f"  - {p}" for p in problems[:40])
             + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
             + "\nPass the config the model was trained with (--config), or no config for a generic merge."
+            + (" ckpttool strips padding the source recorded (sidecar 'padding') and never guesses it."
+               if padded else "")
         )
     return mapping.specs, notes
 

@@ -113,7 +113,7 @@ def padded_embedding(rows: int) -> torch.Tensor:
 @pytest.mark.parametrize(("rows", "code", "says"), [
     (256, "vocab-tp-piece", "256 rows is one of 4 TP pieces of a vocab padded to 1024 (multiple of 128x4); the other 3 are missing"),
     (501, "vocab-tp-piece", "501 rows is one of 2 TP pieces of the 1001-row vocab; the other piece is missing"),
-    (1024, "vocab-padding-not-stripped", "vocab padding not stripped: 1024 rows is vocab_size 1001 padded to a multiple of"),
+    (1024, "vocab-padding-not-stripped", "vocab padding not stripped: 1024 rows is vocab_size 1001 padded to a multiple of 32; rows 1001..1024 are padding"),
     (1047, "vocab-padding-doubled", "vocab padding applied twice: 1047 = 1001 + 2x23 rows; padded once it would be 1024"),
 ])
 def test_embedding_fault_is_diagnosed(tmp_path, rows, code, says):
@@ -138,8 +138,22 @@ def test_the_seed_incident_arithmetic():
         "vocab-tp-piece",
         "16064 rows is one of 8 TP pieces of a vocab padded to 128512 (multiple of 64x8); the other 7 are missing",
     )
-    assert diagnose(EMBED, (128512, 8192), (128256, 8192), 128256, {}).code == "vocab-padding-not-stripped"
+    assert diagnose(EMBED, (128512, 8192), (128256, 8192), 128256, {}).text == (
+        "vocab padding not stripped: 128512 rows is vocab_size 128256 padded to a multiple of 512; rows 128256..128512 "
+        "are padding"
+    )
     assert diagnose(EMBED, (128768, 8192), (128256, 8192), 128256, {}).code == "vocab-padding-doubled"
+
+
+@pytest.mark.parametrize(("got", "expected", "code", "text"), [
+    ((500, 32), (1001, 32), "vocab-tp-piece", "500 rows is one of 2 TP pieces of the 1001-row vocab; the other piece is missing"),
+    ((334, 32), (1001, 32), "vocab-tp-piece", "334 rows is one of 3 TP pieces of the 1001-row vocab; the other 2 are missing"),
+    ((32, 11), (32, 43), "shape-tp-piece", "dim 1 has 11 of 43 (columns: a row-parallel split): one of 4 TP pieces; the other 3 are missing"),
+    ((7, 5), (3, 3), "shape-mismatch", "[7, 5] instead of [3, 3]"),
+])
+def test_diagnosis_arithmetic(got, expected, code, text):
+    found = diagnose("t", got, expected, 1001, {})
+    assert (found.code, found.text) == (code, text)
 
 
 def test_tokenizer_smaller_than_vocab_is_info(tmp_path):

@@ -117,6 +117,18 @@ def test_merge_refuses_to_publish_an_output_that_fails_its_audit(cli, tmp_path):
     assert load_file(out / "model.safetensors")[name].dtype == torch.bfloat16
 
 
+def test_merge_of_unrecorded_vocab_padding_says_why_it_will_not_strip_it(cli, tmp_path):
+    tensors, config = reference(LLAMA)
+    tensors["model.embed_tokens.weight"] = torch.cat([tensors["model.embed_tokens.weight"], torch.zeros(23, 32)])
+    out = tmp_path / "hf"
+    assert_failed_cleanly(
+        cli("merge", write_hf(tmp_path / "src", tensors, config), out), out,
+        "'model.embed_tokens.weight': shape [1024, 32], but the config gives [1001, 32] (vocab padding not stripped: "
+        "1024 rows is vocab_size 1001 padded to a multiple of 32; rows 1001..1024 are padding)",
+        "ckpttool strips padding the source recorded (sidecar 'padding') and never guesses it.",
+    )
+
+
 def test_merge_result_carries_the_report(tmp_path):
     result = ckpttool.merge(fixture_dir("mixtral_fsdp2_dcp") / "checkpoint", tmp_path / "hf")
     assert result.audit is not None and result.audit.ok
