@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 from conftest import ROOT
 
@@ -25,3 +28,15 @@ def test_readme_main_job_uses_a_shipped_fixture_and_pins_torch():
     for command in _commands()[:2]:
         assert "pip install torch==2.13.0" in command or "pip install -q torch==2.13.0" in command
         assert "-c .ci/constraints.txt" in command
+
+
+def test_readme_main_job_runs(tmp_path):
+    """The ckpttool part of the main job, with its /tmp paths moved into tmp_path: every step exits 0."""
+    main_job = next(c for c in _commands() if "ckpttool merge" in c)
+    steps = main_job[main_job.index("ckpttool merge"):].replace("/tmp/", f"{tmp_path}/")
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    result = subprocess.run(steps, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "audit: PASS" in result.stdout and "equal: 21 tensors identical" in result.stdout
+    assert (tmp_path / "ckpttool-demo" / "ckpttool-audit.json").is_file()
+    assert (tmp_path / "ckpttool-demo-audit.html").read_text().startswith("<!DOCTYPE html>")
