@@ -284,7 +284,8 @@ def _tokenizer(root: Path, config_path: Path | None, config: Mapping[str, object
         return []
     size = tokenizer_size(path)
     if size is None:
-        return []
+        return [finding("tokenizer-invalid", f"'{path.name}' is not a tokenizer.json with a vocab; its size is not checked",
+                        file=path.name)]
     if size > vocab:
         return [finding("tokenizer-vocab", f"'{path.name}' has token ids up to {size - 1}, but vocab_size is {vocab}: "
                         f"ids {vocab}..{size - 1} index past the embedding", file=path.name)]
@@ -294,20 +295,21 @@ def _tokenizer(root: Path, config_path: Path | None, config: Mapping[str, object
 
 
 def tokenizer_size(path: Path) -> int | None:
-    """One more than the largest token id of a ``tokenizer.json`` (vocab and added tokens), or None."""
+    """One more than the largest token id of a ``tokenizer.json`` (vocab and added tokens), or None when the
+    file is not a tokenizer this can read."""
     try:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
     ids: list[int] = []
-    vocab = (doc.get("model") or {}).get("vocab") if isinstance(doc, dict) else None
     if isinstance(vocab, dict):
         ids.extend(v for v in vocab.values() if isinstance(v, int))
     elif isinstance(vocab, list):
         ids.append(len(vocab) - 1)
-    for token in doc.get("added_tokens") or [] if isinstance(doc, dict) else []:
-        if isinstance(token, dict) and isinstance(token.get("id"), int):
-            ids.append(token["id"])
+    added = doc.get("added_tokens") if isinstance(doc, dict) else None
+    ids.extend(t["id"] for t in added or () if isinstance(t, dict) and isinstance(t.get("id"), int))
     return max(ids) + 1 if ids else None
 
 

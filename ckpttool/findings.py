@@ -47,6 +47,7 @@ CODES: dict[str, tuple[str, str]] = {
     "tie-mismatch": (ERROR, "tie_word_embeddings contradicts lm_head (missing while untied, different while tied)"),
     "tied-copy": (INFO, "lm_head is saved although tied; it equals the embedding, transformers ignores it"),
     "tokenizer-vocab": (ERROR, "the tokenizer has token ids beyond the config's vocab_size"),
+    "tokenizer-invalid": (WARNING, "tokenizer.json cannot be read as a tokenizer with a vocab"),
     "tokenizer-smaller": (INFO, "the tokenizer has fewer tokens than vocab_size (usual with padded vocabs)"),
     "dtype-mix": (ERROR, "a floating-point tensor in another dtype than the rest of the model"),
     "config-dtype": (WARNING, "the config's dtype is not the dtype of the weights"),

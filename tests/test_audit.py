@@ -165,6 +165,16 @@ def test_tokenizer_smaller_than_vocab_is_info(tmp_path):
     assert message(report, "tokenizer-smaller") == "'tokenizer.json' has 2 token ids for vocab_size 1001"
 
 
+@pytest.mark.parametrize("text", ["{not json", '{"model": 3}', "[]"])
+def test_unreadable_tokenizer_is_a_warning(tmp_path, text):
+    tensors, config = reference("llama_fsdp2_dcp")
+    hf = write_hf(tmp_path / "hf", tensors, config)
+    (hf / "tokenizer.json").write_text(text)
+    report = ckpttool.audit(hf, data=False)
+    assert report.ok and not report.strict().ok
+    assert message(report, "tokenizer-invalid") == "'tokenizer.json' is not a tokenizer.json with a vocab; its size is not checked"
+
+
 def test_tokenizer_larger_than_vocab(tmp_path):
     tensors, config = reference("llama_fsdp2_dcp")
     hf = write_hf(tmp_path / "hf", tensors, config)
