@@ -157,7 +157,7 @@ def merge(
             search = list(dict.fromkeys([*config_dir, root]))
             extras = write_extras(staging.path, prepared.config, search, dtype_name(dtype) if dtype else None)
             if audit:
-                report = _audit_output(staging.path, dest, prepared, dtype)
+                report = _audit_output(staging.path, dest, prepared)
                 extras.append(AUDIT_FILE)
             staging.publish()
         log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
@@ -174,7 +174,7 @@ def merge(
     )
 
 
-def _audit_output(staging: Path, dest: Path, prepared: Prepared, dtype: str | None) -> Report:
+def _audit_output(staging: Path, dest: Path, prepared: Prepared) -> Report:
     """The shape audit (headers only) of what was written; its report goes beside the weights."""
     config_path = staging / "config.json" if prepared.config is not None else None
     config = read_config(config_path) if config_path is not None else None
