@@ -43,7 +43,7 @@ def _run(as_json: bool, call: Callable[[], Any]) -> Any:
             traceback.print_exc()
         _fail(str(e), as_json)
     except KeyboardInterrupt:
-        _fail("interrupted; nothing was written to the destination", as_json)
+        _fail("interrupted; nothing was published (merge --resume continues an interrupted merge)", as_json)
     except Exception as e:  # a bug or an unforeseen input: still no traceback unless asked
         if os.environ.get("CKPTTOOL_DEBUG") == "1":
             traceback.print_exc()
@@ -82,12 +82,14 @@ def main() -> None:
 @click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--no-audit", is_flag=True, help="Do not audit the output (by default audit errors stop the publish).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted merge: keep the output files it finished (sha256 checked).")
+@click.option("--verify", is_flag=True, help="Read every written file back from disk and compare its sha256.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug); with --dry-run, list every tensor.")
 def merge_command(
     src: str, out: str, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str,
-    dry_run: bool, force: bool, no_audit: bool, as_json: bool, quiet: bool, verbose: int,
+    dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, as_json: bool, quiet: bool, verbose: int,
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT."""
     _setup_logging(verbose, quiet or as_json)
@@ -95,7 +97,7 @@ def merge_command(
     try:
         result: MergeResult = _run(as_json, lambda: merge(
             src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
-            force=force, audit=not no_audit, progress=bar,
+            force=force, audit=not no_audit, resume=resume, verify=verify, progress=bar,
         ))
     finally:
         if bar is not None:
@@ -214,6 +216,8 @@ def _print_result(result: MergeResult, verbose: int) -> None:
         click.echo(f"  {f.name}  {len(f.targets)} tensors  {_size(f.nbytes)}")
     if result.extras:
         click.echo(f"  + {', '.join(result.extras)}")
+    if result.kept_files:
+        click.echo(f"resumed:  kept {result.kept_files} of {len(result.files)} files of the interrupted merge (sha256 checked)")
     if result.dry_run:
         click.echo(f"peak memory: at most {_size(predict_peak_bytes(plan))} (largest tensor {_size(plan.largest_target_bytes())})")
     for note in plan.notes:

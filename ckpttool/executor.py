@@ -8,11 +8,12 @@ replace :func:`assemble` without changing the file layout.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -55,6 +56,13 @@ class PieceLoader:
         elif self._uses[piece] <= 0:
             self._drop(piece)
         return tensor
+
+    def skip(self, pieces: Iterable[Piece]) -> None:
+        """Count uses that will not happen (targets of a file kept from an earlier run)."""
+        for piece in pieces:
+            self._uses[piece] -= 1
+            if self._uses[piece] <= 0 and piece in self._cache:
+                self._drop(piece)
 
     def _keep(self, piece: Piece, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -148,20 +156,31 @@ def write_file(
     targets: list[tuple[Target, int]],
     loader: PieceLoader,
     on_bytes: Callable[[int], None] = lambda n: None,
-) -> None:
-    """Write one safetensors file: the header ``prefix``, then each target at its buffer offset."""
+) -> str:
+    """Write one safetensors file: the header ``prefix``, then each target at its buffer offset.
+
+    Targets come in buffer order with no gaps (as :func:`~ckpttool.safetensors_format.encode_header` lays
+    them out), so the sha256 of the bytes as they are written is the sha256 of the file, which is returned.
+    """
+    digest = hashlib.sha256(prefix)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _write_all(fd, prefix, 0)
+        position = 0
         for target, offset in targets:
+            if offset != position:
+                raise ValueError(f"'{target.name}' at buffer offset {offset}, expected {position}: targets out of order")
             tensor = assemble(target, loader)
             data = tensor.reshape(-1).view(torch.uint8).numpy()
             _write_all(fd, memoryview(data), len(prefix) + offset)
+            digest.update(data)
+            position += target.nbytes
             del tensor, data  # before the next target is assembled: one tensor alive at a time
             on_bytes(target.nbytes)
         os.fsync(fd)
     finally:
         os.close(fd)
+    return digest.hexdigest()
 
 
 def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:

@@ -50,6 +50,7 @@ class MergeResult:
     config: str | None
     dry_run: bool
     audit: Report | None = None
+    kept_files: int = 0
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -72,6 +73,7 @@ class MergeResult:
                 for t in self.plan.targets
             ],
             "audit": self.audit.to_json() if self.audit is not None else None,
+            "kept_files": self.kept_files,
         }
 
 
@@ -112,6 +114,8 @@ def merge(
     dry_run: bool = False,
     force: bool = False,
     audit: bool = True,
+    resume: bool = False,
+    verify: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
@@ -127,6 +131,9 @@ def merge(
         force: replace a non-empty destination.
         audit: audit what was written (headers, names and shapes against the config, index, dtypes), write
             the report to ``ckpttool-audit.json`` beside it, and refuse to publish when it finds errors.
+        resume: continue an interrupted merge of the same plan: output files it finished are kept once their
+            sha256 is checked again; the rest are written.
+        verify: read every written file back from disk and compare its sha256 with the bytes written.
         progress: called as ``progress(bytes_just_written, total_bytes)`` after each tensor.
 
     Returns:
@@ -149,10 +156,12 @@ def merge(
     check_destination(dest, [root], force)
     extras: list[str] = []
     report = None
+    kept = 0
     if not dry_run:
-        with Staging(dest) as staging:
+        with Staging(dest, resume=resume) as staging:
             total = plan.nbytes
-            write_weights(plan, files, staging.path, (lambda n: progress(n, total)) if progress else (lambda n: None))
+            kept = write_weights(plan, files, staging.path, (lambda n: progress(n, total)) if progress else (lambda n: None),
+                                 verify=verify)
             config_dir = [prepared.config_path.parent] if prepared.config_path is not None else []
             search = list(dict.fromkeys([*config_dir, root]))
             extras = write_extras(staging.path, prepared.config, search, dtype_name(dtype) if dtype else None)
@@ -171,6 +180,7 @@ def merge(
         config=str(prepared.config_path) if prepared.config_path else None,
         dry_run=dry_run,
         audit=report,
+        kept_files=kept,
     )
 
 

@@ -1,12 +1,15 @@
 """The HuggingFace output: sharded safetensors + index + config + tokenizer, published atomically.
 
 Everything is written into a staging directory beside the destination (``.NAME.ckpttool-partial-*``),
-verified, and renamed into place at the end; on any error the staging directory is removed, so the
-destination never holds a partial checkpoint.
+verified, and renamed into place at the end; on an error the staging directory is removed, so the
+destination never holds a partial checkpoint. A journal in the staging directory records every output file
+finished so far with its sha256, so a merge killed after hours continues with ``--resume`` where it stopped,
+re-checking what it keeps.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,6 +26,7 @@ from .safetensors_format import encode_header, read_header
 
 INDEX = "model.safetensors.index.json"
 PARTIAL = ".ckpttool-partial-"
+JOURNAL = ".ckpttool-journal.json"
 #: files copied beside the weights when present in the config's directory or the source
 EXTRA_FILES = (
     "generation_config.json",
@@ -103,22 +107,39 @@ def check_destination(dest: Path, sources: Sequence[Path], force: bool) -> None:
 
 
 class Staging:
-    """A staging directory beside ``dest``; :meth:`publish` renames it into place, failure removes it."""
+    """A staging directory beside ``dest``; :meth:`publish` renames it into place, failure removes it.
 
-    def __init__(self, dest: Path) -> None:
+    With ``resume``, the staging directory of an interrupted run (the newest holding a journal) is taken up
+    again; otherwise staging directories of earlier runs are removed. On Ctrl-C the directory is kept, so
+    ``--resume`` can continue.
+    """
+
+    def __init__(self, dest: Path, resume: bool = False) -> None:
         self.dest = dest
+        self.resume = resume
         self.path = dest.parent / f".{dest.name}{PARTIAL}{uuid.uuid4().hex[:8]}"
+        self.resumed = False
 
     def __enter__(self) -> Staging:
-        _remove_stale(self.dest)
-        self.path.mkdir()
+        earlier = _staging_dirs(self.dest)
+        if self.resume:
+            journaled = [d for d in earlier if (d / JOURNAL).is_file()]
+            if journaled:
+                self.path, self.resumed = journaled[0], True
+        for stale in earlier:
+            if stale != self.path:
+                shutil.rmtree(stale, ignore_errors=True)
+        self.path.mkdir(exist_ok=self.resumed)
         return self
 
     def __exit__(self, kind: object, value: object, tb: object) -> None:
+        if kind is KeyboardInterrupt and (self.path / JOURNAL).is_file():
+            return
         if self.path.exists():
             shutil.rmtree(self.path, ignore_errors=True)
 
     def publish(self) -> None:
+        (self.path / JOURNAL).unlink(missing_ok=True)
         old = None
         if self.dest.exists():
             old = self.dest.parent / f".{self.dest.name}.ckpttool-old-{uuid.uuid4().hex[:8]}"
@@ -128,30 +149,141 @@ class Staging:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _remove_stale(dest: Path) -> None:
-    """Staging directories of earlier runs that died (SIGKILL, power loss) are recognisable by name."""
-    for stale in dest.parent.glob(f".{dest.name}{PARTIAL}*"):
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
+def _staging_dirs(dest: Path) -> list[Path]:
+    """Staging directories of earlier runs (killed, powered off), recognisable by name; newest first."""
+    found = [d for d in dest.parent.glob(f".{dest.name}{PARTIAL}*") if d.is_dir()]
+    return sorted(found, key=lambda d: d.stat().st_mtime, reverse=True)
+
+
+class Journal:
+    """The output files finished so far, with their sizes and sha256, for one plan.
+
+    The journal is rewritten atomically after each file. A journal of another plan (the source, the
+    options or ckpttool changed) is ignored, so a resume never mixes two merges.
+    """
+
+    def __init__(self, directory: Path, plan_id: str) -> None:
+        self.path = directory / JOURNAL
+        self.plan_id = plan_id
+        self.files: dict[str, dict[str, object]] = {}
+        try:
+            doc = json.loads(self.path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            doc = None
+        if isinstance(doc, dict) and doc.get("plan") == plan_id and isinstance(doc.get("files"), dict):
+            self.files = doc["files"]
+        else:  # a fresh start, or another plan's leftovers: nothing in the directory may be published
+            for leftover in directory.iterdir():
+                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        self._save()
+
+    def kept(self, name: str, path: Path, nbytes: int) -> bool:
+        """True when ``name`` was finished by an earlier run and still has its recorded size and sha256."""
+        record = self.files.get(name)
+        if not isinstance(record, dict) or record.get("bytes") != nbytes or not path.is_file():
+            return False
+        if path.stat().st_size != nbytes or _sha256_of(path) != record.get("sha256"):
+            self.files.pop(name)
+            return False
+        return True
+
+    def record(self, name: str, nbytes: int, sha256: str) -> None:
+        self.files[name] = {"bytes": nbytes, "sha256": sha256}
+        self._save()
+
+    def _save(self) -> None:
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        write_text(temporary, json.dumps({"version": 1, "plan": self.plan_id, "files": self.files}, indent=1))
+        os.replace(temporary, self.path)
+
+
+def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
+    """A digest of everything that decides the output bytes: the plan, the file split, and the size and
+    modification time of every source file it reads."""
+    sources = sorted({c.piece.file for t in plan.targets for c in t.copies})
+    stats = []
+    for rel in sources:
+        st = (Path(plan.root) / rel).stat()
+        stats.append([rel, st.st_size, st.st_mtime_ns])
+    layout = [
+        [out.name, [[t.name, t.dtype, list(t.shape), [[c.piece.file, c.piece.key, c.piece.byte_offset,
+                                                       c.piece.byte_length, list(c.src.offsets), list(c.src.sizes),
+                                                       list(c.dst.offsets), list(c.dst.sizes)] for c in t.copies]]
+                     for t in out.targets]]
+        for out in files
+    ]
+    text = json.dumps({"root": str(Path(plan.root).resolve()), "files": layout, "sources": stats})
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def write_weights(
-    plan: Plan, files: Sequence[OutputFile], directory: Path, on_bytes: Callable[[int], None] = lambda n: None
-) -> None:
-    """Write the safetensors files (and the index when there are several) and verify each."""
+    plan: Plan,
+    files: Sequence[OutputFile],
+    directory: Path,
+    on_bytes: Callable[[int], None] = lambda n: None,
+    *,
+    verify: bool = False,
+) -> int:
+    """Write the safetensors files (and the index when there are several), check each, and journal it.
+
+    Files an interrupted run of the same plan finished (see :class:`Journal`) are kept after their sha256 is
+    checked again. With ``verify``, each file written is read back from disk and its sha256 compared with
+    the bytes that were written.
+
+    Returns:
+        How many files were kept from an earlier run.
+    """
+    journal = Journal(directory, plan_id(plan, files))
     loader = PieceLoader.for_plan(plan)
+    kept = 0
     for out in files:
         prefix, offsets = encode_header({t.name: (t.dtype, t.shape) for t in out.targets}, {"format": "pt"})
         path = directory / out.name
+        size = len(prefix) + out.nbytes
+        if journal.kept(out.name, path, size):
+            kept += 1
+            loader.skip(c.piece for t in out.targets for c in t.copies)
+            on_bytes(out.nbytes)
+            continue
         try:
-            write_file(path, prefix, [(t, offsets[t.name][0]) for t in out.targets], loader, on_bytes)
+            digest = write_file(path, prefix, [(t, offsets[t.name][0]) for t in out.targets], loader, on_bytes)
         except OSError as e:
             raise OutputError(f"'{out.name}': cannot write: {e.strerror or e}; nothing was published") from None
         _verify(path, out, len(prefix))
+        if verify:
+            _read_back(path, out.name, digest)
+        journal.record(out.name, size, digest)
     if len(files) > 1:
         weight_map = {t.name: out.name for out in files for t in out.targets}
         index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
         write_text(directory / INDEX, json.dumps(index, indent=2) + "\n")
+    return kept
+
+
+def _read_back(path: Path, name: str, digest: str) -> None:
+    """Drop the file from the page cache, read it from disk, and compare its sha256 with what was written."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        found = _sha256_of(path)
+    except OSError as e:
+        raise OutputError(f"'{name}': cannot read it back: {e.strerror or e}; nothing was published") from None
+    if found != digest:
+        raise OutputError(
+            f"'{name}': read back from disk, its sha256 is {found[:16]}... but {digest[:16]}... was written; "
+            "the disk or file system corrupted it. Nothing was published"
+        )
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _verify(path: Path, out: OutputFile, prefix_len: int) -> None:

@@ -762,5 +762,5 @@ def test_interrupted_merge_says_nothing_was_written(cli, tmp_path, monkeypatch):
     out = tmp_path / "hf"
     failed_cleanly(
         cli("merge", fixture_dir("llama_tp2_dcp") / "checkpoint", out), out,
-        "Error: interrupted; nothing was written to the destination",
+        "Error: interrupted; nothing was published (merge --resume continues an interrupted merge)",
     )
