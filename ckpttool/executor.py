@@ -12,6 +12,8 @@ import hashlib
 import io
 import math
 import os
+import pickle
+import re
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .dtypes import dtype_name, itemsize, torch_dtype
-from .errors import SourceError
+from .errors import SourceError, UnsafePickleError
 from .layout import RAW, Box, Piece
 from .plan import Plan, Target
 
@@ -86,7 +88,15 @@ class PieceLoader:
             return torch.frombuffer(data, dtype=dtype).reshape(piece.box.sizes)
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises many types for truncated or refused archives
+        except pickle.UnpicklingError as e:
+            refused = re.search(r"GLOBAL ([\w.]+)", str(e))
+            if refused is None:
+                raise SourceError(f"'{piece.file}': cannot load '{piece.key}': {_first_line(e)}") from None
+            raise UnsafePickleError(
+                f"'{piece.file}': '{piece.key}' was refused unread: its pickle asks for {refused.group(1)}, which is "
+                "not a tensor or plain data; loading it could run code (torch.load weights_only=True)"
+            ) from None
+        except Exception as e:  # torch raises many types for truncated archives
             raise SourceError(f"'{piece.file}': cannot load '{piece.key}': {_first_line(e)}") from None
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != piece.box.sizes or tensor.dtype != dtype:
             found = (

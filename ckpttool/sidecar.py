@@ -14,6 +14,7 @@ Sidecar, version 1 (all keys required unless marked optional)::
       "format": "ckpttool-sidecar",
       "version": 1,
       "rank": 3, "world_size": 8,
+      "step": 1200,                               # optional: the training step; sidecars must agree
       "file": "rank-00003-of-00008.safetensors",
       "pieces": [
         {
@@ -110,6 +111,7 @@ def save_shard(
     *,
     rank: int,
     world_size: int,
+    step: int | None = None,
 ) -> Path:
     """Write one rank's local tensors and the sidecar describing them. Call on every rank.
 
@@ -119,6 +121,7 @@ def save_shard(
         directory: the checkpoint directory (created if needed).
         rank: this rank's index in ``0..world_size-1``.
         world_size: how many ranks write into ``directory``.
+        step: the training step (optional); a merge refuses sidecars of different steps in one directory.
 
     Returns:
         The path of the sidecar written.
@@ -172,6 +175,8 @@ def save_shard(
     _atomic(data_path, lambda p: save_file(local, str(p), metadata={"format": "pt"}))
     sidecar = {"format": FORMAT, "version": VERSION, "rank": rank, "world_size": world_size,
                "file": data_path.name, "pieces": pieces}
+    if step is not None:
+        sidecar["step"] = step
     side_path = out / f"{base}{SUFFIX}"
     _atomic(side_path, lambda p: p.write_text(json.dumps(sidecar, indent=1)))
     return side_path
@@ -202,6 +207,7 @@ class Sidecar:
     world_size: int
     file: str
     pieces: tuple[SidecarPiece, ...]
+    step: int | None = None
 
 
 def parse_sidecar(text: str, label: str) -> Sidecar:
@@ -230,7 +236,8 @@ def parse_sidecar(text: str, label: str) -> Sidecar:
     raw_pieces = doc.get("pieces")
     if not isinstance(raw_pieces, list):
         raise SourceError(f"'{label}': \"pieces\" must be a list")
-    return Sidecar(rank, world, file, tuple(_piece(p, label) for p in raw_pieces))
+    step = _int(doc, "step", f"'{label}'") if "step" in doc else None
+    return Sidecar(rank, world, file, tuple(_piece(p, label) for p in raw_pieces), step)
 
 
 def _piece(p: Any, label: str) -> SidecarPiece:

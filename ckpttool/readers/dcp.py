@@ -8,10 +8,11 @@ entries are skipped by default.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, itemsize
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import TORCH_SAVE, Box, Layout, LayoutBuilder, Piece
 from ..models import ModelInfo
@@ -88,6 +89,12 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                 raise SourceError(
                     f"'{rel}': '{fqn}' needs bytes {start}..{start + length} but the file has {sizes[rel]}; "
                     "it is truncated"
+                )
+            needed = math.prod(chunk_sizes) * itemsize(dtype)
+            if length < needed:  # checked before anything is allocated: absurd sizes stop here
+                raise SourceError(
+                    f"'{rel}': '{fqn}' chunk of sizes {list(chunk_sizes)} needs at least {needed} bytes, but its "
+                    f"storage entry holds {length}"
                 )
             piece = Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, TORCH_SAVE, start, length)
             builder.add(fqn, piece, present=sizes[rel] is not None)

@@ -30,6 +30,12 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
             f"'{root}': sidecars disagree on world_size ({sorted(worlds)}); are two checkpoints mixed in one directory?"
         )
     world = worlds.pop()
+    first_of_step: dict[int | None, str] = {}
+    for path, s in zip(paths, sidecars):
+        first_of_step.setdefault(s.step, path.name)
+    if len(first_of_step) > 1:
+        listed = ", ".join(f"'{name}' is step {'unrecorded' if step is None else step}" for step, name in first_of_step.items())
+        raise SourceError(f"'{root}': sidecars of different training steps are mixed ({listed}); keep one step's files")
     ranks: dict[int, str] = {}
     for path, s in zip(paths, sidecars):
         if s.rank in ranks:
