@@ -90,7 +90,7 @@ def _entry(label: str, key: str, info: object, data_start: int, buffer: int) -> 
     if not isinstance(info, dict):
         raise SourceError(f"'{label}': tensor '{key}' has no dtype/shape/data_offsets record")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in TORCH_DTYPES:
+    if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
         raise SourceError(f"'{label}': tensor '{key}' has unsupported dtype {dtype!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise SourceError(f"'{label}': tensor '{key}' has an invalid shape {shape!r}")

@@ -242,3 +242,8 @@ def test_two_tensors_on_the_same_bytes_overlap(tmp_path):
         "b": {"dtype": "F64", "shape": [2], "data_offsets": [0, 16]},
     }, bytes(16))
     assert refused(path) == f"'{LABEL}': tensors 'a' and 'b' overlap in the data buffer"
+
+
+def test_dtype_that_is_not_a_string(tmp_path):  # found by tests/test_fuzz.py: a list is unhashable
+    path = write_raw(tmp_path / "f.safetensors", {"w": {"dtype": [], "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)
+    assert refused(path) == f"'{LABEL}': tensor 'w' has unsupported dtype []"
