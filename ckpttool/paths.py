@@ -17,6 +17,8 @@ def inside(root: Path, relative: str, *, named_by: str) -> Path:
     Raises:
         SourceError: the path leaves the checkpoint directory.
     """
+    if "\0" in relative:
+        raise SourceError(f"'{named_by}' names a path with a NUL byte ({relative!r}); no file can have that name")
     if os.path.isabs(relative) or relative.startswith(("/", "\\")):
         raise SourceError(f"'{named_by}' names the absolute path '{relative}'; files must lie inside the checkpoint")
     root_real = root.resolve()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
+#: examples per property test and fuzz target; CKPTTOOL_HYPOTHESIS_EXAMPLES=2000 for a long run
+HYPOTHESIS_EXAMPLES = int(os.environ.get("CKPTTOOL_HYPOTHESIS_EXAMPLES", "100"))
 FIXTURES = ROOT / "fixtures"
 
 #: every fixture fixtures/make_fixtures.py produces; a missing one fails the tests rather than skipping

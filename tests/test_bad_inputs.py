@@ -216,6 +216,17 @@ def dcp_storage_path_leaving_the_checkpoint(tmp):
 
 
 @case
+def dcp_storage_path_with_a_nul_byte(tmp):  # found by tests/test_fuzz.py: os.path raised ValueError
+    src = dcp_copy(tmp)
+
+    def nul(md):
+        for info in md.storage_data.values():
+            info.relative_path = "__0_0.distcp\0.txt"
+    edit_metadata(src, nul)
+    return Case(src, ("'.metadata' names a path with a NUL byte ('__0_0.distcp\\x00.txt'); no file can have that name",))
+
+
+@case
 def dcp_malicious_metadata_pickle(tmp):
     src = dcp_copy(tmp)
     marker = tmp / "pwned"

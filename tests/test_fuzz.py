@@ -2,15 +2,14 @@
 transformers' sharding info. Random and mutated inputs may only ever raise ckpttool's own errors (a
 :class:`~ckpttool.errors.CkptError`), never anything else, never hang, never run code.
 
-Examples per target: ``CKPTTOOL_FUZZ_EXAMPLES`` (default 100 in CI; the long run in the closing notes used
-5000). Structured fuzzing of DCP metadata mutates the real metadata object (sizes, offsets, byte ranges,
+Examples per target: ``CKPTTOOL_HYPOTHESIS_EXAMPLES`` (default 100 in CI; the long run reported in the
+closing note used 5000). Structured fuzzing of DCP metadata mutates the real metadata object (sizes, offsets, byte ranges,
 paths, dtypes) and then runs a whole generic merge, so the reader, the plan and the executor are all on the path.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import struct
@@ -27,10 +26,9 @@ from ckpttool.errors import CkptError
 from ckpttool.safe_pickle import load_metadata_pickle
 from ckpttool.safetensors_format import read_header
 from ckpttool.sidecar import parse_sidecar
-from conftest import fixture_dir
+from conftest import HYPOTHESIS_EXAMPLES, fixture_dir
 
-EXAMPLES = int(os.environ.get("CKPTTOOL_FUZZ_EXAMPLES", "100"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=HYPOTHESIS_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 SRC = fixture_dir("llama_tp2_dcp") / "checkpoint"
 
 
@@ -180,8 +178,9 @@ def test_sidecar_text(text):
 def test_sidecar_fields(field, value, piece_field, piece_value):
     doc = json.loads(_sidecar_text())
     doc[field] = value
-    if isinstance(doc.get("pieces"), list) and doc["pieces"]:
-        doc["pieces"][0][piece_field] = piece_value
+    pieces = doc.get("pieces")
+    if isinstance(pieces, list) and pieces and isinstance(pieces[0], dict):
+        pieces[0][piece_field] = piece_value
     only_ckpt_errors(lambda: parse_sidecar(json.dumps(doc), "rank.ckpttool.json"))
 
 

@@ -7,7 +7,6 @@ stops with a message that names the tensor, the region, the files, and the likel
 from __future__ import annotations
 
 import math
-import os
 import re
 import tempfile
 from pathlib import Path
@@ -23,8 +22,8 @@ from ckpttool.executor import PieceLoader, assemble
 from ckpttool.layout import RAW, Box, Fusion, Layout, LayoutBuilder, Padding, Piece
 from ckpttool.plan import Copy, Slice, TargetSpec, check_tiling, plan_merge, uncovered
 from ckpttool.safetensors_format import read_header
+from conftest import HYPOTHESIS_EXAMPLES
 
-HYPOTHESIS_EXAMPLES = int(os.environ.get("CKPTTOOL_HYPOTHESIS_EXAMPLES", "60"))
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}
 
 
