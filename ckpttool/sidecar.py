@@ -251,14 +251,20 @@ def _piece(p: Any, label: str) -> SidecarPiece:
         dtype = dtype_name(p.get("dtype", ""))
     except SourceError:
         raise SourceError(f"{where}: unknown dtype {p.get('dtype')!r}") from None
-    padding = tuple(Padding(_int(x, "dim", where), _int(x, "true_size", where)) for x in p.get("padding") or ())
+    raw_padding = p.get("padding") or []
+    if not isinstance(raw_padding, list):
+        raise SourceError(f"{where}: \"padding\" must be a list of {{\"dim\", \"true_size\"}}")
+    padding = tuple(Padding(_int(x, "dim", where), _int(x, "true_size", where)) for x in raw_padding)
     fusion = None
     if p.get("fusion") is not None:
         f = p["fusion"]
-        try:
-            fusion = Fusion(int(f["dim"]), tuple((str(name), int(size)) for name, size in f["parts"]))
-        except (KeyError, TypeError, ValueError):
-            raise SourceError(f"{where}: fusion must be {{\"dim\": int, \"parts\": [[name, size], ...]}}") from None
+        parts = f.get("parts") if isinstance(f, dict) else None
+        if not (
+            isinstance(f, dict) and _is_int(f.get("dim")) and isinstance(parts, list)
+            and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and _is_int(x[1]) for x in parts)
+        ):
+            raise SourceError(f"{where}: fusion must be {{\"dim\": int, \"parts\": [[name, size], ...]}}")
+        fusion = Fusion(f["dim"], tuple((name, size) for name, size in parts))
     coords = tuple((k, _int(p, k, where)) for k in COORDINATES if p.get(k) is not None)
     key = p.get("key", p["fqn"])
     if not isinstance(key, str):
@@ -266,9 +272,13 @@ def _piece(p: Any, label: str) -> SidecarPiece:
     return SidecarPiece(p["fqn"], key, shape, offsets, sizes, dtype, padding, fusion, coords)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int(doc: Any, key: str, where: str) -> int:
     value = doc.get(key) if isinstance(doc, dict) else None
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not _is_int(value):
         raise SourceError(f"{where}: \"{key}\" must be an integer")
     return value
 

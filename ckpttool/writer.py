@@ -172,8 +172,8 @@ class Journal:
             doc = None
         if isinstance(doc, dict) and doc.get("plan") == plan_id and isinstance(doc.get("files"), dict):
             self.files = doc["files"]
-        else:  # a fresh start, or another plan's leftovers: nothing in the directory may be published
-            for leftover in directory.iterdir():
+        for leftover in directory.iterdir():  # a half-written file, another plan's files, an old index or report
+            if leftover.name not in self.files and leftover.name != JOURNAL:
                 shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         self._save()
 

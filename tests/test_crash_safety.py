@@ -106,6 +106,18 @@ def test_resume_rechecks_and_rewrites_a_damaged_file(tmp_path):
     assert_is_the_reference(out)
 
 
+def test_resume_publishes_nothing_the_journal_does_not_hold(tmp_path):
+    src, out = fixture_dir(FIXTURE) / "checkpoint", tmp_path / "hf"
+    with pytest.raises(KeyboardInterrupt):
+        ckpttool.merge(src, out, max_shard_size=SHARD, progress=_interrupt_after(260_000))
+    [staging] = staging_dirs(out)
+    (staging / "ckpttool-audit.json").write_text('{"stale": true}')  # as if killed just before the publish
+    (staging / "model-00004-of-00004.safetensors").write_bytes(b"half")
+    ckpttool.merge(src, out, max_shard_size=SHARD, resume=True, audit=False)
+    assert not (out / "ckpttool-audit.json").exists()
+    assert_is_the_reference(out)
+
+
 def test_journal_of_another_plan_is_not_used(tmp_path):
     src, out = fixture_dir(FIXTURE) / "checkpoint", tmp_path / "hf"
     with pytest.raises(KeyboardInterrupt):

@@ -432,14 +432,21 @@ def test_parse_refuses_malformed_padding():
     assert_names_piece(parse_refused(doc), "\"true_size\" must be an integer")
 
 
+def test_parse_refuses_padding_that_is_not_a_list():  # found by tests/test_fuzz.py: an int is not iterable
+    doc = valid_doc()
+    doc["pieces"][0]["padding"] = 1
+    assert_names_piece(parse_refused(doc), "\"padding\" must be a list of {\"dim\", \"true_size\"}")
+
+
 def test_parse_refuses_a_non_integer_coordinate():
     doc = valid_doc()
     doc["pieces"][0]["tp_rank"] = "0"
     assert_names_piece(parse_refused(doc), "\"tp_rank\" must be an integer")
 
 
-@pytest.mark.parametrize("fusion", [{"dim": 1}, {"dim": 1, "parts": [["a"]]}, {"dim": "x", "parts": []}])
-def test_parse_refuses_malformed_fusion(fusion):
+@pytest.mark.parametrize("fusion", [{"dim": 1}, {"dim": 1, "parts": [["a"]]}, {"dim": "x", "parts": []}, [1],
+                                    {"dim": 1, "parts": [["a", float("inf")]]}])
+def test_parse_refuses_malformed_fusion(fusion):  # the last two were found by tests/test_fuzz.py
     doc = valid_doc()
     doc["pieces"][0]["fusion"] = fusion
     assert_names_piece(parse_refused(doc), "fusion must be {\"dim\": int, \"parts\": [[name, size], ...]}")
