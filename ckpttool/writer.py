@@ -198,12 +198,16 @@ class Journal:
 
 
 def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
-    """A digest of everything that decides the output bytes: the plan, the file split, and the size and
-    modification time of every source file it reads."""
-    sources = sorted({c.piece.file for t in plan.targets for c in t.copies})
+    """A digest of everything that decides the output bytes: ckpttool's version, the plan, the file split,
+    and the size and modification time of every source file it reads."""
+    from . import __version__
+
     stats = []
-    for rel in sources:
-        st = (Path(plan.root) / rel).stat()
+    for rel in sorted({c.piece.file for t in plan.targets for c in t.copies}):
+        try:
+            st = (Path(plan.root) / rel).stat()
+        except OSError as e:
+            raise SourceError(f"'{rel}': cannot read: {e.strerror or e}") from None
         stats.append([rel, st.st_size, st.st_mtime_ns])
     layout = [
         [out.name, [[t.name, t.dtype, list(t.shape), [[c.piece.file, c.piece.key, c.piece.byte_offset,
@@ -212,7 +216,7 @@ def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
                      for t in out.targets]]
         for out in files
     ]
-    text = json.dumps({"root": str(Path(plan.root).resolve()), "files": layout, "sources": stats})
+    text = json.dumps({"ckpttool": __version__, "root": str(Path(plan.root).resolve()), "files": layout, "sources": stats})
     return hashlib.sha256(text.encode()).hexdigest()
 
 
