@@ -40,12 +40,7 @@ class Slice:
 
     def dim_map(self) -> tuple[int | None, ...]:
         """For each target dim, the source dim it comes from (None for an added dim of size 1)."""
-        src_dims = [d for d, n in enumerate(self.src.sizes) if n != 1]
-        dst_dims = [d for d, n in enumerate(self.dst.sizes) if n != 1]
-        mapping: list[int | None] = [None] * len(self.dst.sizes)
-        for s, d in zip(src_dims, dst_dims):
-            mapping[d] = s
-        return tuple(mapping)
+        return dim_map(self.src, self.dst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,13 +324,31 @@ def _gap_message(
 
 def _source_region(sl: Slice, box: Box) -> Box | None:
     """The part of source tensor ``sl.source`` that fills ``box`` of the target, or None if ``sl`` misses it."""
-    common = sl.dst.intersect(box)
+    return map_region(sl.src, sl.dst, box)
+
+
+def dim_map(src: Box, dst: Box) -> tuple[int | None, ...]:
+    """For each dim of ``dst``, the dim of ``src`` it comes from, when ``src`` and ``dst`` hold the same
+    elements in the same order (their sizes agree once dims of size 1 are dropped); None for a dim of size 1
+    that ``src`` does not have."""
+    src_dims = [d for d, n in enumerate(src.sizes) if n != 1]
+    dst_dims = [d for d, n in enumerate(dst.sizes) if n != 1]
+    mapping: list[int | None] = [None] * len(dst.sizes)
+    for s, d in zip(src_dims, dst_dims):
+        mapping[d] = s
+    return tuple(mapping)
+
+
+def map_region(src: Box, dst: Box, region: Box) -> Box | None:
+    """Where ``src`` (a box of a source) fills ``dst`` (a box of a target): the part of ``src`` that fills
+    ``region`` of the target, or None when ``dst`` and ``region`` share no element."""
+    common = dst.intersect(region)
     if common is None:
         return None
-    offsets, sizes = list(sl.src.offsets), list(sl.src.sizes)
-    for d, s in enumerate(sl.dim_map()):
+    offsets, sizes = list(src.offsets), list(src.sizes)
+    for d, s in enumerate(dim_map(src, dst)):
         if s is not None:
-            offsets[s] += common.offsets[d] - sl.dst.offsets[d]
+            offsets[s] += common.offsets[d] - dst.offsets[d]
             sizes[s] = common.sizes[d]
     return Box(tuple(offsets), tuple(sizes))
 

@@ -312,14 +312,13 @@ def test_source_file_deleted_during_the_merge(copy_fixture, tmp_path):
 
 def test_source_file_truncated_during_the_merge(copy_fixture, tmp_path):
     src = copy_fixture("llama_tp2_dcp")
-    metadata = pickle.loads((src / ".metadata").read_bytes())
-    _, info = storage_of(metadata, "model.embed_tokens.weight")[1]
-    assert info.relative_path == "__1_0.distcp"
+    piece = ckpttool.read_layout(src).tensors["model.embed_tokens.weight"].pieces[1]
+    assert piece.file == "__1_0.distcp" and piece.encoding == "raw"  # located inside its torch.save item
     error = _merge_damaging_after_first_tensor(src, tmp_path / "hf", lambda: os.truncate(src / "__1_0.distcp", 1000))
     assert isinstance(error, SourceError)
     assert str(error) == (
-        f"'__1_0.distcp': 'model.embed_tokens.weight' needs {info.length} bytes at offset {info.offset} but only "
-        f"{max(0, 1000 - info.offset)} are there; the file is truncated"
+        f"'__1_0.distcp': 'model.embed_tokens.weight' needs {piece.byte_length} bytes at offset {piece.byte_offset} "
+        f"but only {max(0, 1000 - piece.byte_offset)} are there; the file is truncated"
     )
 
 

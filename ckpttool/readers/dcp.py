@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
+from typing import BinaryIO
 
 from ..dtypes import dtype_name, itemsize
 from ..errors import SourceError, SourceNotFoundError
-from ..layout import TORCH_SAVE, Box, Layout, LayoutBuilder, Piece
+from ..layout import RAW, TORCH_SAVE, Box, Layout, LayoutBuilder, Piece
 from ..models import ModelInfo
 from ..paths import inside
 from ..safe_pickle import load_metadata_pickle
+from ..torch_save import locate
 
 NAME = "dcp"
 LOOKS_FOR = ".metadata with *.distcp files (PyTorch Distributed Checkpoint)"
@@ -47,60 +50,80 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     builder = LayoutBuilder(str(root), NAME)
     skipped_state, skipped_bytes = 0, 0
     sizes: dict[str, int | None] = {}
-    for fqn, tmd in tensors_md.items():
-        if getattr(tmd, "kind", "") != "TensorStorageMetadata":
-            skipped_bytes += 1
-            continue
-        if fqn.split(".", 1)[0] in NOT_MODEL or fqn.endswith("._extra_state"):
-            skipped_state += 1
-            continue
-        props = tmd.get("properties")
-        stored = props.get("dtype") if props is not None else None
-        try:
-            dtype = dtype_name(stored or "")
-        except SourceError:
-            raise SourceError(f"'{METADATA}': '{fqn}' has dtype {stored!r}, which safetensors cannot hold") from None
-        shape = tmd.get("size")
-        if not isinstance(shape, tuple):
-            raise SourceError(f"'{METADATA}': '{fqn}' has no global size")
-        if not builder.declare(fqn, shape, dtype, where=f"'{METADATA}'"):
-            continue
-        for chunk in tmd.get("chunks") or ():
-            offsets, chunk_sizes = tuple(chunk.get("offsets") or ()), tuple(chunk.get("sizes") or ())
-            if not len(offsets) == len(chunk_sizes) == len(shape):
-                raise SourceError(
-                    f"'{METADATA}': '{fqn}' has a chunk with offsets {list(offsets)} and sizes {list(chunk_sizes)} "
-                    f"for a tensor of {len(shape)} dims"
-                )
-            info = storage.get((fqn, offsets))
-            if info is None:
-                raise SourceError(f"'{METADATA}': '{fqn}' chunk at offsets {list(offsets)} has no storage entry")
-            rel = str(info.get("relative_path"))
-            if info.get("transform_descriptors"):
-                raise SourceError(
-                    f"'{rel}': '{fqn}' is stored with transforms {info.get('transform_descriptors')}, "
-                    "which ckpttool does not decode yet"
-                )
-            if rel not in sizes:  # confine and stat each file once, not once per chunk
-                file = inside(root, rel, named_by=METADATA)
-                sizes[rel] = os.path.getsize(file) if file.is_file() else None
-            start, length = int(info.get("offset")), int(info.get("length"))
-            if sizes[rel] is not None and start + length > sizes[rel]:
-                raise SourceError(
-                    f"'{rel}': '{fqn}' needs bytes {start}..{start + length} but the file has {sizes[rel]}; "
-                    "it is truncated"
-                )
-            needed = math.prod(chunk_sizes) * itemsize(dtype)
-            if length < needed:  # checked before anything is allocated: absurd sizes stop here
-                raise SourceError(
-                    f"'{rel}': '{fqn}' chunk of sizes {list(chunk_sizes)} needs at least {needed} bytes, but its "
-                    f"storage entry holds {length}"
-                )
-            piece = Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, TORCH_SAVE, start, length)
-            builder.add(fqn, piece, present=sizes[rel] is not None)
+    handles: dict[str, BinaryIO] = {}
+    try:
+        for fqn, tmd in tensors_md.items():
+            if getattr(tmd, "kind", "") != "TensorStorageMetadata":
+                skipped_bytes += 1
+                continue
+            if fqn.split(".", 1)[0] in NOT_MODEL or fqn.endswith("._extra_state"):
+                skipped_state += 1
+                continue
+            props = tmd.get("properties")
+            stored = props.get("dtype") if props is not None else None
+            try:
+                dtype = dtype_name(stored or "")
+            except SourceError:
+                raise SourceError(f"'{METADATA}': '{fqn}' has dtype {stored!r}, which safetensors cannot hold") from None
+            shape = tmd.get("size")
+            if not isinstance(shape, tuple):
+                raise SourceError(f"'{METADATA}': '{fqn}' has no global size")
+            if not builder.declare(fqn, shape, dtype, where=f"'{METADATA}'"):
+                continue
+            for chunk in tmd.get("chunks") or ():
+                offsets, chunk_sizes = tuple(chunk.get("offsets") or ()), tuple(chunk.get("sizes") or ())
+                if not len(offsets) == len(chunk_sizes) == len(shape):
+                    raise SourceError(
+                        f"'{METADATA}': '{fqn}' has a chunk with offsets {list(offsets)} and sizes {list(chunk_sizes)} "
+                        f"for a tensor of {len(shape)} dims"
+                    )
+                info = storage.get((fqn, offsets))
+                if info is None:
+                    raise SourceError(f"'{METADATA}': '{fqn}' chunk at offsets {list(offsets)} has no storage entry")
+                rel = str(info.get("relative_path"))
+                if info.get("transform_descriptors"):
+                    raise SourceError(
+                        f"'{rel}': '{fqn}' is stored with transforms {info.get('transform_descriptors')}, "
+                        "which ckpttool does not decode yet"
+                    )
+                if rel not in sizes:  # confine and stat each file once, not once per chunk
+                    file = inside(root, rel, named_by=METADATA)
+                    sizes[rel] = os.path.getsize(file) if file.is_file() else None
+                start, length = int(info.get("offset")), int(info.get("length"))
+                if sizes[rel] is not None and start + length > sizes[rel]:
+                    raise SourceError(
+                        f"'{rel}': '{fqn}' needs bytes {start}..{start + length} but the file has {sizes[rel]}; "
+                        "it is truncated"
+                    )
+                needed = math.prod(chunk_sizes) * itemsize(dtype)
+                if length < needed:  # checked before anything is allocated: absurd sizes stop here
+                    raise SourceError(
+                        f"'{rel}': '{fqn}' chunk of sizes {list(chunk_sizes)} needs at least {needed} bytes, but its "
+                        f"storage entry holds {length}"
+                    )
+                piece = Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, TORCH_SAVE, start, length)
+                if sizes[rel] is not None:
+                    piece = _as_raw(root, piece, handles)
+                builder.add(fqn, piece, present=sizes[rel] is not None)
+    finally:
+        for handle in handles.values():
+            handle.close()
     notes = []
     if skipped_state:
         notes.append(f"skipped {skipped_state} optimizer/training-state tensors")
     if skipped_bytes:
         notes.append(f"skipped {skipped_bytes} non-tensor entries")
     return builder.build(notes)
+
+
+def _as_raw(root: Path, piece: Piece, handles: dict[str, BinaryIO]) -> Piece:
+    """The piece as raw bytes inside its ``torch.save`` item when they can be located (read in place, in
+    bounded chunks), else unchanged (loaded whole with ``torch.load(weights_only=True)``)."""
+    handle = handles.get(piece.file)
+    if handle is None:
+        handle = handles[piece.file] = open(root / piece.file, "rb")  # noqa: SIM115 (closed by the caller)
+    found = locate(handle, piece.byte_offset, piece.byte_length)
+    if found is None or found.dtype != piece.dtype or found.shape != piece.box.sizes:
+        return piece
+    nbytes = math.prod(found.shape) * itemsize(found.dtype)
+    return replace(piece, encoding=RAW, byte_offset=piece.byte_offset + found.offset, byte_length=nbytes)

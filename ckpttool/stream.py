@@ -1,0 +1,244 @@
+"""The streaming executor: each output tensor is written in row chunks straight from positioned reads of its
+pieces, never materialised whole, on several threads.
+
+A target of shape ``(R, ...)`` is cut into chunks of whole rows of at most :data:`CHUNK_BYTES`. For a chunk,
+every copy of the plan that meets those rows gives a region of its piece; a region is read with one ``pread``
+of the smallest byte range that holds it (a dim-0 piece gives whole rows: one run; a dim-1 piece gives the
+chunk's rows of that piece: again one run), laid into the chunk as a strided view, and the chunk is written
+with one ``pwrite`` at its offset in the output file. A chunk covered by one contiguous region is written from
+the read buffer itself. Memory is a few chunks per thread, whatever the size of the tensors.
+
+Each chunk's sha256 is taken as it is written; a file's digest is the sha256 of its header's sha256 followed
+by its chunks' sha256 in file order, so it can be computed again from the file alone (:func:`file_digest`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .dtypes import itemsize, torch_dtype
+from .errors import SourceError
+from .executor import PieceLoader
+from .layout import RAW, Box, Piece
+from .plan import Target, dim_map, map_region
+
+#: the most output bytes one chunk holds (a chunk is at least one row)
+CHUNK_BYTES = 32 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Rows ``start..stop`` of ``target``, written at byte ``offset`` of its output file."""
+
+    target: Target
+    start: int
+    stop: int
+    offset: int
+    nbytes: int
+
+
+def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+    """The chunks of ``target`` (written at ``offset``), in file order."""
+    shape = target.shape or (1,)
+    row = math.prod(shape[1:]) * itemsize(target.dtype)
+    per = max(1, chunk_bytes // row) if row else max(1, shape[0])
+    return [
+        Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
+        for a in range(0, shape[0], per)
+    ]
+
+
+def file_digest(path: Path, prefix_len: int, spans: Sequence[int]) -> str:
+    """The digest :func:`write_file` returns, computed again from the file: ``spans`` are the chunk sizes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(hashlib.sha256(f.read(prefix_len)).digest())
+        for n in spans:
+            digest.update(hashlib.sha256(f.read(n)).digest())
+    return digest.hexdigest()
+
+
+class Reader:
+    """Regions of pieces, read with ``pread`` into per-thread buffers; safe to share between threads.
+
+    Pieces stored as ``torch.save`` archives (ones that could not be located as raw bytes) are loaded whole
+    and kept until their last use (``uses``).
+    """
+
+    def __init__(self, root: str | Path, uses: Counter[Piece]) -> None:
+        self.root = Path(root)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._loader = PieceLoader(root, Counter({p: n for p, n in uses.items() if p.encoding != RAW}))
+
+    def region(self, piece: Piece, box: Box, sizes: tuple[int, ...], dims: tuple[int | None, ...]) -> torch.Tensor:
+        """``box`` of ``piece`` (local coordinates) as a tensor of shape ``sizes``: dim ``d`` is the piece's dim
+        ``dims[d]`` (None: an added dim of size 1). A view of this thread's buffer, valid until its next read."""
+        if piece.encoding != RAW:
+            with self._lock:
+                tensor = self._loader.load(piece)
+            return tensor[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))].reshape(sizes)
+        shape = piece.box.sizes
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        first = sum(o * st for o, st in zip(box.offsets, strides))
+        last = sum((o + s - 1) * st for o, s, st in zip(box.offsets, box.sizes, strides))
+        size = itemsize(piece.dtype)
+        nbytes = (last - first + 1) * size
+        buffer = self._buffer(nbytes)
+        got = os.preadv(self._fd(piece.file), [memoryview(buffer)[:nbytes]], piece.byte_offset + first * size)
+        if got != nbytes:
+            raise SourceError(
+                f"'{piece.file}': '{piece.key}' needs {nbytes} bytes at offset {piece.byte_offset + first * size} but "
+                f"only {got} are there; the file is truncated"
+            )
+        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(torch_dtype(piece.dtype))
+        return torch.as_strided(flat, sizes, [strides[s] if s is not None else 0 for s in dims])
+
+    def _buffer(self, nbytes: int) -> bytearray:
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = bytearray(max(nbytes, 1))
+            self._local.buffer = buffer
+        return buffer
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                try:
+                    fd = os.open(self.root / file, os.O_RDONLY)
+                except OSError as e:
+                    raise SourceError(f"'{file}': cannot read: {e.strerror or e}") from None
+                self._fds[file] = fd
+            return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
+    """How many chunks read each piece (a piece of ``torch.save`` bytes is kept loaded until its last one)."""
+    uses: Counter[Piece] = Counter()
+    for chunk in chunk_list:
+        rows = _rows(chunk)
+        uses.update(c.piece for c in chunk.target.copies if c.dst.intersect(rows) is not None)
+    return uses
+
+
+def build(chunk: Chunk, reader: Reader) -> torch.Tensor:
+    """The chunk's elements in the output dtype, C order (a view of the read buffer when one region fills it)."""
+    target = chunk.target
+    rows = _rows(chunk)
+    parts = []
+    for copy in target.copies:
+        part = copy.dst.intersect(rows)
+        if part is not None and part.numel:
+            parts.append((copy, part))
+    source = torch_dtype(target.source_dtype)
+    if len(parts) == 1 and parts[0][1] == rows:
+        copy, part = parts[0]
+        region = reader.region(copy.piece, map_region(copy.src, copy.dst, part), part.sizes, dim_map(copy.src, copy.dst))
+        out = region if region.is_contiguous() else region.contiguous()
+    else:
+        out = torch.empty(rows.sizes, dtype=source)
+        for copy, part in parts:
+            region = reader.region(copy.piece, map_region(copy.src, copy.dst, part), part.sizes, dim_map(copy.src, copy.dst))
+            out[tuple(slice(o - r, o - r + s) for o, r, s in zip(part.offsets, rows.offsets, part.sizes))] = region
+    if target.dtype != target.source_dtype:
+        out = out.to(torch_dtype(target.dtype))
+    return out
+
+
+def _rows(chunk: Chunk) -> Box:
+    shape = chunk.target.shape
+    if not shape:
+        return Box((), ())
+    return Box((chunk.start, *(0 for _ in shape[1:])), (chunk.stop - chunk.start, *shape[1:]))
+
+
+def write_file(
+    path: Path,
+    prefix: bytes,
+    chunk_list: Sequence[Chunk],
+    reader: Reader,
+    workers: int = 1,
+    on_bytes: Callable[[int], None] = lambda n: None,
+) -> str:
+    """Write one safetensors file (header ``prefix``, then every chunk at its offset) and return its digest.
+
+    The file is allocated at its full size first, so a full disk shows before any tensor is read.
+    """
+    size = len(prefix) + sum(c.nbytes for c in chunk_list)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if size:
+            os.posix_fallocate(fd, 0, size)
+        _write_all(fd, prefix, 0)
+
+        def run(chunk: Chunk) -> bytes:
+            data = build(chunk, reader)
+            view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+            _write_all(fd, view, len(prefix) + chunk.offset)
+            return hashlib.sha256(view).digest()
+
+        digest = hashlib.sha256(hashlib.sha256(prefix).digest())
+        if workers > 1:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for chunk, chunk_digest in zip(chunk_list, pool.map(run, chunk_list)):
+                    digest.update(chunk_digest)
+                    on_bytes(chunk.nbytes)
+        else:
+            for chunk in chunk_list:
+                digest.update(run(chunk))
+                on_bytes(chunk.nbytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def predict_peak_bytes(chunk_list: Sequence[Chunk], workers: int = 1) -> int:
+    """Upper bound of the memory the streaming executor holds: per thread, its largest chunk in the source
+    dtype, its cast, and its largest read; plus whole ``torch.save`` pieces kept for later chunks."""
+    per_thread = 0
+    loaded: dict[Piece, int] = {}
+    for chunk in chunk_list:
+        target, rows = chunk.target, _rows(chunk)
+        source = chunk.nbytes // itemsize(target.dtype) * itemsize(target.source_dtype)
+        cast = chunk.nbytes if target.dtype != target.source_dtype else 0
+        read = 0
+        for copy in target.copies:
+            part = copy.dst.intersect(rows)
+            if part is None:
+                continue
+            if copy.piece.encoding != RAW:
+                loaded[copy.piece] = math.prod(copy.piece.box.sizes) * itemsize(copy.piece.dtype)
+                continue
+            box = map_region(copy.src, copy.dst, part)
+            assert box is not None
+            shape = copy.piece.box.sizes
+            strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+            span = sum((s - 1) * st for s, st in zip(box.sizes, strides)) + 1
+            read = max(read, span * itemsize(copy.piece.dtype))
+        per_thread = max(per_thread, source + cast + read)
+    return workers * per_thread + sum(loaded.values())

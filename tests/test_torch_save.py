@@ -1,0 +1,66 @@
+"""Locating a tensor's raw bytes inside a ``torch.save`` archive without loading it or running its pickle."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+
+import torch
+
+from ckpttool.dtypes import itemsize
+from ckpttool.torch_save import locate
+
+
+def saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def element_bytes(data: bytes, found, prefix: int = 0) -> bytes:
+    n = math.prod(found.shape) * itemsize(found.dtype)
+    return data[prefix + found.offset: prefix + found.offset + n]
+
+
+def test_a_plain_tensor_inside_a_larger_file():
+    tensor = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    archive = b"\x00" * 100 + saved(tensor) + b"\xff" * 50  # as one item of a .distcp file
+    found = locate(io.BytesIO(archive), 100, len(archive) - 150)
+    assert (found.dtype, found.shape) == ("F32", (4, 6))
+    assert element_bytes(archive, found, 100) == tensor.numpy().tobytes()
+
+
+def test_a_view_with_a_storage_offset():
+    base = torch.arange(40, dtype=torch.int64)
+    view = base[10:22].view(3, 4)
+    archive = saved(view)  # torch.save writes the whole storage; the view starts at element 10
+    found = locate(io.BytesIO(archive), 0, len(archive))
+    assert (found.dtype, found.shape) == ("I64", (3, 4))
+    assert element_bytes(archive, found) == view.contiguous().numpy().tobytes()
+
+
+def test_bfloat16():
+    tensor = torch.randn(5, 3).to(torch.bfloat16)
+    archive = saved(tensor)
+    found = locate(io.BytesIO(archive), 0, len(archive))
+    assert element_bytes(archive, found) == tensor.view(torch.int16).numpy().tobytes()
+
+
+def test_what_cannot_be_located_falls_back():
+    for obj in (torch.arange(12.0).reshape(3, 4).t(), {"a": torch.ones(2)}, [torch.ones(2)], 3):
+        archive = saved(obj)
+        assert locate(io.BytesIO(archive), 0, len(archive)) is None, obj
+    assert locate(io.BytesIO(b"not a zip at all"), 0, 16) is None
+
+
+def test_a_malicious_pickle_is_not_run(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    archive = saved(Payload())
+    assert locate(io.BytesIO(archive), 0, len(archive)) is None
+    assert not marker.exists()
