@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ckpttool.executor import predict_peak_bytes
+from ckpttool.writer import predict_peak_bytes
 from ckpttool.merge import prepare
 from ckpttool.sidecar import PieceSpec, save_shard
 

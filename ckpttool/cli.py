@@ -18,13 +18,14 @@ import click
 
 from . import __version__
 from .errors import CkptError
-from .executor import predict_peak_bytes
+from .writer import predict_peak_bytes
 from .findings import Report
 from .merge import MergeResult, merge
 from .readers import READERS
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_AUDIT = 0, 1, 2, 3
 FORMATS = click.Choice(list(READERS))
+DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 
 
 def _fail(message: str, as_json: bool) -> None:
@@ -83,13 +84,15 @@ def main() -> None:
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--no-audit", is_flag=True, help="Do not audit the output (by default audit errors stop the publish).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted merge: keep the output files it finished (sha256 checked).")
-@click.option("--verify", is_flag=True, help="Read every written file back from disk and compare its sha256.")
+@click.option("--verify", is_flag=True, help="Read every written file back from disk and compare its digest.")
+@click.option("--workers", type=click.IntRange(1, 256), default=DEFAULT_WORKERS, show_default=True, help="Threads reading and writing at once.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug); with --dry-run, list every tensor.")
 def merge_command(
     src: str, out: str, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str,
-    dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, as_json: bool, quiet: bool, verbose: int,
+    dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, workers: int, as_json: bool, quiet: bool,
+    verbose: int,
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT."""
     _setup_logging(verbose, quiet or as_json)
@@ -97,7 +100,7 @@ def merge_command(
     try:
         result: MergeResult = _run(as_json, lambda: merge(
             src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
-            force=force, audit=not no_audit, resume=resume, verify=verify, progress=bar,
+            force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar,
         ))
     finally:
         if bar is not None:
@@ -219,7 +222,8 @@ def _print_result(result: MergeResult, verbose: int) -> None:
     if result.kept_files:
         click.echo(f"resumed:  kept {result.kept_files} of {len(result.files)} files of the interrupted merge (sha256 checked)")
     if result.dry_run:
-        click.echo(f"peak memory: at most {_size(predict_peak_bytes(plan))} (largest tensor {_size(plan.largest_target_bytes())})")
+        click.echo(f"peak memory: at most {_size(predict_peak_bytes(plan, result.workers))} with {result.workers} "
+                   f"worker{'s' if result.workers != 1 else ''} (largest tensor {_size(plan.largest_target_bytes())})")
     for note in plan.notes:
         click.echo(f"note: {note}")
     if result.dry_run or verbose:

@@ -1,26 +1,23 @@
-"""Carrying a plan out: each target assembled from its box copies, one tensor at a time.
+"""The reference executor: a whole target tensor assembled in memory from its box copies.
 
-Peak memory is one target tensor (plus its cast, when ``--dtype`` changes it) plus a small cache of recently
-read pieces, never the model. Output headers are known from the plan before any data is written, and each
-tensor lands at its precomputed offset with a positioned write, so a byte-level or parallel executor can
-replace :func:`assemble` without changing the file layout.
+The merge writes with the streaming executor (:mod:`ckpttool.stream`), which never holds a whole tensor;
+this one is the simple oracle the tests compare it with, the way the audit and ``diff`` read tensors, and
+the loader of pieces stored as ``torch.save`` archives. Peak memory is one target tensor plus a small cache
+of pieces that later targets still need.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
-import math
-import os
 import pickle
 import re
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from .dtypes import dtype_name, itemsize, torch_dtype
+from .dtypes import dtype_name, torch_dtype
 from .errors import SourceError, UnsafePickleError
 from .layout import RAW, Box, Piece
 from .plan import Plan, Target
@@ -125,24 +122,6 @@ class PieceLoader:
         return data
 
 
-def predict_peak_bytes(plan: Plan, cache_bytes: int = CACHE_BYTES) -> int:
-    """Upper bound of the memory the executor holds at once: the largest target in its source dtype, its
-    cast copy when the dtype changes, the largest piece it reads, and pieces kept for later targets."""
-    peak = 0
-    uses = Counter(c.piece for t in plan.targets for c in t.copies)
-    reused = sum(_nbytes(p) for p, n in uses.items() if n > 1)
-    for t in plan.targets:
-        source = math.prod(t.shape) * itemsize(t.source_dtype)
-        cast = t.nbytes if t.dtype != t.source_dtype else 0
-        piece = max((_nbytes(c.piece) for c in t.copies), default=0)
-        peak = max(peak, source + cast + piece)
-    return peak + min(cache_bytes, reused)
-
-
-def _nbytes(piece: Piece) -> int:
-    return math.prod(piece.box.sizes) * itemsize(piece.dtype)
-
-
 def assemble(target: Target, loader: PieceLoader) -> torch.Tensor:
     """The full target tensor, in the output dtype, built from its copies.
 
@@ -158,46 +137,6 @@ def assemble(target: Target, loader: PieceLoader) -> torch.Tensor:
     if target.dtype != target.source_dtype:
         out = out.to(torch_dtype(target.dtype))
     return out
-
-
-def write_file(
-    path: Path,
-    prefix: bytes,
-    targets: list[tuple[Target, int]],
-    loader: PieceLoader,
-    on_bytes: Callable[[int], None] = lambda n: None,
-) -> str:
-    """Write one safetensors file: the header ``prefix``, then each target at its buffer offset.
-
-    Targets come in buffer order with no gaps (as :func:`~ckpttool.safetensors_format.encode_header` lays
-    them out), so the sha256 of the bytes as they are written is the sha256 of the file, which is returned.
-    """
-    digest = hashlib.sha256(prefix)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _write_all(fd, prefix, 0)
-        position = 0
-        for target, offset in targets:
-            if offset != position:
-                raise ValueError(f"'{target.name}' at buffer offset {offset}, expected {position}: targets out of order")
-            tensor = assemble(target, loader)
-            data = tensor.reshape(-1).view(torch.uint8).numpy()
-            _write_all(fd, memoryview(data), len(prefix) + offset)
-            digest.update(data)
-            position += target.nbytes
-            del tensor, data  # before the next target is assembled: one tensor alive at a time
-            on_bytes(target.nbytes)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return digest.hexdigest()
-
-
-def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def _index(box: Box) -> tuple[slice, ...]:

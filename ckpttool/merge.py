@@ -12,13 +12,21 @@ from pathlib import Path
 from .audit import check
 from .dtypes import dtype_name
 from .errors import AuditError, SourceError
-from .executor import predict_peak_bytes
 from .findings import Report
 from .layout import Layout
 from .models import ModelInfo, find_config, hf_specs, model_info, read_config
 from .plan import Plan, identity_specs, plan_merge
 from .readers import read_layout
-from .writer import OutputFile, Staging, assign_files, check_destination, write_extras, write_text, write_weights
+from .writer import (
+    OutputFile,
+    Staging,
+    assign_files,
+    check_destination,
+    predict_peak_bytes,
+    write_extras,
+    write_text,
+    write_weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,7 @@ class MergeResult:
     dry_run: bool
     audit: Report | None = None
     kept_files: int = 0
+    workers: int = 1
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -64,7 +73,8 @@ class MergeResult:
             "tensors": len(self.plan.targets),
             "total_bytes": self.plan.nbytes,
             "largest_tensor_bytes": self.plan.largest_target_bytes(),
-            "predicted_peak_bytes": predict_peak_bytes(self.plan),
+            "workers": self.workers,
+            "predicted_peak_bytes": predict_peak_bytes(self.plan, self.workers),
             "files": [{"name": f.name, "bytes": f.nbytes, "tensors": len(f.targets)} for f in self.files],
             "extras": list(self.extras),
             "notes": list(self.plan.notes),
@@ -116,6 +126,7 @@ def merge(
     audit: bool = True,
     resume: bool = False,
     verify: bool = False,
+    workers: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
@@ -133,7 +144,8 @@ def merge(
             the report to ``ckpttool-audit.json`` beside it, and refuse to publish when it finds errors.
         resume: continue an interrupted merge of the same plan: output files it finished are kept once their
             sha256 is checked again; the rest are written.
-        verify: read every written file back from disk and compare its sha256 with the bytes written.
+        verify: read every written file back from disk and compare its digest with the bytes written.
+        workers: threads reading and writing chunks at once.
         progress: called as ``progress(bytes_just_written, total_bytes)`` after each tensor.
 
     Returns:
@@ -161,7 +173,7 @@ def merge(
         with Staging(dest, resume=resume) as staging:
             total = plan.nbytes
             kept = write_weights(plan, files, staging.path, (lambda n: progress(n, total)) if progress else (lambda n: None),
-                                 verify=verify)
+                                 verify=verify, workers=workers)
             config_dir = [prepared.config_path.parent] if prepared.config_path is not None else []
             search = list(dict.fromkeys([*config_dir, root]))
             extras = write_extras(staging.path, prepared.config, search, dtype_name(dtype) if dtype else None)
@@ -181,6 +193,7 @@ def merge(
         dry_run=dry_run,
         audit=report,
         kept_files=kept,
+        workers=workers,
     )
 
 

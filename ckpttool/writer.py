@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DestinationError, OutputError, SourceError
-from .executor import PieceLoader, write_file
+from .stream import CHUNK_BYTES, Chunk, Reader, chunks, file_digest, piece_uses
+from .stream import predict_peak_bytes as stream_peak_bytes
+from .stream import write_file as stream_file
 from .paths import is_within
 from .plan import Plan, Target
 from .safetensors_format import encode_header, read_header
@@ -156,7 +158,8 @@ def _staging_dirs(dest: Path) -> list[Path]:
 
 
 class Journal:
-    """The output files finished so far, with their sizes and sha256, for one plan.
+    """The output files finished so far, with their sizes and digests (sha256 of the header and of each
+    chunk, see :mod:`ckpttool.stream`), for one plan.
 
     The journal is rewritten atomically after each file. A journal of another plan (the source, the
     options or ckpttool changed) is ignored, so a resume never mixes two merges.
@@ -177,18 +180,18 @@ class Journal:
                 shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
         self._save()
 
-    def kept(self, name: str, path: Path, nbytes: int) -> bool:
-        """True when ``name`` was finished by an earlier run and still has its recorded size and sha256."""
+    def kept(self, name: str, path: Path, nbytes: int, digest: Callable[[], str]) -> bool:
+        """True when ``name`` was finished by an earlier run and still has its recorded size and digest."""
         record = self.files.get(name)
         if not isinstance(record, dict) or record.get("bytes") != nbytes or not path.is_file():
             return False
-        if path.stat().st_size != nbytes or _sha256_of(path) != record.get("sha256"):
+        if path.stat().st_size != nbytes or digest() != record.get("digest"):
             self.files.pop(name)
             return False
         return True
 
-    def record(self, name: str, nbytes: int, sha256: str) -> None:
-        self.files[name] = {"bytes": nbytes, "sha256": sha256}
+    def record(self, name: str, nbytes: int, digest: str) -> None:
+        self.files[name] = {"bytes": nbytes, "digest": digest}
         self._save()
 
     def _save(self) -> None:
@@ -216,7 +219,8 @@ def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
                      for t in out.targets]]
         for out in files
     ]
-    text = json.dumps({"ckpttool": __version__, "root": str(Path(plan.root).resolve()), "files": layout, "sources": stats})
+    text = json.dumps({"ckpttool": __version__, "chunk": CHUNK_BYTES, "root": str(Path(plan.root).resolve()),
+                       "files": layout, "sources": stats})
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -227,36 +231,41 @@ def write_weights(
     on_bytes: Callable[[int], None] = lambda n: None,
     *,
     verify: bool = False,
+    workers: int = 1,
 ) -> int:
     """Write the safetensors files (and the index when there are several), check each, and journal it.
 
-    Files an interrupted run of the same plan finished (see :class:`Journal`) are kept after their sha256 is
-    checked again. With ``verify``, each file written is read back from disk and its sha256 compared with
-    the bytes that were written.
+    Tensors are streamed in row chunks by ``workers`` threads (:mod:`ckpttool.stream`). Files an interrupted
+    run of the same plan finished (see :class:`Journal`) are kept after their digest is checked again. With
+    ``verify``, each file written is read back from disk and its digest compared with the bytes written.
 
     Returns:
         How many files were kept from an earlier run.
     """
+    layouts = [_file_layout(out) for out in files]
     journal = Journal(directory, plan_id(plan, files))
-    loader = PieceLoader.for_plan(plan)
+    reader = Reader(plan.root, piece_uses([c for _, chunk_list in layouts for c in chunk_list]))
     kept = 0
-    for out in files:
-        prefix, offsets = encode_header({t.name: (t.dtype, t.shape) for t in out.targets}, {"format": "pt"})
-        path = directory / out.name
-        size = len(prefix) + out.nbytes
-        if journal.kept(out.name, path, size):
-            kept += 1
-            loader.skip(c.piece for t in out.targets for c in t.copies)
-            on_bytes(out.nbytes)
-            continue
-        try:
-            digest = write_file(path, prefix, [(t, offsets[t.name][0]) for t in out.targets], loader, on_bytes)
-        except OSError as e:
-            raise OutputError(f"'{out.name}': cannot write: {e.strerror or e}; nothing was published") from None
-        _verify(path, out, len(prefix))
-        if verify:
-            _read_back(path, out.name, digest)
-        journal.record(out.name, size, digest)
+    try:
+        for out, (prefix, chunk_list) in zip(files, layouts):
+            path = directory / out.name
+            spans = [c.nbytes for c in chunk_list]
+            size = len(prefix) + out.nbytes
+            compute = lambda path=path, prefix=prefix, spans=spans: file_digest(path, len(prefix), spans)  # noqa: E731
+            if journal.kept(out.name, path, size, compute):
+                kept += 1
+                on_bytes(out.nbytes)
+                continue
+            try:
+                digest = stream_file(path, prefix, chunk_list, reader, workers, on_bytes)
+            except OSError as e:
+                raise OutputError(f"'{out.name}': cannot write: {e.strerror or e}; nothing was published") from None
+            _verify(path, out, len(prefix))
+            if verify:
+                _read_back(path, out.name, digest, compute)
+            journal.record(out.name, size, digest)
+    finally:
+        reader.close()
     if len(files) > 1:
         weight_map = {t.name: out.name for out in files for t in out.targets}
         index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
@@ -264,30 +273,34 @@ def write_weights(
     return kept
 
 
-def _read_back(path: Path, name: str, digest: str) -> None:
-    """Drop the file from the page cache, read it from disk, and compare its sha256 with what was written."""
+def _file_layout(out: OutputFile) -> tuple[bytes, list[Chunk]]:
+    """The header bytes of an output file and its chunks in file order."""
+    prefix, offsets = encode_header({t.name: (t.dtype, t.shape) for t in out.targets}, {"format": "pt"})
+    return prefix, [c for t in out.targets for c in chunks(t, offsets[t.name][0])]
+
+
+def predict_peak_bytes(plan: Plan, workers: int = 1) -> int:
+    """The most memory the writer holds at once (see :func:`ckpttool.stream.predict_peak_bytes`)."""
+    chunk_list = [c for t in plan.targets for c in chunks(t, 0)]
+    return stream_peak_bytes(chunk_list, workers)
+
+
+def _read_back(path: Path, name: str, digest: str, compute: Callable[[], str]) -> None:
+    """Drop the file from the page cache, read it from disk, and compare its digest with what was written."""
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        found = _sha256_of(path)
+        found = compute()
     except OSError as e:
         raise OutputError(f"'{name}': cannot read it back: {e.strerror or e}; nothing was published") from None
     if found != digest:
         raise OutputError(
-            f"'{name}': read back from disk, its sha256 is {found[:16]}... but {digest[:16]}... was written; "
+            f"'{name}': read back from disk, its digest is {found[:16]}... but {digest[:16]}... was written; "
             "the disk or file system corrupted it. Nothing was published"
         )
-
-
-def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 * 2**20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _verify(path: Path, out: OutputFile, prefix_len: int) -> None:

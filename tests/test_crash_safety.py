@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ckpttool
-import ckpttool.executor
+import ckpttool.stream
 from ckpttool.errors import OutputError
 from ckpttool.writer import JOURNAL
 from conftest import fixture_dir, load_output
@@ -163,7 +163,7 @@ def _interrupt_after(nbytes: int):
 
 def corrupting_writes(monkeypatch) -> None:
     """Each output file loses a bit after it is written, as a failing disk would do."""
-    real = ckpttool.executor.write_file
+    real = ckpttool.stream.write_file
 
     def write_then_corrupt(path, *args, **kwargs):
         digest = real(path, *args, **kwargs)
@@ -174,7 +174,7 @@ def corrupting_writes(monkeypatch) -> None:
             f.write(bytes([last[0] ^ 1]))
         return digest
 
-    monkeypatch.setattr("ckpttool.writer.write_file", write_then_corrupt)
+    monkeypatch.setattr("ckpttool.writer.stream_file", write_then_corrupt)
 
 
 def test_verify_reads_back_and_catches_corruption(cli, tmp_path, monkeypatch):
@@ -182,7 +182,7 @@ def test_verify_reads_back_and_catches_corruption(cli, tmp_path, monkeypatch):
     out = tmp_path / "hf"
     result = cli("merge", fixture_dir(FIXTURE) / "checkpoint", out, "--verify")
     assert result.exit_code == 1
-    assert "Error: 'model.safetensors': read back from disk, its sha256 is " in result.stderr
+    assert "Error: 'model.safetensors': read back from disk, its digest is " in result.stderr
     assert "was written; the disk or file system corrupted it. Nothing was published" in result.stderr
     assert not out.exists() and staging_dirs(out) == []
 
@@ -194,10 +194,10 @@ def test_verify_passes_on_a_sound_disk(tmp_path):
 
 
 def test_read_back_failure_is_an_output_error(tmp_path, monkeypatch):
-    def unreadable(path):
+    def unreadable(path, prefix_len, spans):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("ckpttool.writer._sha256_of", unreadable)
+    monkeypatch.setattr("ckpttool.writer.file_digest", unreadable)
     with pytest.raises(OutputError, match="'model.safetensors': cannot read it back: Permission denied; nothing was published"):
         ckpttool.merge(fixture_dir(FIXTURE) / "checkpoint", tmp_path / "hf", verify=True)
 

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckpttool
 from ckpttool.errors import CkptError, CoverageError, SourceError
-from conftest import assert_failed_cleanly as failed_cleanly, fixture_dir
+from conftest import assert_failed_cleanly as failed_cleanly, fixture_dir, load_output
 
 SHARD1 = "shard-00001-model-00001-of-00001.safetensors"
 SHARD2 = "shard-00002-model-00001-of-00001.safetensors"
@@ -302,12 +302,20 @@ def _merge_damaging_after_first_tensor(src: Path, out: Path, damage) -> CkptErro
     return excinfo.value
 
 
-def test_source_file_deleted_during_the_merge(copy_fixture, tmp_path):
+def test_source_file_deleted_during_the_merge_is_read_from_its_open_handle(copy_fixture, tmp_path):
     src = copy_fixture("llama_tp2_dcp")
-    error = _merge_damaging_after_first_tensor(src, tmp_path / "hf", (src / "__1_0.distcp").unlink)
-    assert isinstance(error, SourceError)
-    # lm_head.weight is written first; model.embed_tokens.weight is the next tensor with a piece in __1_0
-    assert str(error) == "'__1_0.distcp': cannot read 'model.embed_tokens.weight': No such file or directory"
+    deleted = []
+
+    def progress(n: int, total: int) -> None:
+        if not deleted:
+            (src / "__1_0.distcp").unlink()  # every source file is open by the first chunk: the bytes stay readable
+            deleted.append(True)
+
+    ckpttool.merge(src, tmp_path / "hf", progress=progress)
+    assert deleted
+    reference = load_output(fixture_dir("llama_tp2_dcp") / "reference")
+    got = load_output(tmp_path / "hf")
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
 
 
 def test_source_file_truncated_during_the_merge(copy_fixture, tmp_path):
@@ -648,13 +656,14 @@ def _wrap_write_file(monkeypatch, after) -> None:
     """Run ``after(path)`` on each output file once the executor has written it (a fault on the way to disk)."""
     import ckpttool.writer
 
-    real = ckpttool.writer.write_file
+    real = ckpttool.writer.stream_file
 
     def write_file(path, *args, **kwargs):
-        real(path, *args, **kwargs)
+        digest = real(path, *args, **kwargs)
         after(path)
+        return digest
 
-    monkeypatch.setattr(ckpttool.writer, "write_file", write_file)
+    monkeypatch.setattr(ckpttool.writer, "stream_file", write_file)
 
 
 def test_output_file_shorter_than_planned_is_caught(cli, tmp_path, monkeypatch):
