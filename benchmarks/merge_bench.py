@@ -1,18 +1,28 @@
 #!/usr/bin/env python
-"""Time and peak memory of ``ckpttool merge`` against ``cp -r`` of the same bytes (the physical limit).
+"""``ckpttool merge`` against the physical limit (``cp -r`` + ``sync``) and against torch's own converters.
 
-Builds a synthetic sharded checkpoint with ckpttool's sidecar writer (4 TP ranks, bf16, tensors of a few
-hundred MiB split on dim 0 and on dim 1, a padded vocab), then runs each command several times, interleaved,
-with the page cache of the benchmark's own files dropped before each run (posix_fadvise DONTNEED), and
-reports medians. Peak RSS is the child's ru_maxrss; the baseline is the same merge with ``--dry-run``
-(every import and the whole plan, but no tensor data).
+Builds a synthetic Llama-shaped bf16 model of about ``--size-gib`` (vocab 32003, so the vocab splits unevenly;
+embedding and head of 250 MiB; hidden 4096), saved by torch itself from DTensors on 4 gloo ranks (torchrun):
 
-    python benchmarks/merge_bench.py --size-gib 1 --runs 3 [--workdir /tmp/ckpttool-bench]
+- ``dcp``: ``torch.distributed.checkpoint.save``; the peer is ``dcp_to_torch_save`` followed by a safetensors
+  save of the loaded state dict (what users do today);
+- ``hf``: DCP's ``HuggingFaceStorageWriter(save_distributed=True)`` (per-rank safetensors with
+  ``DCP_SHARDING_INFO``); the peer is torch's ``consolidate_safetensors_files``.
+
+``--split dim0`` shards every matrix on dim 0, ``dim1`` on dim 1 (row runs), ``mixed`` as Megatron does
+(q/k/v/gate/up on dim 0, o/down on dim 1). Each command runs in a fresh process, interleaved, with the page
+cache of the benchmark's files dropped first (posix_fadvise DONTNEED); wall time and peak RSS (``ru_maxrss`` of
+the command as the only child of a small probe) are medians of ``--runs``. Peak RSS is also reported above
+the baseline of ``merge --dry-run`` (imports and plan, no data).
+
+    python benchmarks/merge_bench.py --size-gib 1 --runs 3 --format dcp --split dim0
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import shutil
 import statistics
@@ -21,100 +31,168 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from ckpttool.writer import predict_peak_bytes
-from ckpttool.merge import prepare
-from ckpttool.sidecar import PieceSpec, save_shard
-
-TP = 4
-HIDDEN = 4096
+HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, WORLD = 4096, 11008, 32, 8, 32003, 4
 
 
-def build(src: Path, size_gib: float) -> int:
-    """A 4-rank sidecar checkpoint of about ``size_gib``: returns its byte count."""
-    target = int(size_gib * 2**30)
-    vocab = 32003  # padded to 32004 for TP=4
-    per_layer = 2 * (3 * HIDDEN * HIDDEN) * 2  # bytes: column (3H x H) + row (H x 3H), bf16
-    budget = target - (vocab + 1) * HIDDEN * 2
-    n_layers = max(1, budget // per_layer)
-    g = torch.Generator().manual_seed(0)
-    for rank in range(TP):
-        tensors, specs = {}, {}
-        embed = (32004, HIDDEN)
-        tensors["embed.weight"] = torch.randn((embed[0] // TP, HIDDEN), generator=g).to(torch.bfloat16)
-        specs["embed.weight"] = PieceSpec.split(embed, dim=0, index=rank, count=TP, true_size=vocab)
-        for i in range(n_layers):
-            col, row = (3 * HIDDEN, HIDDEN), (HIDDEN, 3 * HIDDEN)
-            tensors[f"layers.{i}.col.weight"] = torch.randn((col[0] // TP, col[1]), generator=g).to(torch.bfloat16)
-            specs[f"layers.{i}.col.weight"] = PieceSpec.split(col, dim=0, index=rank, count=TP)
-            tensors[f"layers.{i}.row.weight"] = torch.randn((row[0], row[1] // TP), generator=g).to(torch.bfloat16)
-            specs[f"layers.{i}.row.weight"] = PieceSpec.split(row, dim=1, index=rank, count=TP)
-        save_shard(tensors, specs, src, rank=rank, world_size=TP)
-        del tensors
-    return sum(f.stat().st_size for f in src.iterdir())
+def config(size_gib: float) -> dict:
+    per_layer = (2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN * KV_HEADS // HEADS + 3 * HIDDEN * INTER) * 2
+    layers = max(1, round((size_gib * 2**30 - 2 * VOCAB * HIDDEN * 2) / per_layer))
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
+            "intermediate_size": INTER, "num_hidden_layers": layers, "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS, "tie_word_embeddings": False, "dtype": "bfloat16",
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+
+
+def produce(out: Path, fmt: str, split: str, size_gib: float) -> None:
+    """Run under torchrun: every rank builds its pieces as DTensors and torch saves them."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    cfg = config(size_gib)
+    kv = HIDDEN * KV_HEADS // HEADS
+    shapes = {"model.embed_tokens.weight": ((VOCAB, HIDDEN), 0), "lm_head.weight": ((VOCAB, HIDDEN), 0),
+              "model.norm.weight": ((HIDDEN,), None)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, shape, dim in (("self_attn.q_proj", (HIDDEN, HIDDEN), 0), ("self_attn.k_proj", (kv, HIDDEN), 0),
+                                 ("self_attn.v_proj", (kv, HIDDEN), 0), ("self_attn.o_proj", (HIDDEN, HIDDEN), 1),
+                                 ("mlp.gate_proj", (INTER, HIDDEN), 0), ("mlp.up_proj", (INTER, HIDDEN), 0),
+                                 ("mlp.down_proj", (HIDDEN, INTER), 1)):
+            shapes[p + name + ".weight"] = (shape, {"dim0": 0, "dim1": 1, "mixed": dim}[split])
+        shapes[p + "input_layernorm.weight"] = ((HIDDEN,), None)
+        shapes[p + "post_attention_layernorm.weight"] = ((HIDDEN,), None)
+    state = {}
+    for n, (name, (shape, dim)) in enumerate(shapes.items()):
+        g = torch.Generator().manual_seed(1000 * n + rank)
+        if dim is None:
+            local, placement = torch.ones(shape, dtype=torch.bfloat16), Replicate()
+        else:
+            sizes = [len(c) for c in torch.arange(shape[dim]).chunk(WORLD)] + [0] * WORLD
+            local_shape = list(shape)
+            local_shape[dim] = sizes[rank]
+            local, placement = (0.02 * torch.randn(local_shape, generator=g)).to(torch.bfloat16), Shard(dim)
+        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+        state[name] = DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(shape), stride=stride)
+    if fmt == "dcp":
+        dcp.save(state, checkpoint_id=str(out))
+    else:
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
+    if rank == 0:
+        target = out / "sharded" if fmt == "hf" else out
+        (target / "config.json").write_text(json.dumps(cfg))
+    dist.destroy_process_group()
+
+
+def build(work: Path, fmt: str, split: str, size_gib: float) -> Path:
+    out = work / "src"
+    subprocess.run(["torchrun", "--standalone", f"--nproc_per_node={WORLD}", __file__, "--produce", str(out), "--format", fmt,
+                    "--split", split, "--size-gib", str(size_gib)], check=True, capture_output=True)
+    return out / "sharded" if fmt == "hf" else out
+
+
+PEER_DCP = r"""
+import sys, torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from safetensors.torch import save_file
+dcp_to_torch_save(sys.argv[1], sys.argv[2] + ".pt")
+state = torch.load(sys.argv[2] + ".pt", weights_only=True)
+save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[2] + "/model.safetensors")
+"""
+
+PEER_HF = r"""
+import json, sys
+from pathlib import Path
+from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+from safetensors import safe_open
+names = set()
+for f in Path(sys.argv[1]).glob("*.safetensors"):
+    with safe_open(f, "pt") as h:
+        names.update(h.keys())
+consolidate_safetensors_files(sys.argv[1], sys.argv[2], dict.fromkeys(names, 1), num_threads=int(sys.argv[3]))
+"""
 
 
 def drop_cache(*roots: Path) -> None:
     for root in roots:
-        if not root.exists():
-            continue
-        for f in root.rglob("*"):
+        for f in (root.rglob("*") if root.is_dir() else [root] if root.exists() else []):
             if f.is_file():
                 fd = os.open(f, os.O_RDONLY)
                 try:
-                    os.fsync(fd) if os.access(f, os.W_OK) else None
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
 
 
-def rss_of(cmd: list[str]) -> int:
-    """Peak RSS of a command in a fresh interpreter (ru_maxrss of RUSAGE_CHILDREN is a running max)."""
+def measure(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS of ``cmd`` run as the only child of a small probe process."""
     probe = (
-        "import resource,subprocess,sys;subprocess.run(sys.argv[1:],check=True,stdout=subprocess.DEVNULL,"
-        "stderr=subprocess.DEVNULL);print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss*1024)"
+        "import resource,subprocess,sys,time;t=time.perf_counter();subprocess.run(sys.argv[1:],check=True,"
+        "stdout=subprocess.DEVNULL,stderr=subprocess.DEVNULL);"
+        "print(time.perf_counter()-t,resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss*1024)"
     )
-    return int(subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True).stdout)
+    out = subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True).stdout.split()
+    return float(out[0]), int(out[1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=1.0)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--format", choices=["dcp", "hf"], default="dcp")
+    parser.add_argument("--split", choices=["dim0", "dim1", "mixed"], default="mixed")
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-bench"))
+    parser.add_argument("--produce", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--no-peer", action="store_true", help="skip torch's converter (it needs RAM for the whole model)")
     args = parser.parse_args()
+    if args.produce:
+        produce(args.produce, args.format, args.split, args.size_gib)
+        return
     work = args.workdir
     shutil.rmtree(work, ignore_errors=True)
-    src, out, copy = work / "src", work / "out", work / "copy"
-    nbytes = build(src, args.size_gib)
-    ckpttool = [sys.executable, "-m", "ckpttool"]
-    merge_cmd = [*ckpttool, "merge", str(src), str(out), "--force", "-q"]
-    # merge fsyncs what it writes; so does the reference: cp, then sync
-    cp_cmd = ["sh", "-c", f"cp -r '{src}' '{copy}' && sync"]
-    times: dict[str, list[float]] = {"merge": [], "cp": []}
-    peaks: list[int] = []
+    work.mkdir(parents=True)
+    src = build(work, args.format, args.split, args.size_gib)
+    nbytes = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
+    out, copy, peer_out = work / "out", work / "copy", work / "peer"
+    ckpttool = [sys.executable, "-m", "ckpttool", "merge", str(src), str(out), "--force", "-q", "--max-shard-size", "1000GB",
+                "--workers", str(args.workers)]
+    commands = {"ckpttool": ckpttool, "cp": ["sh", "-c", f"cp -r '{src}' '{copy}' && sync"]}
+    if not args.no_peer:
+        peer = (PEER_DCP, str(src), str(peer_out)) if args.format == "dcp" else (PEER_HF, str(src), str(peer_out), str(args.workers))
+        commands["torch"] = ["sh", "-c", f"mkdir -p '{peer_out}' && {sys.executable} -c '{peer[0]}' {' '.join(peer[1:])} && sync"]
+    results: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
     for _ in range(args.runs):
-        for name, cmd in (("merge", merge_cmd), ("cp", cp_cmd)):
-            shutil.rmtree(copy, ignore_errors=True)
-            drop_cache(src, out)
-            wall = time.perf_counter()
-            if name == "merge":
-                peaks.append(rss_of(cmd))
-            else:
-                subprocess.run(cmd, check=True)
-            times[name].append(time.perf_counter() - wall)
-    baseline = rss_of([*ckpttool, "merge", str(src), str(out), "--force", "--dry-run", "-q"])
+        for name, cmd in commands.items():
+            for leftover in (copy, peer_out, out):
+                shutil.rmtree(leftover, ignore_errors=True)
+            drop_cache(src)
+            results[name].append(measure(cmd))
+    baseline = measure([*ckpttool, "--dry-run"])[1]
+    from ckpttool.merge import prepare
+    from ckpttool.writer import predict_peak_bytes
+
     plan = prepare(src).plan
-    largest, predicted = plan.largest_target_bytes(), predict_peak_bytes(plan)
-    merge_t, cp_t = statistics.median(times["merge"]), statistics.median(times["cp"])
-    peak = statistics.median(peaks)
-    print(f"input: {nbytes / 2**30:.2f} GiB in {TP} rank files (bf16, dim-0 and dim-1 splits, padded vocab)")
-    print(f"cp+sync:{cp_t:6.2f} s   {nbytes / cp_t / 2**20:7.1f} MiB/s")
-    print(f"merge:  {merge_t:6.2f} s   {nbytes / merge_t / 2**20:7.1f} MiB/s   merge/cp = {merge_t / cp_t:.2f}")
-    print(f"peak RSS: {peak / 2**20:.0f} MiB; dry-run baseline {baseline / 2**20:.0f} MiB; "
-          f"above baseline {(peak - baseline) / 2**20:.0f} MiB")
-    print(f"largest tensor {largest / 2**20:.0f} MiB; the plan predicts at most {predicted / 2**20:.0f} MiB")
+    largest_piece = max(math.prod(c.piece.box.sizes) * 2 for t in plan.targets for c in t.copies)
+    t = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
+    m = {name: statistics.median(r[1] for r in runs) for name, runs in results.items()}
+    print(f"input: {args.format}, split {args.split}, {nbytes / 2**30:.2f} GiB, {len(plan.targets)} tensors, largest piece "
+          f"{largest_piece / 2**20:.0f} MiB, largest tensor {plan.largest_target_bytes() / 2**20:.0f} MiB; {args.workers} workers")
+    for name in commands:
+        print(f"  {name:9s} {t[name]:7.2f} s  {nbytes / t[name] / 2**20:7.1f} MiB/s  peak RSS {m[name] / 2**20:7.0f} MiB")
+    print(f"  ckpttool/cp = {t['ckpttool'] / t['cp']:.2f}")
+    print(f"  ckpttool peak above its --dry-run baseline ({baseline / 2**20:.0f} MiB): {(m['ckpttool'] - baseline) / 2**20:.0f} MiB "
+          f"(predicted at most {predict_peak_bytes(plan, args.workers) / 2**20:.0f} MiB; goal 2 x largest piece + 64 MiB = "
+          f"{(2 * largest_piece + 2**26) / 2**20:.0f} MiB)")
+    if "torch" in commands:
+        print(f"  ckpttool/torch: time {t['ckpttool'] / t['torch']:.2f}, peak RSS {m['ckpttool'] / m['torch']:.2f}")
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -95,7 +95,7 @@ class Reader:
         last = sum((o + s - 1) * st for o, s, st in zip(box.offsets, box.sizes, strides))
         size = itemsize(piece.dtype)
         nbytes = (last - first + 1) * size
-        buffer = self._buffer(nbytes)
+        buffer = self._buffer("read", nbytes)
         got = os.preadv(self._fd(piece.file), [memoryview(buffer)[:nbytes]], piece.byte_offset + first * size)
         if got != nbytes:
             raise SourceError(
@@ -105,11 +105,18 @@ class Reader:
         flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(torch_dtype(piece.dtype))
         return torch.as_strided(flat, sizes, [strides[s] if s is not None else 0 for s in dims])
 
-    def _buffer(self, nbytes: int) -> bytearray:
-        buffer = getattr(self._local, "buffer", None)
+    def scratch(self, name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        """A tensor of ``shape`` on this thread's buffer ``name``, reused from chunk to chunk (allocating a
+        fresh one per chunk lets each thread's heap grow)."""
+        nbytes = math.prod(shape) * itemsize(dtype)
+        flat = torch.frombuffer(self._buffer(name, nbytes), dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return flat.view(torch_dtype(dtype)).reshape(shape)
+
+    def _buffer(self, name: str, nbytes: int) -> bytearray:
+        buffers = self._local.__dict__.setdefault("buffers", {})
+        buffer = buffers.get(name)
         if buffer is None or len(buffer) < nbytes:
-            buffer = bytearray(max(nbytes, 1))
-            self._local.buffer = buffer
+            buffer = buffers[name] = bytearray(max(nbytes, 1))
         return buffer
 
     def _fd(self, file: str) -> int:
@@ -147,18 +154,17 @@ def build(chunk: Chunk, reader: Reader) -> torch.Tensor:
         part = copy.dst.intersect(rows)
         if part is not None and part.numel:
             parts.append((copy, part))
-    source = torch_dtype(target.source_dtype)
     if len(parts) == 1 and parts[0][1] == rows:
         copy, part = parts[0]
         region = reader.region(copy.piece, map_region(copy.src, copy.dst, part), part.sizes, dim_map(copy.src, copy.dst))
         out = region if region.is_contiguous() else region.contiguous()
     else:
-        out = torch.empty(rows.sizes, dtype=source)
+        out = reader.scratch("chunk", rows.sizes, target.source_dtype)
         for copy, part in parts:
             region = reader.region(copy.piece, map_region(copy.src, copy.dst, part), part.sizes, dim_map(copy.src, copy.dst))
             out[tuple(slice(o - r, o - r + s) for o, r, s in zip(part.offsets, rows.offsets, part.sizes))] = region
     if target.dtype != target.source_dtype:
-        out = out.to(torch_dtype(target.dtype))
+        out = reader.scratch("cast", rows.sizes, target.dtype).copy_(out)
     return out
 
 
