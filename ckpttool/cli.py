@@ -28,7 +28,14 @@ FORMATS = click.Choice(list(READERS))
 DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 
 
+def _speaks() -> bool:
+    """Under torchrun only rank 0 prints; the others' failures reach it and it names them."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _fail(message: str, as_json: bool) -> None:
+    if not _speaks():
+        sys.exit(EXIT_ERROR)
     if as_json:
         click.echo(json.dumps({"status": "error", "error": message}))
     click.echo(f"Error: {message}", err=True)
@@ -95,6 +102,7 @@ def merge_command(
     verbose: int,
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT."""
+    quiet = quiet or not _speaks()
     _setup_logging(verbose, quiet or as_json)
     bar = _Bar() if not (as_json or quiet or dry_run) else None
     try:
@@ -105,6 +113,8 @@ def merge_command(
     finally:
         if bar is not None:
             bar.close()
+    if not _speaks():
+        return
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
         return

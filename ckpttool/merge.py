@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .audit import check
+from .distributed import Group, share_out
 from .dtypes import dtype_name
 from .errors import AuditError, SourceError
 from .findings import Report
@@ -23,7 +24,10 @@ from .writer import (
     assign_files,
     check_destination,
     predict_peak_bytes,
+    clean_staging,
+    plan_id,
     write_extras,
+    write_index,
     write_text,
     write_weights,
 )
@@ -146,6 +150,9 @@ def merge(
             sha256 is checked again; the rest are written.
         verify: read every written file back from disk and compare its digest with the bytes written.
         workers: threads reading and writing chunks at once.
+
+    Under ``torchrun --nproc_per_node N`` every process calls this; output files are shared out among them
+    by bytes (see :mod:`ckpttool.distributed`) and every process returns the same result.
         progress: called as ``progress(bytes_just_written, total_bytes)`` after each tensor.
 
     Returns:
@@ -160,28 +167,47 @@ def merge(
         >>> merge("fixtures/llama_fsdp2_dcp/checkpoint", "out/llama")  # doctest: +SKIP
     """
     root, dest = Path(src), Path(out)
-    prepared = prepare(root, format=format, config=config, dtype=dtype)
-    plan = prepared.plan
-    if not plan.targets:
-        raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
-    files = tuple(assign_files(plan, max_shard_size))
-    check_destination(dest, [root], force)
-    extras: list[str] = []
-    report = None
-    kept = 0
-    if not dry_run:
-        with Staging(dest, resume=resume) as staging:
-            total = plan.nbytes
-            kept = write_weights(plan, files, staging.path, (lambda n: progress(n, total)) if progress else (lambda n: None),
-                                 verify=verify, workers=workers)
-            config_dir = [prepared.config_path.parent] if prepared.config_path is not None else []
-            search = list(dict.fromkeys([*config_dir, root]))
-            extras = write_extras(staging.path, prepared.config, search, dtype_name(dtype) if dtype else None)
-            if audit:
-                report = _audit_output(staging.path, dest, prepared)
-                extras.append(AUDIT_FILE)
-            staging.publish()
-        log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
+    group = Group()
+    try:
+        prepared = prepare(root, format=format, config=config, dtype=dtype)
+        plan = prepared.plan
+        if not plan.targets:
+            raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
+        files = tuple(assign_files(plan, max_shard_size))
+        check_destination(dest, [root], force)
+        extras: list[str] = []
+        report, kept = None, 0
+        if not dry_run:
+            on_bytes = (lambda n: progress(n, plan.nbytes)) if progress else (lambda n: None)
+            owner = share_out([f.nbytes for f in files], group.world)
+            mine = [f for f, rank in zip(files, owner) if rank == group.rank]
+            staging = Staging(dest, resume=resume)
+            path = Path(group.on_rank0(lambda: str(_enter(staging, plan, files))))
+            try:
+                kept = sum(group.on_all(lambda: write_weights(
+                    plan, files, path, on_bytes, verify=verify, workers=workers, rank=group.rank, mine=mine,
+                )))
+
+                def finish() -> tuple[list[str], Report | None]:
+                    write_index(plan, files, path)
+                    config_dir = [prepared.config_path.parent] if prepared.config_path is not None else []
+                    search = list(dict.fromkeys([*config_dir, root]))
+                    written = write_extras(path, prepared.config, search, dtype_name(dtype) if dtype else None)
+                    found = None
+                    if audit:
+                        found = _audit_output(path, dest, prepared)
+                        written.append(AUDIT_FILE)
+                    staging.publish()
+                    return written, found
+
+                extras, report = group.on_rank0(finish)
+            except BaseException as e:
+                if group.rank == 0:
+                    staging.__exit__(type(e), e, None)
+                raise
+            log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
+    finally:
+        group.close()
     return MergeResult(
         source=str(root),
         output=str(dest),
@@ -195,6 +221,13 @@ def merge(
         kept_files=kept,
         workers=workers,
     )
+
+
+def _enter(staging: Staging, plan: Plan, files: tuple[OutputFile, ...]) -> Path:
+    """Create (or, with resume, take up) the staging directory and clear what no journal of this plan holds."""
+    staging.__enter__()
+    clean_staging(staging.path, plan_id(plan, files))
+    return staging.path
 
 
 def _audit_output(staging: Path, dest: Path, prepared: Prepared) -> Report:

@@ -28,12 +28,14 @@ import torch
 
 from .dtypes import itemsize, torch_dtype
 from .errors import SourceError
-from .executor import PieceLoader
+from .executor import CACHE_BYTES, PieceLoader
 from .layout import RAW, Box, Piece
 from .plan import Target, dim_map, map_region
 
 #: the most output bytes one chunk holds (a chunk is at least one row)
 CHUNK_BYTES = 32 * 2**20
+#: what the plan's bookkeeping and the interpreter take besides the buffers (chunk lists, file handles)
+OVERHEAD_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +74,13 @@ class Reader:
     """Regions of pieces, read with ``pread`` into per-thread buffers; safe to share between threads.
 
     Pieces stored as ``torch.save`` archives (ones that could not be located as raw bytes) are loaded whole
-    and kept until their last use (``uses``).
+    and kept until their last use (``uses``). ``sizes`` (see :func:`buffer_sizes`) sizes each thread's
+    buffers once, so growing them never leaves freed buffers behind in the thread's heap.
     """
 
-    def __init__(self, root: str | Path, uses: Counter[Piece]) -> None:
+    def __init__(self, root: str | Path, uses: Counter[Piece], sizes: dict[str, int] | None = None) -> None:
         self.root = Path(root)
+        self._sizes = sizes or {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -115,8 +119,8 @@ class Reader:
     def _buffer(self, name: str, nbytes: int) -> bytearray:
         buffers = self._local.__dict__.setdefault("buffers", {})
         buffer = buffers.get(name)
-        if buffer is None or len(buffer) < nbytes:
-            buffer = buffers[name] = bytearray(max(nbytes, 1))
+        if buffer is None or len(buffer) < nbytes:  # once, at the largest size this thread will need
+            buffer = buffers[name] = bytearray(max(nbytes, self._sizes.get(name, 0), 1))
         return buffer
 
     def _fd(self, file: str) -> int:
@@ -223,28 +227,33 @@ def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def predict_peak_bytes(chunk_list: Sequence[Chunk], workers: int = 1) -> int:
-    """Upper bound of the memory the streaming executor holds: per thread, its largest chunk in the source
-    dtype, its cast, and its largest read; plus whole ``torch.save`` pieces kept for later chunks."""
-    per_thread = 0
-    loaded: dict[Piece, int] = {}
+def buffer_sizes(chunk_list: Sequence[Chunk]) -> dict[str, int]:
+    """The largest each per-thread buffer gets over ``chunk_list``: ``read`` (one region of a piece),
+    ``chunk`` (a chunk in the source dtype) and ``cast`` (a chunk in the output dtype)."""
+    sizes = {"read": 0, "chunk": 0, "cast": 0}
     for chunk in chunk_list:
         target, rows = chunk.target, _rows(chunk)
-        source = chunk.nbytes // itemsize(target.dtype) * itemsize(target.source_dtype)
-        cast = chunk.nbytes if target.dtype != target.source_dtype else 0
-        read = 0
+        sizes["chunk"] = max(sizes["chunk"], chunk.nbytes // itemsize(target.dtype) * itemsize(target.source_dtype))
+        if target.dtype != target.source_dtype:
+            sizes["cast"] = max(sizes["cast"], chunk.nbytes)
         for copy in target.copies:
             part = copy.dst.intersect(rows)
-            if part is None:
-                continue
-            if copy.piece.encoding != RAW:
-                loaded[copy.piece] = math.prod(copy.piece.box.sizes) * itemsize(copy.piece.dtype)
+            if part is None or copy.piece.encoding != RAW:
                 continue
             box = map_region(copy.src, copy.dst, part)
             assert box is not None
             shape = copy.piece.box.sizes
             strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
             span = sum((s - 1) * st for s, st in zip(box.sizes, strides)) + 1
-            read = max(read, span * itemsize(copy.piece.dtype))
-        per_thread = max(per_thread, source + cast + read)
-    return workers * per_thread + sum(loaded.values())
+            sizes["read"] = max(sizes["read"], span * itemsize(copy.piece.dtype))
+    return sizes
+
+
+def predict_peak_bytes(chunk_list: Sequence[Chunk], workers: int = 1) -> int:
+    """Upper bound of the memory the streaming executor holds: per thread, its buffers at their largest
+    (allocated once, at that size); plus whole ``torch.save`` pieces kept for later chunks (at most the
+    loader's cache and one piece per thread)."""
+    archives = {c.piece: math.prod(c.piece.box.sizes) * itemsize(c.piece.dtype)
+                for chunk in chunk_list for c in chunk.target.copies if c.piece.encoding != RAW}
+    kept = min(sum(archives.values()), CACHE_BYTES) + workers * max(archives.values(), default=0)
+    return workers * sum(buffer_sizes(chunk_list).values()) + kept + OVERHEAD_BYTES

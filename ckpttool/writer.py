@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DestinationError, OutputError, SourceError
-from .stream import CHUNK_BYTES, Chunk, Reader, chunks, file_digest, piece_uses
+from .stream import CHUNK_BYTES, Chunk, Reader, buffer_sizes, chunks, file_digest, piece_uses
 from .stream import predict_peak_bytes as stream_peak_bytes
 from .stream import write_file as stream_file
 from .paths import is_within
@@ -28,7 +28,12 @@ from .safetensors_format import encode_header, read_header
 
 INDEX = "model.safetensors.index.json"
 PARTIAL = ".ckpttool-partial-"
-JOURNAL = ".ckpttool-journal.json"
+JOURNAL_GLOB = ".ckpttool-journal-*.json"
+
+
+def journal_name(rank: int = 0) -> str:
+    """The journal file of one writing process (rank 0 when a single process merges)."""
+    return f".ckpttool-journal-{rank}.json"
 #: files copied beside the weights when present in the config's directory or the source
 EXTRA_FILES = (
     "generation_config.json",
@@ -125,7 +130,7 @@ class Staging:
     def __enter__(self) -> Staging:
         earlier = _staging_dirs(self.dest)
         if self.resume:
-            journaled = [d for d in earlier if (d / JOURNAL).is_file()]
+            journaled = [d for d in earlier if any(d.glob(JOURNAL_GLOB))]
             if journaled:
                 self.path, self.resumed = journaled[0], True
         for stale in earlier:
@@ -135,13 +140,14 @@ class Staging:
         return self
 
     def __exit__(self, kind: object, value: object, tb: object) -> None:
-        if kind is KeyboardInterrupt and (self.path / JOURNAL).is_file():
+        if kind is KeyboardInterrupt and any(self.path.glob(JOURNAL_GLOB)):
             return
         if self.path.exists():
             shutil.rmtree(self.path, ignore_errors=True)
 
     def publish(self) -> None:
-        (self.path / JOURNAL).unlink(missing_ok=True)
+        for journal in self.path.glob(JOURNAL_GLOB):
+            journal.unlink()
         old = None
         if self.dest.exists():
             old = self.dest.parent / f".{self.dest.name}.ckpttool-old-{uuid.uuid4().hex[:8]}"
@@ -161,23 +167,16 @@ class Journal:
     """The output files finished so far, with their sizes and digests (sha256 of the header and of each
     chunk, see :mod:`ckpttool.stream`), for one plan.
 
-    The journal is rewritten atomically after each file. A journal of another plan (the source, the
-    options or ckpttool changed) is ignored, so a resume never mixes two merges.
+    Each writing process keeps its own journal file, rewritten atomically after each file; all journals of
+    the same plan are read together. Journals of another plan (the source, the options or ckpttool
+    changed) are ignored, so a resume never mixes two merges.
     """
 
-    def __init__(self, directory: Path, plan_id: str) -> None:
-        self.path = directory / JOURNAL
+    def __init__(self, directory: Path, plan_id: str, rank: int = 0) -> None:
+        self.path = directory / journal_name(rank)
         self.plan_id = plan_id
-        self.files: dict[str, dict[str, object]] = {}
-        try:
-            doc = json.loads(self.path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            doc = None
-        if isinstance(doc, dict) and doc.get("plan") == plan_id and isinstance(doc.get("files"), dict):
-            self.files = doc["files"]
-        for leftover in directory.iterdir():  # a half-written file, another plan's files, an old index or report
-            if leftover.name not in self.files and leftover.name != JOURNAL:
-                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        self.files = recorded(directory, plan_id)
+        self.mine: dict[str, dict[str, object]] = {}
         self._save()
 
     def kept(self, name: str, path: Path, nbytes: int, digest: Callable[[], str]) -> bool:
@@ -191,13 +190,42 @@ class Journal:
         return True
 
     def record(self, name: str, nbytes: int, digest: str) -> None:
-        self.files[name] = {"bytes": nbytes, "digest": digest}
+        self.files[name] = self.mine[name] = {"bytes": nbytes, "digest": digest}
         self._save()
 
     def _save(self) -> None:
         temporary = self.path.with_name(self.path.name + ".tmp")
-        write_text(temporary, json.dumps({"version": 1, "plan": self.plan_id, "files": self.files}, indent=1))
+        write_text(temporary, json.dumps({"version": 1, "plan": self.plan_id, "files": self.mine}, indent=1))
         os.replace(temporary, self.path)
+
+
+def recorded(directory: Path, plan_id: str) -> dict[str, dict[str, object]]:
+    """The files every journal of ``plan_id`` in ``directory`` records as finished."""
+    files: dict[str, dict[str, object]] = {}
+    for path in directory.glob(JOURNAL_GLOB):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(doc, dict) and doc.get("plan") == plan_id and isinstance(doc.get("files"), dict):
+            files.update(doc["files"])
+    return files
+
+
+def clean_staging(directory: Path, plan_id: str) -> None:
+    """Remove what no journal of ``plan_id`` holds: half-written files, another plan's files and journals, an
+    old index or report. Done once, before any process writes."""
+    keep = set(recorded(directory, plan_id))
+    for path in directory.glob(JOURNAL_GLOB):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            doc = None
+        if isinstance(doc, dict) and doc.get("plan") == plan_id:
+            keep.add(path.name)
+    for leftover in directory.iterdir():
+        if leftover.name not in keep:
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
 
 
 def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
@@ -232,22 +260,32 @@ def write_weights(
     *,
     verify: bool = False,
     workers: int = 1,
+    rank: int = 0,
+    mine: Sequence[OutputFile] | None = None,
 ) -> int:
-    """Write the safetensors files (and the index when there are several), check each, and journal it.
+    """Write the safetensors files of ``mine`` (default: all ``files``), check each, and journal it.
 
     Tensors are streamed in row chunks by ``workers`` threads (:mod:`ckpttool.stream`). Files an interrupted
     run of the same plan finished (see :class:`Journal`) are kept after their digest is checked again. With
-    ``verify``, each file written is read back from disk and its digest compared with the bytes written.
+    ``verify``, each file written is read back from disk and its digest compared with the bytes written. When
+    several processes share the work, each passes its ``rank`` and its share ``mine``; the staging directory
+    must have been cleaned once (:func:`clean_staging`) before.
 
     Returns:
         How many files were kept from an earlier run.
     """
-    layouts = [_file_layout(out) for out in files]
-    journal = Journal(directory, plan_id(plan, files))
-    reader = Reader(plan.root, piece_uses([c for _, chunk_list in layouts for c in chunk_list]))
+    alone = mine is None
+    mine = files if mine is None else mine
+    identity = plan_id(plan, files)
+    if alone:
+        clean_staging(directory, identity)
+    layouts = [_file_layout(out) for out in mine]
+    journal = Journal(directory, identity, rank)
+    every_chunk = [c for _, chunk_list in layouts for c in chunk_list]
+    reader = Reader(plan.root, piece_uses(every_chunk), buffer_sizes(every_chunk))
     kept = 0
     try:
-        for out, (prefix, chunk_list) in zip(files, layouts):
+        for out, (prefix, chunk_list) in zip(mine, layouts):
             path = directory / out.name
             spans = [c.nbytes for c in chunk_list]
             size = len(prefix) + out.nbytes
@@ -266,11 +304,17 @@ def write_weights(
             journal.record(out.name, size, digest)
     finally:
         reader.close()
+    if alone:
+        write_index(plan, files, directory)
+    return kept
+
+
+def write_index(plan: Plan, files: Sequence[OutputFile], directory: Path) -> None:
+    """``model.safetensors.index.json`` when there are several files."""
     if len(files) > 1:
         weight_map = {t.name: out.name for out in files for t in out.targets}
         index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
         write_text(directory / INDEX, json.dumps(index, indent=2) + "\n")
-    return kept
 
 
 def _file_layout(out: OutputFile) -> tuple[bytes, list[Chunk]]:

@@ -21,7 +21,7 @@ import torch
 import ckpttool
 import ckpttool.stream
 from ckpttool.errors import OutputError
-from ckpttool.writer import JOURNAL
+from ckpttool.writer import journal_name
 from conftest import fixture_dir, load_output
 
 FIXTURE = "llama_tp2_dcp"
@@ -80,13 +80,13 @@ def test_sigkill_at_random_points_never_publishes_a_partial_checkpoint(tmp_path)
         assert child.returncode == -signal.SIGKILL, child.stderr
         assert not out.exists(), f"killed at byte {point}: the destination exists"
         [staging] = staging_dirs(out)  # recognisable by its name
-        journal = json.loads((staging / JOURNAL).read_text())
+        journal = json.loads((staging / journal_name(0)).read_text())
         finished = len(journal["files"])
         resume = i % 2 == 0
         result = ckpttool.merge(src, out, max_shard_size=SHARD, resume=resume)
         assert result.kept_files == (finished if resume else 0)
         assert staging_dirs(out) == [], "the rerun left a staging directory"
-        assert not (out / JOURNAL).exists()
+        assert not (out / journal_name(0)).exists()
         assert_is_the_reference(out)
 
 
@@ -95,7 +95,7 @@ def test_resume_rechecks_and_rewrites_a_damaged_file(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(src, out, max_shard_size=SHARD, progress=_interrupt_after(260_000))
     [staging] = staging_dirs(out)  # Ctrl-C keeps the journaled staging directory for --resume
-    finished = sorted(json.loads((staging / JOURNAL).read_text())["files"])
+    finished = sorted(json.loads((staging / journal_name(0)).read_text())["files"])
     assert len(finished) >= 2
     damaged = staging / finished[0]
     data = bytearray(damaged.read_bytes())
@@ -132,7 +132,7 @@ def test_cli_resume_reports_the_kept_files(cli, tmp_path):
     src, out = fixture_dir(FIXTURE) / "checkpoint", tmp_path / "hf"
     with pytest.raises(KeyboardInterrupt):
         ckpttool.merge(src, out, max_shard_size=SHARD, progress=_interrupt_after(260_000))
-    kept = len(json.loads((staging_dirs(out)[0] / JOURNAL).read_text())["files"])
+    kept = len(json.loads((staging_dirs(out)[0] / journal_name(0)).read_text())["files"])
     result = cli("merge", src, out, "--max-shard-size", SHARD, "--resume")
     assert result.exit_code == 0, result.output
     assert f"resumed:  kept {kept} of 4 files of the interrupted merge (sha256 checked)" in result.stdout

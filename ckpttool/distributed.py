@@ -1,0 +1,120 @@
+"""Several processes merging one checkpoint: ``torchrun --nproc_per_node N -m ckpttool merge SRC OUT``.
+
+Every process plans the same merge; output files are shared out by bytes; each process writes its own into
+the one staging directory that rank 0 prepared; rank 0 writes the index, config and audit and publishes. The
+processes talk only through ``torch.distributed`` collectives on a gloo group (no home-made RPC), and every
+phase ends with all of them learning whether any failed, so one failing process makes all of them stop with
+its message instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from .errors import CkptError
+
+T = TypeVar("T")
+
+#: seconds a process waits for the others at a collective before giving up (CKPTTOOL_DIST_TIMEOUT)
+TIMEOUT = int(os.environ.get("CKPTTOOL_DIST_TIMEOUT", "1800"))
+
+
+class ProcessGroupError(CkptError):
+    """Another process of the merge failed; the message names it and says why."""
+
+
+class Group:
+    """This process's place among the processes of one merge; a group of one outside ``torchrun``."""
+
+    def __init__(self) -> None:
+        self.rank, self.world = 0, 1
+        self._group: Any = None
+        self._owned = False
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT))
+            self._owned = True
+            self._group = dist.group.WORLD
+        else:  # a running job's group may be NCCL: objects travel on a gloo group of the same processes
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def on_rank0(self, work: Callable[[], T]) -> T:
+        """``work()`` on rank 0 only; every process gets its result, or raises if it failed."""
+        result, error = None, None
+        if self.rank == 0:
+            try:
+                result = work()
+            except Exception as e:  # noqa: BLE001 (carried to every process, then raised there)
+                error = e
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return result  # type: ignore[return-value]
+        shared = self._broadcast((result, _describe(error)))
+        if error is not None:
+            raise error
+        if shared[1] is not None:
+            raise ProcessGroupError(f"rank 0 failed: {shared[1]}")
+        return shared[0]
+
+    def on_all(self, work: Callable[[], T]) -> list[T]:
+        """``work()`` on every process; everyone gets all results, or raises if any process failed."""
+        result, error = None, None
+        try:
+            result = work()
+        except Exception as e:  # noqa: BLE001 (carried to every process, then raised there)
+            error = e
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return [result]  # type: ignore[list-item]
+        everyone = self._gather((result, _describe(error)))
+        if error is not None:
+            raise error
+        failed = [(rank, message) for rank, (_, message) in enumerate(everyone) if message is not None]
+        if failed:
+            rank, message = failed[0]
+            raise ProcessGroupError(f"rank {rank} failed: {message}")
+        return [r for r, _ in everyone]
+
+    def close(self) -> None:
+        if self._owned:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+    def _broadcast(self, value: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def _gather(self, value: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, value, group=self._group)
+        return everyone
+
+
+def share_out(sizes: Sequence[int], world: int) -> list[int]:
+    """The rank writing each file: largest files first, each to the rank with the fewest bytes so far."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = rank
+        load[rank] += sizes[i]
+    return owner
+
+
+def _describe(error: BaseException | None) -> str | None:
+    return None if error is None else (str(error) if isinstance(error, CkptError) else f"{type(error).__name__}: {error}")
