@@ -173,6 +173,7 @@ def main() -> None:
         for name, cmd in commands.items():
             for leftover in (copy, peer_out, out):
                 shutil.rmtree(leftover, ignore_errors=True)
+            os.sync()  # the last command's deletes and writes are on disk before the next one starts
             drop_cache(src)
             results[name].append(measure(cmd))
     baseline = measure([*ckpttool, "--dry-run"])[1]
