@@ -14,6 +14,7 @@ by its chunks' sha256 in file order, so it can be computed again from the file a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import math
 import os
@@ -161,7 +162,7 @@ def build(chunk: Chunk, reader: Reader) -> torch.Tensor:
     if len(parts) == 1 and parts[0][1] == rows:
         copy, part = parts[0]
         region = reader.region(copy.piece, map_region(copy.src, copy.dst, part), part.sizes, dim_map(copy.src, copy.dst))
-        out = region if region.is_contiguous() else region.contiguous()
+        out = region if region.is_contiguous() else reader.scratch("chunk", rows.sizes, target.source_dtype).copy_(region)
     else:
         out = reader.scratch("chunk", rows.sizes, target.source_dtype)
         for copy, part in parts:
@@ -195,7 +196,11 @@ def write_file(
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         if size:
-            os.posix_fallocate(fd, 0, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # a file system without it
+                    raise
         _write_all(fd, prefix, 0)
 
         def run(chunk: Chunk) -> bytes:

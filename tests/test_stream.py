@@ -86,3 +86,31 @@ def test_reading_past_the_end_names_the_truncation(tmp_path):
     with pytest.raises(SourceError, match=r"^'short.bin': 'w' needs 16 bytes at offset 0 but only 10 are there; the file is truncated$"):
         reader.region(piece, piece.box, (4,), (0,))
     reader.close()
+
+
+def test_fused_parts_split_along_columns(tmp_path):
+    """Each part of a tensor fused along dim 1 is a column slice of one piece: a strided region."""
+    from ckpttool.layout import Fusion
+    from ckpttool.sidecar import PieceSpec, save_shard
+
+    full = torch.arange(6 * 7, dtype=torch.float32).reshape(6, 7)
+    fusion = Fusion(1, (("gate", 2), ("up", 5)))
+    for rank in range(2):
+        spec = PieceSpec.split((6, 7), dim=0, index=rank, count=2, fusion=fusion)
+        save_shard({"gate_up": full[3 * rank:3 * rank + 3]}, {"gate_up": spec}, tmp_path / "ckpt", rank=rank, world_size=2)
+    plan = ckpttool.prepare(tmp_path / "ckpt").plan
+    stream(plan, tmp_path / "out.safetensors", 16, 2)  # 2 rows of gate per chunk: a (2, 2) view of (3, 7) rows
+    written = load_file(tmp_path / "out.safetensors")
+    assert torch.equal(written["gate"], full[:, :2]) and torch.equal(written["up"], full[:, 2:])
+
+
+def test_a_file_system_without_preallocation(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    result = ckpttool.merge(fixture_dir("llama_tp2_dcp") / "checkpoint", tmp_path / "hf")
+    assert result.files and (tmp_path / "hf" / "model.safetensors").is_file()
