@@ -12,8 +12,10 @@ shapes, so a wrong rule is an error, never a silently wrong checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ class ModelInfo:
         memory_shapes: in-memory state-dict names -> global shapes (what DCP and FSDP save).
         disk_shapes: on-disk names -> shapes (what ``save_pretrained`` writes), tied weights removed.
         tied: tied target name -> the name it shares storage with (e.g. ``lm_head.weight``).
+        family: the key of :data:`RULES` that cuts this model's tensors, following transformers' aliases.
     """
 
     model_type: str
@@ -44,6 +47,7 @@ class ModelInfo:
     memory_shapes: Mapping[str, Shape]
     disk_shapes: Mapping[str, Shape]
     tied: Mapping[str, str] = field(default_factory=dict)
+    family: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +118,31 @@ def read_config(path: Path) -> dict[str, object]:
 def model_info(config: Mapping[str, object], *, label: str = "config.json") -> ModelInfo | None:
     """Build the architecture on the meta device and read its expected tensors; None if transformers lacks it.
 
+    The answer depends only on the config and the transformers version, and importing transformers takes
+    seconds, so it is kept in a cache (``CKPTTOOL_CACHE``, default ``~/.cache/ckpttool``) keyed by both.
+
     Raises:
         ConfigError: transformers knows the model type but cannot build it from this config.
     """
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"'{label}': no model_type; is it a transformers config?")
+    cache = _cache_path(config)
+    cached = _read_cache(cache, config) if cache is not None else None
+    if cached is not None:
+        return cached[0]
+    info = _build(model_type, config, label)
+    if cache is not None:
+        _write_cache(cache, info)
+    return info
+
+
+def _build(model_type: str, config: Mapping[str, object], label: str) -> ModelInfo | None:
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str):
-        raise ConfigError(f"'{label}': no model_type; is it a transformers config?")
     if model_type not in CONFIG_MAPPING:
         log.info("transformers %s does not know model_type %r", transformers.__version__, model_type)
         return None
@@ -149,18 +167,57 @@ def model_info(config: Mapping[str, object], *, label: str = "config.json") -> M
     except ImportError:  # transformers < 5: memory names are the disk names
         disk_state = state
     disk = {k: tuple(v.shape) for k, v in disk_state.items() if k not in tied}
-    return ModelInfo(model_type, dict(config), memory, disk, tied)
+    return ModelInfo(model_type, dict(config), memory, disk, tied, _family(model_type))
 
 
-def rules_for(model_type: str) -> tuple[Rename | Unstack, ...]:
-    """ckpttool's rules for this model type, following transformers' own aliases (e.g. qwen3_moe)."""
+def _cache_path(config: Mapping[str, object]) -> Path | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        key = json.dumps({"transformers": version("transformers"), "config": config}, sort_keys=True, default=str)
+    except (PackageNotFoundError, TypeError, ValueError):
+        return None
+    root = Path(os.environ.get("CKPTTOOL_CACHE") or Path.home() / ".cache" / "ckpttool")
+    return root / "models" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def _read_cache(path: Path, config: Mapping[str, object]) -> tuple[ModelInfo | None] | None:
+    """``(info,)`` from the cache (``info`` may be None: no causal LM), or None when there is no usable entry."""
+    try:
+        doc = json.loads(path.read_text())
+        if doc is None or doc.get("none"):
+            return (None,) if doc is not None else None
+        shapes = lambda m: {k: tuple(int(n) for n in v) for k, v in m.items()}  # noqa: E731
+        return (ModelInfo(doc["model_type"], dict(config), shapes(doc["memory"]), shapes(doc["disk"]),
+                          dict(doc["tied"]), doc.get("family")),)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _write_cache(path: Path, info: ModelInfo | None) -> None:
+    doc = {"none": True} if info is None else {
+        "model_type": info.model_type, "memory": info.memory_shapes, "disk": info.disk_shapes, "tied": info.tied,
+        "family": info.family,
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(doc))
+        os.replace(temporary, path)
+    except OSError as e:  # a read-only home: no cache, same answers
+        log.info("cannot cache the model description in %s: %s", path.parent, e)
+
+
+def _family(model_type: str) -> str | None:
+    """The key of :data:`RULES` for this model type, following transformers' own aliases (e.g. qwen3_moe)."""
     if model_type in RULES:
-        return RULES[model_type]
+        return model_type
     try:
         from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN as aliases
     except ImportError:
-        return ()
-    return RULES.get(aliases.get(model_type, ""), ())
+        return None
+    alias = aliases.get(model_type)
+    return alias if alias in RULES else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +244,7 @@ def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
     prefix = _wrapper_prefix(layout, info)
     if prefix:
         notes.append(f"stripped the prefix '{prefix}' the training loop put before every tensor name")
-    rules = rules_for(info.model_type)
+    rules = RULES.get(info.family or "", ())
     specs: list[TargetSpec] = []
     problems: list[tuple[str, str]] = []
     for tensor in layout.tensors.values():

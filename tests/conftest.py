@@ -62,6 +62,14 @@ def assert_failed_cleanly(result, out: Path, *needles: str) -> None:
     assert not list(out.parent.glob(f".{out.name}.ckpttool-partial-*")), "staging directory left behind"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def model_cache(tmp_path_factory):
+    """The tests' own cache of model descriptions (never the user's ~/.cache), empty at the start."""
+    path = tmp_path_factory.mktemp("ckpttool-cache")
+    os.environ["CKPTTOOL_CACHE"] = str(path)
+    return path
+
+
 @pytest.fixture
 def copy_fixture(tmp_path: Path):
     """Copy a fixture (checkpoint + config next to it) into tmp_path, to damage it safely."""

@@ -168,3 +168,35 @@ def test_unknown_architecture_merges_generically(tmp_path):
     result = ckpttool.merge(src, tmp_path / "out")
     assert any("generic merge (transformers has no causal LM for model_type 'not-a-real-model')" in n for n in result.plan.notes)
     assert torch.equal(load_output(tmp_path / "out")["encoder.w"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_model_descriptions_are_cached_by_config_and_transformers_version(tmp_path, monkeypatch):
+    import ckpttool.models as models
+
+    monkeypatch.setenv("CKPTTOOL_CACHE", str(tmp_path / "cache"))
+    config = json.loads((Path(__file__).resolve().parent.parent / "fixtures" / "mixtral_fsdp2_dcp" / "reference" / "config.json").read_text())
+    built = models.model_info(config)
+    assert len(list((tmp_path / "cache" / "models").glob("*.json"))) == 1
+
+    def no_transformers(*args, **kwargs):
+        raise AssertionError("the cached description was not used")
+
+    monkeypatch.setattr(models, "_build", no_transformers)
+    assert models.model_info(config) == built
+    with pytest.raises(AssertionError):
+        models.model_info({**config, "num_hidden_layers": 3})  # another config: another entry
+
+
+def test_a_damaged_or_unwritable_cache_is_ignored(tmp_path, monkeypatch):
+    import ckpttool.models as models
+
+    config = dict(FAMILIES["mistral"].to_dict())
+    monkeypatch.setenv("CKPTTOOL_CACHE", str(tmp_path / "cache"))
+    expected = models.model_info(config)
+    [entry] = (tmp_path / "cache" / "models").glob("*.json")
+    entry.write_text("{not json")
+    assert models.model_info(config) == expected
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("CKPTTOOL_CACHE", str(blocked))  # a file where the directory should be
+    assert models.model_info(config) == expected
