@@ -86,8 +86,7 @@ def produce(out: Path, fmt: str, split: str, size_gib: float) -> None:
 
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
     if rank == 0:
-        target = out / "sharded" if fmt == "hf" else out
-        (target / "config.json").write_text(json.dumps(cfg))
+        (_files(out) / "config.json").write_text(json.dumps(cfg))
     dist.destroy_process_group()
 
 
@@ -95,7 +94,12 @@ def build(work: Path, fmt: str, split: str, size_gib: float) -> Path:
     out = work / "src"
     subprocess.run(["torchrun", "--standalone", f"--nproc_per_node={WORLD}", __file__, "--produce", str(out), "--format", fmt,
                     "--split", split, "--size-gib", str(size_gib)], check=True, capture_output=True)
-    return out / "sharded" if fmt == "hf" else out
+    return _files(out)
+
+
+def _files(out: Path) -> Path:
+    """Where the checkpoint's files are (some torch versions put DCP's per-rank HF files under ``sharded/``)."""
+    return out / "sharded" if (out / "sharded").is_dir() else out
 
 
 PEER_DCP = r"""
