@@ -28,7 +28,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, WORLD = 4096, 11008, 32, 8, 32003, 4

@@ -47,42 +47,15 @@ class Group:
 
     def on_rank0(self, work: Callable[[], T]) -> T:
         """``work()`` on rank 0 only; every process gets its result, or raises if it failed."""
-        result, error = None, None
-        if self.rank == 0:
-            try:
-                result = work()
-            except Exception as e:  # noqa: BLE001 (carried to every process, then raised there)
-                error = e
-        if self.world == 1:
-            if error is not None:
-                raise error
-            return result  # type: ignore[return-value]
-        shared = self._broadcast((result, _describe(error)))
-        if error is not None:
-            raise error
-        if shared[1] is not None:
-            raise ProcessGroupError(f"rank 0 failed: {shared[1]}")
-        return shared[0]
+        mine = _attempt(work) if self.rank == 0 else (None, None)
+        shared = [mine] if self.world == 1 else [self._broadcast((mine[0], _describe(mine[1])))]
+        return _settle(mine, shared)[0]
 
     def on_all(self, work: Callable[[], T]) -> list[T]:
         """``work()`` on every process; everyone gets all results, or raises if any process failed."""
-        result, error = None, None
-        try:
-            result = work()
-        except Exception as e:  # noqa: BLE001 (carried to every process, then raised there)
-            error = e
-        if self.world == 1:
-            if error is not None:
-                raise error
-            return [result]  # type: ignore[list-item]
-        everyone = self._gather((result, _describe(error)))
-        if error is not None:
-            raise error
-        failed = [(rank, message) for rank, (_, message) in enumerate(everyone) if message is not None]
-        if failed:
-            rank, message = failed[0]
-            raise ProcessGroupError(f"rank {rank} failed: {message}")
-        return [r for r, _ in everyone]
+        mine = _attempt(work)
+        everyone = [mine] if self.world == 1 else self._gather((mine[0], _describe(mine[1])))
+        return _settle(mine, everyone)
 
     def close(self) -> None:
         if self._owned:
@@ -114,6 +87,23 @@ def share_out(sizes: Sequence[int], world: int) -> list[int]:
         owner[i] = rank
         load[rank] += sizes[i]
     return owner
+
+
+def _attempt(work: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    try:
+        return work(), None
+    except Exception as e:  # noqa: BLE001 (carried to every process, then raised there)
+        return None, e
+
+
+def _settle(mine: tuple[Any, Exception | None], everyone: list[tuple[Any, Any]]) -> list[Any]:
+    """Raise this process's own error first, then another process's; else the results, by rank."""
+    if mine[1] is not None:
+        raise mine[1]
+    for rank, (_, error) in enumerate(everyone):
+        if error is not None:
+            raise ProcessGroupError(f"rank {rank} failed: {error}")
+    return [result for result, _ in everyone]
 
 
 def _describe(error: BaseException | None) -> str | None:
