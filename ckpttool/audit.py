@@ -29,7 +29,7 @@ from .layout import Layout
 from .models import Mismatch, ModelInfo, compare_with_model, find_config, map_to_hf, model_info, read_config
 from .plan import Plan, Target, TargetSpec, identity_specs, plan_merge
 from .readers import detect_format, hf, read_layout
-from .stats import map_tensors, tensor_stats
+from .stats import Statistics, fold
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def check(
     stats: list[TensorStats] = []
     if data:
         total = plan.nbytes
-        stats = map_tensors(plan, tensor_stats, (lambda n: progress(n, total)) if progress else (lambda n: None))
+        stats = fold(plan, Statistics, (lambda n: progress(n, total)) if progress else (lambda n: None))
         found.extend(data_findings(stats))
         found.extend(_replicas(layout))
     if model is not None:

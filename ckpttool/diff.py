@@ -1,22 +1,25 @@
 """``diff``: are two checkpoints the same model, whatever their formats and shardings?
 
 Both sides are read as HuggingFace tensors (the same planning ``merge`` does, so a DCP of in-memory names and
-a HuggingFace directory compare), each tensor's layout-independent fingerprint is computed one tensor at a
-time, and only tensors whose fingerprints differ are read again side by side for the largest difference.
+a HuggingFace directory compare), each tensor's layout-independent fingerprint is computed from its chunks in
+constant memory, and only tensors whose fingerprints differ are read again, chunk by chunk side by side, for
+the largest difference.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .dtypes import itemsize
 from .merge import prepare
 from .plan import Plan, Target
-from .executor import PieceLoader, assemble
-from .stats import blocks, fingerprint, map_tensors
+from .stats import Fingerprint, blocks, fold
+from .stream import CHUNK_BYTES, Reader, buffer_sizes, build, chunks, piece_uses
 
 EQUAL, DIFFERENT, ONLY_A, ONLY_B, SHAPE, DTYPE = "equal", "different", "only-a", "only-b", "shape", "dtype"
 
@@ -129,30 +132,40 @@ def diff(
 
 
 def _fingerprints(plan: Plan, tick: Callable[[int], None]) -> dict[str, str]:
-    prints = map_tensors(plan, lambda target, tensor: fingerprint(tensor, target.dtype), tick)
-    return {target.name: p for target, p in zip(plan.targets, prints)}
+    return dict(zip((t.name for t in plan.targets), fold(plan, Fingerprint, tick)))
 
 
 def _compare(plan_a: Plan, plan_b: Plan, names: list[str]) -> list[TensorDiff]:
-    """Read the differing tensors of both sides again, side by side, for the size of the difference."""
+    """Read the differing tensors of both sides again, chunk by chunk side by side, for the size of the difference."""
     targets_a = {t.name: t for t in plan_a.targets}
     targets_b = {t.name: t for t in plan_b.targets}
-    loader_a, loader_b = PieceLoader(plan_a.root), PieceLoader(plan_b.root)
-    out = []
+    pairs = []
     for name in names:
         ta, tb = targets_a[name], targets_b[name]
-        xa, xb = assemble(ta, loader_a), assemble(tb, loader_b)
-        largest, differing = 0.0, 0
-        for block_a, block_b in zip(blocks(xa), blocks(xb)):
-            da, db = block_a.double(), block_b.double()
-            unequal = ~((da == db) | (torch.isnan(da) & torch.isnan(db)))
-            differing += int(unequal.sum())
-            if unequal.any():
-                largest = max(largest, float((da[unequal] - db[unequal]).abs().max()))
-        status = DTYPE if ta.dtype != tb.dtype else DIFFERENT
-        out.append(TensorDiff(name, status, a=_describe(ta), b=_describe(tb), max_abs_diff=largest,
-                              differing=differing, numel=xa.numel()))
-        del xa, xb
+        row = math.prod(ta.shape[1:]) * max(itemsize(ta.dtype), itemsize(tb.dtype))
+        rows = max(1, CHUNK_BYTES // row) if row else None  # the same rows per chunk on both sides
+        pairs.append((ta, tb, chunks(ta, 0, rows=rows), chunks(tb, 0, rows=rows)))
+    every_a = [c for _, _, ca, _ in pairs for c in ca]
+    every_b = [c for _, _, _, cb in pairs for c in cb]
+    reader_a = Reader(plan_a.root, piece_uses(every_a), buffer_sizes(every_a))
+    reader_b = Reader(plan_b.root, piece_uses(every_b), buffer_sizes(every_b))
+    out = []
+    try:
+        for ta, tb, chunks_a, chunks_b in pairs:
+            largest, differing = 0.0, 0
+            for ca, cb in zip(chunks_a, chunks_b):
+                for block_a, block_b in zip(blocks(build(ca, reader_a)), blocks(build(cb, reader_b))):
+                    da, db = block_a.double(), block_b.double()
+                    unequal = ~((da == db) | (torch.isnan(da) & torch.isnan(db)))
+                    differing += int(unequal.sum())
+                    if unequal.any():
+                        largest = max(largest, float((da[unequal] - db[unequal]).abs().max()))
+            status = DTYPE if ta.dtype != tb.dtype else DIFFERENT
+            out.append(TensorDiff(ta.name, status, a=_describe(ta), b=_describe(tb), max_abs_diff=largest,
+                                  differing=differing, numel=math.prod(ta.shape)))
+    finally:
+        reader_a.close()
+        reader_b.close()
     return out
 
 

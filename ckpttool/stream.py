@@ -50,11 +50,12 @@ class Chunk:
     nbytes: int
 
 
-def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
-    """The chunks of ``target`` (written at ``offset``), in file order."""
+def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: int | None = None) -> list[Chunk]:
+    """The chunks of ``target`` (written at ``offset``), in file order: ``rows`` rows each, or as many as
+    ``chunk_bytes`` holds."""
     shape = target.shape or (1,)
     row = math.prod(shape[1:]) * itemsize(target.dtype)
-    per = max(1, chunk_bytes // row) if row else max(1, shape[0])
+    per = rows or (max(1, chunk_bytes // row) if row else max(1, shape[0]))
     return [
         Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
         for a in range(0, shape[0], per)
