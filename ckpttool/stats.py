@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
@@ -57,6 +58,19 @@ def blocks(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
         yield flat[start:start + BLOCK_ELEMENTS].contiguous()
 
 
+_scratch = threading.local()
+
+
+def _as_float(block: torch.Tensor) -> torch.Tensor:
+    """``block`` as float32 in a buffer reused from block to block (a fresh one each time lets the heap grow)."""
+    if block.dtype == torch.float32:
+        return block
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None:
+        buffer = _scratch.buffer = torch.empty(BLOCK_ELEMENTS, dtype=torch.float32)
+    return buffer[: block.numel()].copy_(block)
+
+
 class Fingerprint:
     """sha256 of ``dtype``, shape and the elements in C order: equal iff the logical tensors are bit-identical."""
 
@@ -90,7 +104,7 @@ class Statistics:
         if not chunk.is_floating_point():
             return
         for block in blocks(chunk):
-            x = block.float()
+            x = _as_float(block)
             lo, hi = (float(v) for v in torch.aminmax(x))
             block_sum, block_squares = float(x.sum()), float(torch.dot(x, x))
             if not all(map(math.isfinite, (lo, hi, block_sum, block_squares))):
