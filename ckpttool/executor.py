@@ -12,7 +12,6 @@ import io
 import pickle
 import re
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from .dtypes import dtype_name, torch_dtype
 from .errors import SourceError, UnsafePickleError
 from .layout import RAW, Box, Piece
-from .plan import Plan, Target
+from .plan import Target
 
 #: most bytes of pieces kept for later targets (a stacked expert piece feeds 2E targets)
 CACHE_BYTES = 256 * 2**20
@@ -41,10 +40,6 @@ class PieceLoader:
         self._cache: OrderedDict[Piece, torch.Tensor] = OrderedDict()
         self._cached = 0
 
-    @classmethod
-    def for_plan(cls, plan: Plan, cache_bytes: int = CACHE_BYTES) -> PieceLoader:
-        return cls(plan.root, Counter(c.piece for t in plan.targets for c in t.copies), cache_bytes)
-
     def load(self, piece: Piece) -> torch.Tensor:
         self._uses[piece] -= 1
         tensor = self._cache.get(piece)
@@ -55,13 +50,6 @@ class PieceLoader:
         elif self._uses[piece] <= 0:
             self._drop(piece)
         return tensor
-
-    def skip(self, pieces: Iterable[Piece]) -> None:
-        """Count uses that will not happen (targets of a file kept from an earlier run)."""
-        for piece in pieces:
-            self._uses[piece] -= 1
-            if self._uses[piece] <= 0 and piece in self._cache:
-                self._drop(piece)
 
     def _keep(self, piece: Piece, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
