@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .dtypes import dtype_name
+from .dtypes import FLOAT_DTYPES, dtype_name
 from .errors import CoverageError, SourceError
 from .executor import PieceLoader
 from .findings import Finding, Report, TensorStats, finding, sort_findings
@@ -33,7 +33,6 @@ from .stats import Statistics, fold
 
 log = logging.getLogger(__name__)
 
-_FLOATS = ("F64", "F32", "F16", "BF16")
 LAYER_NAME = re.compile(r"^(?P<prefix>.*?\.layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
 #: a tensor's RMS this many times above or below the median of its layer group is an outlier
@@ -248,7 +247,7 @@ def _spans(indices: Sequence[int]) -> str:
 
 
 def _dtypes(targets: Sequence[Target], config: Mapping[str, object] | None) -> list[Finding]:
-    floats = Counter(t.dtype for t in targets if t.dtype in _FLOATS)
+    floats = Counter(t.dtype for t in targets if t.dtype in FLOAT_DTYPES)
     if not floats:
         return []
     main, count = floats.most_common(1)[0]
@@ -258,7 +257,7 @@ def _dtypes(targets: Sequence[Target], config: Mapping[str, object] | None) -> l
         found.extend(
             finding("dtype-mix", f"'{t.name}' is {t.dtype}, but {count} of {total} floating-point tensors are {main}",
                     tensor=t.name)
-            for t in targets if t.dtype in _FLOATS and t.dtype != main
+            for t in targets if t.dtype in FLOAT_DTYPES and t.dtype != main
         )
     elif len(floats) > 1:
         found.append(finding("dtype-mix", f"floating-point tensors come in several dtypes: {dict(floats)}"))

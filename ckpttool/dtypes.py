@@ -62,3 +62,7 @@ def itemsize(name: str) -> int:
 
 def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[name]
+
+
+#: floating-point safetensors dtypes (the ones ``--dtype`` casts and the audit's dtype-mix check compares)
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})

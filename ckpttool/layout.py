@@ -21,6 +21,11 @@ RAW = "raw"  #: contiguous C-order elements (safetensors data, raw DCP safetenso
 TORCH_SAVE = "torch_save"  #: one ``torch.save`` archive of the piece (DCP ``.distcp`` items)
 
 
+def c_strides(shape: Shape) -> tuple[int, ...]:
+    """Element strides of a C-order (row-major) tensor of ``shape``."""
+    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+
+
 @dataclass(frozen=True, slots=True)
 class Box:
     """A rectangular region of a tensor: ``offsets`` and ``sizes`` per dimension."""

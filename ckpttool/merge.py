@@ -181,11 +181,12 @@ def merge(
             on_bytes = (lambda n: progress(n, plan.nbytes)) if progress else (lambda n: None)
             owner = share_out([f.nbytes for f in files], group.world)
             mine = [f for f, rank in zip(files, owner) if rank == group.rank]
+            identity = plan_id(plan, files)
             staging = Staging(dest, resume=resume)
-            path = Path(group.on_rank0(lambda: str(_enter(staging, plan, files))))
+            path = Path(group.on_rank0(lambda: str(_enter(staging, identity))))
             try:
                 kept = sum(group.on_all(lambda: write_weights(
-                    plan, files, path, on_bytes, verify=verify, workers=workers, rank=group.rank, mine=mine,
+                    plan, mine, path, identity, on_bytes, verify=verify, workers=workers, rank=group.rank,
                 )))
 
                 def finish() -> tuple[list[str], Report | None]:
@@ -223,10 +224,10 @@ def merge(
     )
 
 
-def _enter(staging: Staging, plan: Plan, files: tuple[OutputFile, ...]) -> Path:
+def _enter(staging: Staging, identity: str) -> Path:
     """Create (or, with resume, take up) the staging directory and clear what no journal of this plan holds."""
     staging.__enter__()
-    clean_staging(staging.path, plan_id(plan, files))
+    clean_staging(staging.path, identity)
     return staging.path
 
 

@@ -13,11 +13,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .dtypes import itemsize
+from .dtypes import FLOAT_DTYPES, itemsize
 from .errors import CoverageError, SourceError
 from .layout import Box, Layout, Piece, Shape, TensorLayout
 
-_FLOATS = {"F64", "F32", "F16", "BF16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +182,7 @@ def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[T
         return None, problems
     problems = check_tiling(spec.name, spec.shape, copies, layout, spec.slices)
     source_dtype = source_dtypes.pop()
-    out_dtype = dtype if (dtype is not None and source_dtype in _FLOATS) else source_dtype
+    out_dtype = dtype if (dtype is not None and source_dtype in FLOAT_DTYPES) else source_dtype
     sources = tuple(dict.fromkeys(sl.source for sl in spec.slices))
     return Target(spec.name, spec.shape, out_dtype, source_dtype, tuple(copies), sources), problems
 

@@ -30,7 +30,7 @@ import torch
 from .dtypes import itemsize, torch_dtype
 from .errors import SourceError
 from .executor import CACHE_BYTES, PieceLoader
-from .layout import RAW, Box, Piece
+from .layout import RAW, Box, Piece, c_strides
 from .plan import Target, dim_map, map_region
 
 #: the most output bytes one chunk holds (a chunk is at least one row)
@@ -96,7 +96,7 @@ class Reader:
                 tensor = self._loader.load(piece)
             return tensor[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))].reshape(sizes)
         shape = piece.box.sizes
-        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        strides = c_strides(shape)
         first = sum(o * st for o, st in zip(box.offsets, strides))
         last = sum((o + s - 1) * st for o, s, st in zip(box.offsets, box.sizes, strides))
         size = itemsize(piece.dtype)
@@ -249,7 +249,7 @@ def buffer_sizes(chunk_list: Sequence[Chunk]) -> dict[str, int]:
             box = map_region(copy.src, copy.dst, part)
             assert box is not None
             shape = copy.piece.box.sizes
-            strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+            strides = c_strides(shape)
             span = sum((s - 1) * st for s, st in zip(box.sizes, strides)) + 1
             sizes["read"] = max(sizes["read"], span * itemsize(copy.piece.dtype))
     return sizes

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from .dtypes import dtype_name, itemsize
+from .layout import c_strides
 
 #: storage classes of torch.save pickles -> safetensors dtype names
 _STORAGES = {
@@ -54,7 +55,7 @@ def locate(f: BinaryIO, start: int, length: int) -> RawTensor | None:
         if entry.compress_type != zipfile.ZIP_STORED:
             return None
         size = itemsize(tensor.storage.dtype)
-        contiguous = tuple(math.prod(tensor.shape[d + 1:]) for d in range(len(tensor.shape)))
+        contiguous = c_strides(tensor.shape)
         numel = math.prod(tensor.shape)
         if (numel > 1 and tensor.stride != contiguous) or entry.file_size != tensor.storage.numel * size:
             return None

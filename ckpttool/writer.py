@@ -254,31 +254,26 @@ def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
 
 def write_weights(
     plan: Plan,
-    files: Sequence[OutputFile],
+    mine: Sequence[OutputFile],
     directory: Path,
+    identity: str,
     on_bytes: Callable[[int], None] = lambda n: None,
     *,
     verify: bool = False,
     workers: int = 1,
     rank: int = 0,
-    mine: Sequence[OutputFile] | None = None,
 ) -> int:
-    """Write the safetensors files of ``mine`` (default: all ``files``), check each, and journal it.
+    """Write the safetensors files ``mine`` (this process's share of the output), check each, and journal it.
 
     Tensors are streamed in row chunks by ``workers`` threads (:mod:`ckpttool.stream`). Files an interrupted
-    run of the same plan finished (see :class:`Journal`) are kept after their digest is checked again. With
-    ``verify``, each file written is read back from disk and its digest compared with the bytes written. When
-    several processes share the work, each passes its ``rank`` and its share ``mine``; the staging directory
-    must have been cleaned once (:func:`clean_staging`) before.
+    run of the same plan (``identity``, see :func:`plan_id`) finished are kept after their digest is checked
+    again (see :class:`Journal`). With ``verify``, each file written is read back from disk and its digest
+    compared with the bytes written. The staging directory must have been cleaned once (:func:`clean_staging`)
+    before any process writes; the index is written once all are done (:func:`write_index`).
 
     Returns:
         How many files were kept from an earlier run.
     """
-    alone = mine is None
-    mine = files if mine is None else mine
-    identity = plan_id(plan, files)
-    if alone:
-        clean_staging(directory, identity)
     layouts = [_file_layout(out) for out in mine]
     journal = Journal(directory, identity, rank)
     every_chunk = [c for _, chunk_list in layouts for c in chunk_list]
@@ -304,8 +299,6 @@ def write_weights(
             journal.record(out.name, size, digest)
     finally:
         reader.close()
-    if alone:
-        write_index(plan, files, directory)
     return kept
 
 

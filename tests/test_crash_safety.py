@@ -203,16 +203,17 @@ def test_read_back_failure_is_an_output_error(tmp_path, monkeypatch):
 
 
 def test_source_file_gone_before_the_write_is_named(copy_fixture, tmp_path, monkeypatch):
-    import ckpttool.writer
+    import importlib
 
+    merge_module = importlib.import_module("ckpttool.merge")  # ckpttool.merge is also the function's name
     src = copy_fixture(FIXTURE)
-    real = ckpttool.writer.plan_id
+    real = merge_module.plan_id
 
     def delete_then_plan(plan, files):
         (src / "__1_0.distcp").unlink()
         return real(plan, files)
 
-    monkeypatch.setattr(ckpttool.writer, "plan_id", delete_then_plan)
+    monkeypatch.setattr(merge_module, "plan_id", delete_then_plan)
     with pytest.raises(ckpttool.SourceError, match=r"'__1_0.distcp': cannot read: No such file or directory"):
         ckpttool.merge(src, tmp_path / "hf")
     assert not (tmp_path / "hf").exists() and staging_dirs(tmp_path / "hf") == []
