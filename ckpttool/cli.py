@@ -87,6 +87,7 @@ def main() -> None:
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
 @click.option("--dtype", help="Cast floating-point tensors, e.g. bfloat16, float16, float32.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size, help="Largest output file (decimal units: 5GB, 500MB, or bytes).")
+@click.option("--weights", type=click.Choice(["master", "module"]), help="Where both are saved (DeepSpeed): fp32 master weights (default) or the module's weights.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--no-audit", is_flag=True, help="Do not audit the output (by default audit errors stop the publish).")
@@ -97,7 +98,7 @@ def main() -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug); with --dry-run, list every tensor.")
 def merge_command(
-    src: str, out: str, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str,
+    src: str, out: str, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str, weights: str | None,
     dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, workers: int, as_json: bool, quiet: bool,
     verbose: int,
 ) -> None:
@@ -108,7 +109,7 @@ def merge_command(
     try:
         result: MergeResult = _run(as_json, lambda: merge(
             src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
-            force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar,
+            force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar, weights=weights,
         ))
     finally:
         if bar is not None:
@@ -222,6 +223,8 @@ def _print_result(result: MergeResult, verbose: int) -> None:
     plan = result.plan
     verb = "would write" if result.dry_run else "wrote"
     click.echo(f"source:   {result.source} ({result.format})")
+    if result.parallel:
+        click.echo(f"parallel: {' '.join(f'{k}={v}' for k, v in result.parallel.items())}")
     click.echo(f"config:   {result.config or '(none: generic merge)'}")
     click.echo(f"coverage: ok, {len(plan.targets)} tensors each covered exactly once")
     click.echo(f"output:   {result.output} ({verb} {_size(plan.nbytes)} in {len(result.files)} file{'s' if len(result.files) != 1 else ''})")
@@ -239,7 +242,8 @@ def _print_result(result: MergeResult, verbose: int) -> None:
     if result.dry_run or verbose:
         for t in plan.targets:
             shape = "x".join(str(n) for n in t.shape) or "scalar"
-            click.echo(f"  {t.name}  {t.dtype} [{shape}]  from {len(t.copies)} piece{'s' if len(t.copies) != 1 else ''}")
+            pieces = f"{len(t.copies)} piece{'s' if len(t.copies) != 1 else ''}"
+            click.echo(f"  {t.name}  {t.dtype} [{shape}]  <- {', '.join(t.sources)} ({pieces})")
 
 
 def _print_report(report: Report, quiet: bool) -> None:

@@ -26,6 +26,46 @@ def c_strides(shape: Shape) -> tuple[int, ...]:
     return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
 
 
+def range_boxes(shape: Shape, start: int, stop: int) -> list[tuple[Box, int]]:
+    """The elements ``start..stop`` of a C-order tensor of ``shape`` (a flat range, as ZeRO partitions cut a
+    parameter) as boxes, each contiguous in that order, with each box's first element counted from ``start``.
+
+    At most ``2 * ndim - 1`` boxes: a ragged head, whole blocks, a ragged tail, recursively.
+
+    Example:
+        >>> [(b.offsets, b.sizes, k) for b, k in range_boxes((3, 4), 2, 11)]
+        [((0, 2), (1, 2), 0), ((1, 0), (1, 4), 2), ((2, 0), (1, 3), 6)]
+    """
+    if not 0 <= start <= stop <= math.prod(shape):
+        raise SourceError(f"elements {start}..{stop} do not lie in a tensor of shape {list(shape)}")
+    boxes: list[tuple[Box, int]] = []
+
+    def cut(dim: int, prefix: tuple[int, ...], lo: int, hi: int) -> None:
+        # elements lo..hi (flat, within the sub-block fixed by prefix) of the dims from ``dim`` on
+        if lo >= hi:
+            return
+        rest = shape[dim:]
+        block = math.prod(rest[1:])
+        if dim == len(shape) - 1 or (lo % block == 0 and hi % block == 0):
+            first, count = lo // block, (hi - lo) // block
+            offsets = (*prefix, first, *(0 for _ in rest[1:]))
+            sizes = (*(1 for _ in prefix), count, *rest[1:])
+            base = sum(o * s for o, s in zip(offsets, c_strides(shape)))
+            boxes.append((Box(offsets, sizes), base - start))
+            return
+        head_end = min(hi, -(-lo // block) * block)
+        if lo % block:
+            cut(dim + 1, (*prefix, lo // block), lo % block, lo % block + (head_end - lo))
+        tail_start = max(head_end, hi // block * block)
+        if tail_start > head_end:
+            cut(dim, prefix, head_end, tail_start)
+        if hi > tail_start and tail_start >= head_end:
+            cut(dim + 1, (*prefix, tail_start // block), 0, hi - tail_start)
+
+    cut(0, (), start, stop)
+    return boxes
+
+
 @dataclass(frozen=True, slots=True)
 class Box:
     """A rectangular region of a tensor: ``offsets`` and ``sizes`` per dimension."""
@@ -158,6 +198,7 @@ class Layout:
             out of ``tensors`` and named in coverage errors ("rows 501..1001 are in '__1_0.distcp', missing").
         missing: files the reader knows should exist but are not on disk (with or without known pieces).
         notes: what the reader skipped or assumed, for the user.
+        parallel: the parallel layout the source recorded, e.g. ``{"tp": 2, "pp": 2, "ep": 1, "dp": 4}``.
     """
 
     root: str
@@ -166,6 +207,7 @@ class Layout:
     absent: Mapping[str, tuple[Piece, ...]] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    parallel: Mapping[str, int] = field(default_factory=dict)
 
 
 class LayoutBuilder:
@@ -188,6 +230,7 @@ class LayoutBuilder:
         self.notes: list[str] = []
         self._absent: dict[str, list[Piece]] = {}
         self.missing: set[str] = set()
+        self.parallel: dict[str, int] = {}
 
     def declare(
         self,
@@ -297,4 +340,5 @@ class LayoutBuilder:
             absent={fqn: tuple(pieces) for fqn, pieces in self._absent.items()},
             missing=tuple(sorted(self.missing)),
             notes=tuple(self.notes) + tuple(notes),
+            parallel=dict(self.parallel),
         )

@@ -6,7 +6,7 @@ import json
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .audit import check
@@ -64,6 +64,7 @@ class MergeResult:
     audit: Report | None = None
     kept_files: int = 0
     workers: int = 1
+    parallel: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -72,6 +73,7 @@ class MergeResult:
             "source": self.source,
             "output": self.output,
             "format": self.format,
+            "parallel": self.parallel,
             "config": self.config,
             "coverage": "every target tensor is covered exactly once",
             "tensors": len(self.plan.targets),
@@ -92,7 +94,8 @@ class MergeResult:
 
 
 def prepare(
-    src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None
+    src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
+    weights: str | None = None,
 ) -> Prepared:
     """Read the source's layout and the config, and build the coverage-checked plan. Reads no tensor data.
 
@@ -104,7 +107,7 @@ def prepare(
     config_path = find_config(root, config)
     config_dict = read_config(config_path) if config_path is not None else None
     info = model_info(config_dict, label=str(config_path)) if config_dict is not None else None
-    layout = read_layout(root, format=format, model=info)
+    layout = read_layout(root, format=format, model=info, weights=weights)
     notes: list[str] = []
     if info is None:
         specs = identity_specs(layout)
@@ -132,6 +135,7 @@ def merge(
     verify: bool = False,
     workers: int = 1,
     progress: Callable[[int, int], None] | None = None,
+    weights: str | None = None,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
 
@@ -150,10 +154,12 @@ def merge(
             sha256 is checked again; the rest are written.
         verify: read every written file back from disk and compare its digest with the bytes written.
         workers: threads reading and writing chunks at once.
+        progress: called as ``progress(bytes_just_written, total_bytes)`` after each tensor.
+        weights: for formats holding both, ``"master"`` (fp32 optimizer master weights, the default) or
+            ``"module"`` (the module's own weights).
 
     Under ``torchrun --nproc_per_node N`` every process calls this; output files are shared out among them
     by bytes (see :mod:`ckpttool.distributed`) and every process returns the same result.
-        progress: called as ``progress(bytes_just_written, total_bytes)`` after each tensor.
 
     Returns:
         A :class:`MergeResult` describing the output.
@@ -169,7 +175,7 @@ def merge(
     root, dest = Path(src), Path(out)
     group = Group()
     try:
-        prepared = prepare(root, format=format, config=config, dtype=dtype)
+        prepared = prepare(root, format=format, config=config, dtype=dtype, weights=weights)
         plan = prepared.plan
         if not plan.targets:
             raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
@@ -213,6 +219,7 @@ def merge(
         source=str(root),
         output=str(dest),
         format=prepared.layout.format,
+        parallel=dict(prepared.layout.parallel),
         plan=plan,
         files=files,
         extras=tuple(extras),

@@ -238,8 +238,21 @@ class HfMapping:
 
 
 def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
-    """In-memory names (DCP, FSDP, transformers distributed) cut into on-disk names by the family's rules;
-    on-disk names pass through; a wrapper prefix (``model.``/``module.``) is stripped."""
+    """The layout's tensors under on-disk HuggingFace names: the reader's own cut when its format has one
+    (``to_hf``, e.g. Megatron's fused QKV); else in-memory names (DCP, FSDP, transformers distributed) cut by
+    the family's rules, on-disk names passed through, and a wrapper prefix (``model.``/``module.``) stripped."""
+    from .readers import READERS  # a reader may own its format's cut; imported here (readers import models)
+
+    cut = getattr(READERS.get(layout.format), "to_hf", None)
+    if cut is not None:
+        specs, notes, problems = cut(layout, info)
+    else:
+        specs, notes, problems = _generic_cut(layout, info)
+    tied = [s for s in specs if s.name in info.tied]
+    return HfMapping([s for s in specs if s.name not in info.tied], tied, notes, problems)
+
+
+def _generic_cut(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str], list[tuple[str, str]]]:
     notes: list[str] = []
     prefix = _wrapper_prefix(layout, info)
     if prefix:
@@ -252,8 +265,7 @@ def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
             specs.extend(_specs_for(tensor, tensor.fqn[len(prefix):], rules))
         except ConfigError as e:
             problems.append((tensor.fqn, str(e)))
-    tied = [s for s in specs if s.name in info.tied]
-    return HfMapping([s for s in specs if s.name not in info.tied], tied, notes, problems)
+    return specs, notes, problems
 
 
 def hf_specs(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str]]:

@@ -1,11 +1,12 @@
-"""Where the raw bytes of a tensor saved with ``torch.save`` lie, without loading it or running its pickle.
+"""Reading ``torch.save`` files without loading their tensors or running their pickles.
 
 A ``torch.save`` file (or a byte range holding one, as each item of a DCP ``.distcp`` file is) is a zip archive
-of stored (uncompressed) entries: ``<name>/data.pkl`` says which storage the tensor views and how, and
-``<name>/data/<key>`` holds that storage's bytes. Reading the zip directory and walking the pickle's opcodes
-with a recording unpickler that knows only the few names a plain tensor needs tells where the tensor's bytes
-are, so it can be read with positioned reads like safetensors. Anything else (another layout, another type, a
-compressed entry, big-endian data) gives None, and the caller falls back to ``torch.load(weights_only=True)``.
+of stored (uncompressed) entries: ``<name>/data.pkl`` is the pickled object, and ``<name>/data/<key>`` holds
+the bytes of each storage its tensors view. :func:`scan` walks the pickle with an unpickler that knows only
+plain containers, tensors, ``torch.Size``, dtypes and the stand-ins a reader allows for its format (an
+``argparse.Namespace`` of training args, say); every tensor becomes a :class:`StoredTensor` that says where
+its bytes lie, so it can be read with positioned reads like safetensors. Anything else is refused by name
+before it is built: nothing in a checkpoint can run code.
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ import math
 import pickle
 import struct
 import zipfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+import torch
+
 from .dtypes import dtype_name, itemsize
+from .errors import SourceError, UnsafePickleError
 from .layout import c_strides
 
 #: storage classes of torch.save pickles -> safetensors dtype names
@@ -27,52 +32,111 @@ _STORAGES = {
     "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8", "ByteStorage": "U8",
     "BoolStorage": "BOOL",
 }
+#: what a reader may allow: ``(module, name)`` -> a callable the pickle gets instead of the real class
+Allow = Mapping[tuple[str, str], Callable[..., Any]]
 
 
 @dataclass(frozen=True, slots=True)
-class RawTensor:
-    """A tensor's elements, contiguous in C order, at ``offset`` (relative to the archive's start)."""
+class StoredTensor:
+    """A tensor of a ``torch.save`` archive, not loaded: its dtype, shape and where its elements lie.
+
+    Attributes:
+        dtype: safetensors dtype name.
+        shape, stride: as saved (elements).
+        storage: the storage's key in the archive; tensors that share it are views of one buffer.
+        element_offset: where the view starts in its storage (elements).
+        data_offset: where the storage's bytes start, relative to the archive's start; None when the entry is
+            compressed or missing, or the data is big-endian (then only ``torch.load`` can read it).
+        storage_numel: elements the storage holds.
+    """
 
     dtype: str
     shape: tuple[int, ...]
-    offset: int
+    stride: tuple[int, ...]
+    storage: str
+    element_offset: int
+    data_offset: int | None
+    storage_numel: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def contiguous(self) -> bool:
+        return self.numel <= 1 or self.stride == c_strides(self.shape)
+
+    def byte_offset(self) -> int | None:
+        """Where the elements start (relative to the archive) when they are contiguous, C-order and in place."""
+        if self.data_offset is None or not self.contiguous:
+            return None
+        if self.element_offset < 0 or self.element_offset + self.numel > self.storage_numel:
+            return None
+        return self.data_offset + self.element_offset * itemsize(self.dtype)
 
 
-def locate(f: BinaryIO, start: int, length: int) -> RawTensor | None:
-    """The raw bytes of the one tensor saved in ``f[start:start+length]``, or None when they cannot be located."""
+def scan(f: BinaryIO, start: int = 0, length: int | None = None, *, label: str, allow: Allow | None = None) -> Any:
+    """The object saved in ``f[start:start+length]`` with every tensor as a :class:`StoredTensor`.
+
+    Args:
+        f: an open binary file (or buffer).
+        start, length: the archive's byte range in ``f``; by default the whole file.
+        label: the file's name for error messages.
+        allow: stand-ins for the non-tensor classes the format's pickles name.
+
+    Raises:
+        UnsafePickleError: the pickle names a class that is not a tensor, a container or in ``allow``.
+        SourceError: not a ``torch.save`` archive (truncated, garbage, the legacy non-zip format).
+    """
+    if length is None:
+        f.seek(0, io.SEEK_END)
+        length = f.tell() - start
     try:
         archive = zipfile.ZipFile(_Window(f, start, length))
-        pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        names = archive.namelist()
+        pickles = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pickles) != 1:
-            return None
+            raise SourceError(f"'{label}': not a torch.save archive ({len(pickles)} data.pkl entries)")
         base = pickles[0][: -len("data.pkl")]
-        if base + "byteorder" in archive.namelist() and archive.read(base + "byteorder") != b"little":
-            return None
-        tensor = _Recorder(io.BytesIO(archive.read(pickles[0]))).load()
-        if not isinstance(tensor, _Tensor):
-            return None
-        entry = archive.getinfo(f"{base}data/{tensor.storage.key}")
-        if entry.compress_type != zipfile.ZIP_STORED:
-            return None
-        size = itemsize(tensor.storage.dtype)
-        contiguous = c_strides(tensor.shape)
-        numel = math.prod(tensor.shape)
-        if (numel > 1 and tensor.stride != contiguous) or entry.file_size != tensor.storage.numel * size:
-            return None
-        if tensor.offset < 0 or tensor.offset + numel > tensor.storage.numel:
-            return None
-        f.seek(start + entry.header_offset)
-        header = f.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            return None
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        data = entry.header_offset + 30 + name_len + extra_len
-        if data + entry.file_size > length:
-            return None
-        return RawTensor(tensor.storage.dtype, tensor.shape, data + tensor.offset * size)
+        little = base + "byteorder" not in names or archive.read(base + "byteorder") == b"little"
+        unpickler = _Unpickler(io.BytesIO(archive.read(pickles[0])), label, allow or {})
+        obj = unpickler.load()
+        offsets = {key: _data_offset(f, start, length, archive, f"{base}data/{key}", s.numel * itemsize(s.dtype))
+                   if little else None for key, s in unpickler.storages.items()}
+    except (UnsafePickleError, SourceError):
+        raise
     except (zipfile.BadZipFile, KeyError, pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
-            AttributeError, struct.error, OSError, RecursionError):
+            AttributeError, struct.error, OSError, RecursionError) as e:
+        raise SourceError(f"'{label}': cannot read it as a torch.save archive ({type(e).__name__}: {e}); is it truncated?") from None
+    return _resolve(obj, offsets)
+
+
+def locate(f: BinaryIO, start: int, length: int) -> StoredTensor | None:
+    """The one contiguous tensor saved in ``f[start:start+length]`` when its raw bytes can be located, else None
+    (the caller falls back to ``torch.load(weights_only=True)``)."""
+    try:
+        found = scan(f, start, length, label="item")
+    except (SourceError, UnsafePickleError):
         return None
+    if not isinstance(found, StoredTensor) or found.byte_offset() is None:
+        return None
+    return found
+
+
+def _data_offset(f: BinaryIO, start: int, length: int, archive: zipfile.ZipFile, name: str, nbytes: int) -> int | None:
+    try:
+        entry = archive.getinfo(name)
+    except KeyError:
+        return None
+    if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != nbytes:
+        return None
+    f.seek(start + entry.header_offset)
+    header = f.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    data = entry.header_offset + 30 + name_len + extra_len
+    return data if data + entry.file_size <= length else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,40 +147,96 @@ class _Storage:
 
 
 @dataclass(frozen=True, slots=True)
-class _Tensor:
+class _Pending:
+    """A tensor seen in the pickle, before storage offsets are known."""
+
     storage: _Storage
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
 
 
-def _rebuild(storage: Any, offset: Any, shape: Any, stride: Any, *rest: Any) -> _Tensor:
+def _rebuild_tensor(storage: Any, offset: Any, shape: Any, stride: Any, *rest: Any) -> _Pending:
     if not isinstance(storage, _Storage) or not isinstance(offset, int):
-        raise pickle.UnpicklingError("not a plain tensor")
-    if not all(isinstance(n, int) for n in (*shape, *stride)):
-        raise pickle.UnpicklingError("not a plain tensor")
-    return _Tensor(storage, offset, tuple(shape), tuple(stride))
+        raise pickle.UnpicklingError("a tensor without a storage")
+    if not all(isinstance(n, int) for n in (*shape, *stride)) or len(shape) != len(stride):
+        raise pickle.UnpicklingError("a tensor with a bad shape or stride")
+    return _Pending(storage, offset, tuple(shape), tuple(stride))
 
 
-class _Recorder(pickle.Unpickler):
-    """Knows only what a plain tensor's pickle names; records instead of building anything."""
+def _rebuild_parameter(data: Any, *rest: Any) -> Any:
+    return data  # nn.Parameter: the tensor it wraps
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    built = func(*args)
+    return built if new_type is _PlainTensor else new_type(built, state)
+
+
+class _PlainTensor:
+    """What ``torch.Tensor`` and ``torch.nn.Parameter`` classes load as."""
+
+
+_BUILTIN: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor_v3"): lambda storage, offset, shape, stride, *rest: _rebuild_tensor(storage, offset, shape, stride),
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+    ("torch._utils", "_rebuild_from_type_v2"): _rebuild_from_type,
+    ("torch", "Tensor"): _PlainTensor,
+    ("torch.nn.parameter", "Parameter"): _PlainTensor,
+    ("collections", "OrderedDict"): dict,
+    ("torch", "Size"): lambda dims=(): tuple(int(d) for d in dims),
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: BinaryIO, label: str, allow: Allow) -> None:
+        super().__init__(data)
+        self.label = label
+        self.allow = allow
+        self.storages: dict[str, _Storage] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
+        if (module, name) in _BUILTIN:
+            return _BUILTIN[(module, name)]
+        if (module, name) in self.allow:
+            return self.allow[(module, name)]
         if module == "torch" and name in _STORAGES:
             return _STORAGES[name]
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)  # a dtype is data
+        raise UnsafePickleError(
+            f"'{self.label}': refused to unpickle: it asks for '{module}.{name}', which is not a tensor, a plain "
+            "container or a class ckpttool allows for this format (nothing was executed)"
+        )
 
     def persistent_load(self, pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError("unknown persistent id")
+            raise UnsafePickleError(f"'{self.label}': refused to unpickle: unexpected persistent id (nothing was executed)")
         _, dtype, key, _location, numel = pid
-        if isinstance(dtype, str) and dtype in _STORAGES.values() and isinstance(numel, int) and numel >= 0:
-            return _Storage(dtype_name(dtype), str(key), numel)
-        raise pickle.UnpicklingError("unknown storage")
+        if not (isinstance(dtype, str) and dtype in _STORAGES.values() and isinstance(numel, int) and numel >= 0):
+            raise pickle.UnpicklingError(f"storage of type {dtype!r}")
+        storage = self.storages.setdefault(str(key), _Storage(dtype_name(dtype), str(key), numel))
+        return storage
+
+
+def _resolve(obj: Any, offsets: Mapping[str, int | None]) -> Any:
+    """``obj`` with every pending tensor replaced by a :class:`StoredTensor` (containers rebuilt, others kept)."""
+    if isinstance(obj, _Pending):
+        return StoredTensor(obj.storage.dtype, obj.shape, obj.stride, obj.storage.key, obj.offset,
+                            offsets.get(obj.storage.key), obj.storage.numel)
+    if isinstance(obj, dict):
+        return {k: _resolve(v, offsets) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_resolve(v, offsets) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(_resolve(v, offsets) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for k, v in vars(obj).items():
+            setattr(obj, k, _resolve(v, offsets))
+    return obj
 
 
 class _Window(io.RawIOBase):

@@ -45,7 +45,7 @@ def test_dry_run_reads_no_tensor_data_and_writes_nothing(cli, copy_fixture, tmp_
     result = cli("merge", src, out, "--dry-run")
     assert result.exit_code == 0, result.output
     assert "coverage: ok" in result.stdout and "would write" in result.stdout
-    assert "model.embed_tokens.weight  F32 [1001x32]  from 2 pieces" in result.stdout
+    assert "model.embed_tokens.weight  F32 [1001x32]  <- model.embed_tokens.weight (2 pieces)" in result.stdout
     assert not out.exists()
     failed = cli("merge", src, out)
     assert_failed_cleanly(failed, out, "'__0_0.distcp': cannot load")
@@ -319,3 +319,11 @@ def test_debug_environment_variable_shows_the_traceback(cli, tmp_path, monkeypat
     assert result.exit_code == 1
     assert "Traceback" in result.stderr and "FormatNotDetectedError" in result.stderr
     assert "Error: " in result.stderr
+
+
+def test_a_reader_option_that_does_not_apply(cli, copy_fixture, tmp_path):
+    src = copy_fixture("llama_tp2_dcp")
+    result = cli("merge", src, tmp_path / "hf", "--weights", "module")
+    assert result.exit_code == 1
+    assert "--weights does not apply to the dcp format" in result.stderr
+    assert not (tmp_path / "hf").exists()

@@ -20,7 +20,7 @@ def saved(obj) -> bytes:
 
 def element_bytes(data: bytes, found, prefix: int = 0) -> bytes:
     n = math.prod(found.shape) * itemsize(found.dtype)
-    return data[prefix + found.offset: prefix + found.offset + n]
+    return data[prefix + found.byte_offset(): prefix + found.byte_offset() + n]
 
 
 def test_a_plain_tensor_inside_a_larger_file():
@@ -64,3 +64,48 @@ def test_a_malicious_pickle_is_not_run(tmp_path):
     archive = saved(Payload())
     assert locate(io.BytesIO(archive), 0, len(archive)) is None
     assert not marker.exists()
+
+
+def test_scan_a_training_checkpoint_with_allowed_args(tmp_path):
+    import argparse
+
+    from ckpttool.safe_pickle import Record
+    from ckpttool.torch_save import scan
+
+    flat = torch.arange(30, dtype=torch.float32)
+    state = {
+        "args": argparse.Namespace(tensor_model_parallel_size=2, padded_vocab_size=1280),
+        "iteration": 7,
+        "model": {"w": torch.nn.Parameter(flat[:12].view(3, 4)), "b": flat[12:18], "t": flat[:12].view(3, 4).t()},
+        "shapes": [torch.Size([3, 4])],
+    }
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save(state, path)
+    allow = {("argparse", "Namespace"): Record}
+    with open(path, "rb") as f:
+        found = scan(f, label=path.name, allow=allow)
+    data = path.read_bytes()
+    assert found["iteration"] == 7 and found["shapes"] == [(3, 4)]
+    assert found["args"].tensor_model_parallel_size == 2
+    w, b, t = found["model"]["w"], found["model"]["b"], found["model"]["t"]
+    assert w.storage == b.storage == t.storage  # views of one buffer
+    assert data[w.byte_offset(): w.byte_offset() + 48] == flat[:12].numpy().tobytes()
+    assert data[b.byte_offset(): b.byte_offset() + 24] == flat[12:18].numpy().tobytes()
+    assert t.byte_offset() is None and not t.contiguous
+
+
+def test_scan_refuses_what_it_does_not_allow(tmp_path):
+    import argparse
+
+    import pytest
+
+    from ckpttool.errors import SourceError, UnsafePickleError
+    from ckpttool.torch_save import scan
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"args": argparse.Namespace(x=1), "w": torch.ones(2)}, path)
+    with open(path, "rb") as f, pytest.raises(UnsafePickleError, match=r"'ckpt.pt': refused to unpickle: it asks for 'argparse.Namespace'"):
+        scan(f, label="ckpt.pt")
+    path.write_bytes(path.read_bytes()[:100])
+    with open(path, "rb") as f, pytest.raises(SourceError, match=r"'ckpt.pt': cannot read it as a torch.save archive"):
+        scan(f, label="ckpt.pt")

@@ -1,8 +1,15 @@
 """Readers: one per on-disk format, each turning what it finds into a :class:`~ckpttool.layout.Layout`.
 
 A reader is a module with ``NAME``, ``LOOKS_FOR`` (what detection checks, for error messages),
-``matches(root) -> bool`` and ``read(root, model) -> Layout``. Format knowledge lives only here; the plan
-and executor see pieces and boxes.
+``matches(root) -> bool`` and ``read(root, model, **options) -> Layout``. Optionally:
+
+- ``OPTIONS``: the reader options it takes (``weights``: ``"master"`` or ``"module"`` for formats that hold
+  both fp32 master weights and module weights);
+- ``to_hf(layout, info) -> (specs, notes, problems)``: the format's own cut of its tensors into HuggingFace
+  tensors (fused QKV, SwiGLU pieces per TP rank, renames), where the generic rules of
+  :mod:`ckpttool.models` cannot know it. ``problems`` are ``(source tensor, message)``.
+
+Format knowledge lives only here; the plan and executor see pieces and boxes.
 """
 
 from __future__ import annotations
@@ -41,7 +48,9 @@ def detect_format(root: Path) -> str:
     )
 
 
-def read_layout(src: str | Path, *, format: str | None = None, model: ModelInfo | None = None) -> Layout:
+def read_layout(
+    src: str | Path, *, format: str | None = None, model: ModelInfo | None = None, **options: str | None
+) -> Layout:
     """Describe a checkpoint directory as a layout, reading metadata and headers only.
 
     Args:
@@ -49,6 +58,8 @@ def read_layout(src: str | Path, *, format: str | None = None, model: ModelInfo 
         format: a reader name (``dcp``, ``hf-distributed``, ``sidecar``, ``hf``); detected when None.
         model: what the config says the model looks like; needed where the format records no global shapes
             (transformers distributed checkpoints).
+        options: reader options (``weights="module"``); None values are left out. A reader that does not
+            take an option refuses it.
 
     Raises:
         SourceError: the metadata is inconsistent or names files outside the directory.
@@ -66,7 +77,12 @@ def read_layout(src: str | Path, *, format: str | None = None, model: ModelInfo 
         raise SourceError(f"unknown format {format!r}; known: {', '.join(READERS)}")
     else:
         _check_directory(root)
-    return READERS[format].read(root, model)
+    reader = READERS[format]
+    given = {k: v for k, v in options.items() if v is not None}
+    unknown = sorted(set(given) - set(getattr(reader, "OPTIONS", ())))
+    if unknown:
+        raise SourceError(f"'{root}': --{unknown[0]} does not apply to the {format} format")
+    return reader.read(root, model, **given)
 
 
 def _check_directory(root: Path) -> None:

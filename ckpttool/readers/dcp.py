@@ -125,5 +125,7 @@ def _as_raw(root: Path, piece: Piece, handles: dict[str, BinaryIO]) -> Piece:
     found = locate(handle, piece.byte_offset, piece.byte_length)
     if found is None or found.dtype != piece.dtype or found.shape != piece.box.sizes:
         return piece
-    nbytes = math.prod(found.shape) * itemsize(found.dtype)
-    return replace(piece, encoding=RAW, byte_offset=piece.byte_offset + found.offset, byte_length=nbytes)
+    offset = found.byte_offset()
+    assert offset is not None  # locate returns only tensors whose bytes are in place
+    nbytes = found.numel * itemsize(found.dtype)
+    return replace(piece, encoding=RAW, byte_offset=piece.byte_offset + offset, byte_length=nbytes)
