@@ -29,21 +29,28 @@ class ProcessGroupError(CkptError):
 class Group:
     """This process's place among the processes of one merge; a group of one outside ``torchrun``."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None = None) -> None:
         self.rank, self.world = 0, 1
         self._group: Any = None
         self._owned = False
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            return
         import torch.distributed as dist
 
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT))
+        running = dist.is_available() and dist.is_initialized()
+        if not running and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return
+        wait = timedelta(seconds=timeout if timeout is not None else TIMEOUT)
+        if not running:
+            dist.init_process_group("gloo", timeout=wait)
             self._owned = True
             self._group = dist.group.WORLD
         else:  # a running job's group may be NCCL: objects travel on a gloo group of the same processes
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+            self._group = dist.new_group(backend="gloo", timeout=wait)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    @property
+    def gloo(self) -> Any:
+        """The gloo process group of these processes (None for a group of one)."""
+        return self._group
 
     def on_rank0(self, work: Callable[[], T]) -> T:
         """``work()`` on rank 0 only; every process gets its result, or raises if it failed."""

@@ -195,19 +195,12 @@ def merge(
                     plan, mine, path, identity, on_bytes, verify=verify, workers=workers, rank=group.rank,
                 )))
 
-                def finish() -> tuple[list[str], Report | None]:
-                    write_index(plan, files, path)
-                    config_dir = [prepared.config_path.parent] if prepared.config_path is not None else []
-                    search = list(dict.fromkeys([*config_dir, root]))
-                    written = write_extras(path, prepared.config, search, dtype_name(dtype) if dtype else None)
-                    found = None
-                    if audit:
-                        found = _audit_output(path, dest, prepared)
-                        written.append(AUDIT_FILE)
-                    staging.publish()
-                    return written, found
-
-                extras, report = group.on_rank0(finish)
+                config_dir = [prepared.config_path.parent] if prepared.config_path is not None else []
+                extras, report = group.on_rank0(lambda: finish_output(
+                    staging, plan, files, config=prepared.config, model=prepared.model,
+                    config_label=str(prepared.config_path) if prepared.config_path else None,
+                    search=list(dict.fromkeys([*config_dir, root])), dtype=dtype, audit=audit,
+                ))
             except BaseException as e:
                 if group.rank == 0:
                     staging.__exit__(type(e), e, None)
@@ -238,12 +231,29 @@ def _enter(staging: Staging, identity: str) -> Path:
     return staging.path
 
 
-def _audit_output(staging: Path, dest: Path, prepared: Prepared) -> Report:
+def finish_output(
+    staging: Staging, plan: Plan, files: tuple[OutputFile, ...], *, config: dict[str, object] | None,
+    model: ModelInfo | None, config_label: str | None, search: list[Path], dtype: str | None, audit: bool,
+) -> tuple[list[str], Report | None]:
+    """Once every weights file is written and checked: the index, config and tokenizer files, the audit of
+    what was written, then the rename into place. Returns the extra files written and the audit report."""
+    path = staging.path
+    write_index(plan, files, path)
+    written = write_extras(path, config, search, dtype_name(dtype) if dtype else None)
+    found = None
+    if audit:
+        found = _audit_output(path, staging.dest, config is not None, config_label, model)
+        written.append(AUDIT_FILE)
+    staging.publish()
+    return written, found
+
+
+def _audit_output(staging: Path, dest: Path, has_config: bool, config_label: str | None, model: ModelInfo | None) -> Report:
     """The shape audit (headers only) of what was written; its report goes beside the weights."""
-    config_path = staging / "config.json" if prepared.config is not None else None
+    config_path = staging / "config.json" if has_config else None
     config = read_config(config_path) if config_path is not None else None
-    report = replace(check(staging, config_path=config_path, config=config, model=prepared.model, data=False),
-                     source=str(dest), config=str(prepared.config_path) if prepared.config_path else None)
+    report = replace(check(staging, config_path=config_path, config=config, model=model, data=False),
+                     source=str(dest), config=config_label)
     write_text(staging / AUDIT_FILE, json.dumps(report.to_json(), indent=2) + "\n")
     if report.errors:
         raise AuditError(report, str(dest))

@@ -274,7 +274,7 @@ def write_weights(
     Returns:
         How many files were kept from an earlier run.
     """
-    layouts = [_file_layout(out) for out in mine]
+    layouts = [file_layout(out) for out in mine]
     journal = Journal(directory, identity, rank)
     every_chunk = [c for _, chunk_list in layouts for c in chunk_list]
     reader = Reader(plan.root, piece_uses(every_chunk), buffer_sizes(every_chunk))
@@ -293,7 +293,7 @@ def write_weights(
                 digest = stream_file(path, prefix, chunk_list, reader, workers, on_bytes)
             except OSError as e:
                 raise OutputError(f"'{out.name}': cannot write: {e.strerror or e}; nothing was published") from None
-            _verify(path, out, len(prefix))
+            check_written(path, out, len(prefix))
             if verify:
                 _read_back(path, out.name, digest, compute)
             journal.record(out.name, size, digest)
@@ -310,7 +310,7 @@ def write_index(plan: Plan, files: Sequence[OutputFile], directory: Path) -> Non
         write_text(directory / INDEX, json.dumps(index, indent=2) + "\n")
 
 
-def _file_layout(out: OutputFile) -> tuple[bytes, list[Chunk]]:
+def file_layout(out: OutputFile) -> tuple[bytes, list[Chunk]]:
     """The header bytes of an output file and its chunks in file order."""
     prefix, offsets = encode_header({t.name: (t.dtype, t.shape) for t in out.targets}, {"format": "pt"})
     return prefix, [c for t in out.targets for c in chunks(t, offsets[t.name][0])]
@@ -340,7 +340,8 @@ def _read_back(path: Path, name: str, digest: str, compute: Callable[[], str]) -
         )
 
 
-def _verify(path: Path, out: OutputFile, prefix_len: int) -> None:
+def check_written(path: Path, out: OutputFile, prefix_len: int) -> None:
+    """The file has the planned size and its header holds every tensor with the planned dtype and shape."""
     expected = prefix_len + out.nbytes
     size = path.stat().st_size
     if size != expected:
