@@ -44,16 +44,31 @@ def config(size_gib: float) -> dict:
 
 def produce(out: Path, fmt: str, split: str, size_gib: float) -> None:
     """Run under torchrun: every rank builds its pieces as DTensors and torch saves them."""
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (WORLD,))
     cfg = config(size_gib)
+    state = sharded_state(cfg, split, rank, mesh)
+    if fmt == "dcp":
+        dcp.save(state, checkpoint_id=str(out))
+    else:
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
+    if rank == 0:
+        (_files(out) / "config.json").write_text(json.dumps(cfg))
+    dist.destroy_process_group()
+
+
+def sharded_state(cfg: dict, split: str, rank: int, mesh) -> dict:
+    """This rank's DTensors of the synthetic model (bf16, seeded per tensor and rank; norms replicated)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     kv = HIDDEN * KV_HEADS // HEADS
     shapes = {"model.embed_tokens.weight": ((VOCAB, HIDDEN), 0), "lm_head.weight": ((VOCAB, HIDDEN), 0),
               "model.norm.weight": ((HIDDEN,), None)}
@@ -78,15 +93,7 @@ def produce(out: Path, fmt: str, split: str, size_gib: float) -> None:
             local, placement = (0.02 * torch.randn(local_shape, generator=g)).to(torch.bfloat16), Shard(dim)
         stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
         state[name] = DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(shape), stride=stride)
-    if fmt == "dcp":
-        dcp.save(state, checkpoint_id=str(out))
-    else:
-        from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-        dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
-    if rank == 0:
-        (_files(out) / "config.json").write_text(json.dumps(cfg))
-    dist.destroy_process_group()
+    return state
 
 
 def build(work: Path, fmt: str, split: str, size_gib: float) -> Path:

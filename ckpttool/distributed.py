@@ -65,10 +65,13 @@ class Group:
         return _settle(mine, everyone)
 
     def close(self) -> None:
-        if self._owned:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
+        if self._owned:
             dist.destroy_process_group()
+        elif self._group is not None:  # the gloo group made beside a running job's own
+            dist.destroy_process_group(self._group)
+        self._group = None
 
     def _broadcast(self, value: Any) -> Any:
         import torch.distributed as dist

@@ -140,9 +140,14 @@ def save_hf(
         raise watch.failure("meet", e) from None
     staging: Staging | None = None
     try:
-        held, views, notes = _describe(state, specs or {})
-        everyone = _collect(group, watch, "exchange what each rank holds", lambda: held)
-        plan = group.on_all(lambda: _plan(everyone, config_dict, dtype, notes))[0]  # deterministic: same on all
+        local: dict[str, Any] = {}
+
+        def describe() -> list[_Held]:  # a rank's bad tensor stops every rank with its message
+            held, local["views"], local["notes"] = _describe(state, specs or {})
+            return held
+
+        everyone = _collect(group, watch, "exchange what each rank holds", describe)
+        plan = _collect(group, watch, "plan", lambda: _plan(everyone, config_dict, dtype, local["notes"]))[group.rank]
         files = tuple(assign_files(plan, max_shard_size))
         owner = share_out([f.nbytes for f in files], group.world)
         staging = Staging(dest)
@@ -153,7 +158,7 @@ def save_hf(
 
         path = Path(_collect(group, watch, "prepare the destination", enter, rank0=True)[0])
         mine = [f for f, rank in zip(files, owner) if rank == group.rank]
-        gather = _Gather(plan, files, owner, group, views, bucket_bytes)
+        gather = _Gather(plan, files, owner, group, local["views"], bucket_bytes)
         log.info("live gather: %d tensors, %d bytes, %d files, %d rounds", len(plan.targets), plan.nbytes,
                  len(files), len(gather.rounds))
         _collect(group, watch, "gather and write the tensors", lambda: gather.run(mine, path))
