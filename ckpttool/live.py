@@ -137,7 +137,7 @@ def save_hf(
         group = Group(timeout=timeout)
     except Exception as e:  # the gloo group is built by all ranks together: one did not arrive
         watch.stop()
-        raise watch.failure("meet", e) from None
+        raise watch.failure("start the save together", e) from None
     staging: Staging | None = None
     try:
         local: dict[str, Any] = {}

@@ -214,6 +214,28 @@ def scenario_die(out: Path, world: int) -> None:
         sys.exit(3)
 
 
+def scenario_absent(out: Path, world: int) -> None:
+    """The last rank never calls save_hf (it hangs in its own code); the others must stop naming it."""
+    import time
+
+    from ckpttool.live import LiveGatherError, save_hf
+
+    model = load(LLAMA)
+    gave_up = out / "absent-gave-up"
+    if dist.get_rank() == world - 1:
+        deadline = time.monotonic() + 60
+        while not gave_up.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        save_hf(model, out / "absent", config=model.config, timeout=5)
+    except LiveGatherError as e:
+        print(f"RANK {dist.get_rank()} FAILED after {time.monotonic() - start:.0f} s: {e}", flush=True)
+        gave_up.touch()
+        os._exit(3)  # the process group cannot be torn down cleanly without the absent rank
+
+
 SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckpttool
+from ckpttool.live import WATCH_SECONDS
 from conftest import fixture_dir
 
 WORKER = Path(__file__).resolve().parent / "live_worker.py"
@@ -147,6 +149,15 @@ def test_a_killed_rank_stops_the_others_naming_it(tmp_path):
     assert seconds < 60  # the worker's timeout is 20 s
     assert not (tmp_path / "die").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".die")]
+
+
+def test_a_rank_that_never_arrives_is_named(tmp_path):
+    codes, outputs, _ = launch(2, tmp_path, "absent", timeout=120)
+    assert codes[0] == 3, outputs[0]
+    match = re.search(r"RANK 0 FAILED after (\d+) s: rank 1 stopped responding \(died, hung or never arrived\)", outputs[0])
+    assert match is not None, outputs[0]
+    assert int(match.group(1)) <= 5 + WATCH_SECONDS + 5  # the timeout, the heartbeat watch, a margin
+    assert not (tmp_path / "absent").exists()
 
 
 # ---- one process: no process group -------------------------------------------------------------
