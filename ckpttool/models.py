@@ -91,7 +91,8 @@ RULES: dict[str, tuple[Rename | Unstack, ...]] = {
 
 
 def find_config(source: Path, explicit: str | Path | None) -> Path | None:
-    """The ``config.json`` to use: ``explicit`` (a file or an HF directory), else in or next to the source."""
+    """The ``config.json`` to use: ``explicit`` (a file or an HF directory), else in the source, in its
+    ``huggingface/`` directory (where verl writes it), or next to the source."""
     if explicit is not None:
         path = Path(explicit)
         if path.is_dir():
@@ -99,7 +100,7 @@ def find_config(source: Path, explicit: str | Path | None) -> Path | None:
         if not path.is_file():
             raise ConfigError(f"config '{explicit}' not found (give a config.json file or a directory holding one)")
         return path
-    for candidate in (source / "config.json", source.parent / "config.json"):
+    for candidate in (source / "config.json", source / "huggingface" / "config.json", source.parent / "config.json"):
         if candidate.is_file():
             return candidate
     return None

@@ -67,6 +67,9 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ),
     (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): lambda value=None: value,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _record("_StorageInfo"),
+    # Megatron's save planner keeps every rank's plan in the metadata (Metadata.all_local_plans)
+    **{("torch.distributed.checkpoint.planner", name): _record(name) for name in ("SavePlan", "WriteItem", "TensorWriteData")},
+    ("torch.distributed.checkpoint.planner", "WriteItemType"): lambda value=None: value,
     ("torch", "Size"): lambda dims=(): tuple(int(d) for d in dims),
     ("torch.serialization", "_get_layout"): lambda name: str(name),
     ("pathlib", "PosixPath"): lambda *parts: "/".join(str(p) for p in parts),

@@ -177,6 +177,14 @@ class _PlainTensor:
     """What ``torch.Tensor`` and ``torch.nn.Parameter`` classes load as."""
 
 
+class _StateDict(dict):
+    """``collections.OrderedDict``: a plain dict; the ``_metadata`` attribute a module's state dict carries
+    (version numbers for ``load_state_dict``) is dropped."""
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
 _BUILTIN: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch._utils", "_rebuild_tensor_v3"): lambda storage, offset, shape, stride, *rest: _rebuild_tensor(storage, offset, shape, stride),
@@ -186,7 +194,7 @@ _BUILTIN: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch", "Tensor"): _PlainTensor,
     ("torch.nn.parameter", "Parameter"): _PlainTensor,
-    ("collections", "OrderedDict"): dict,
+    ("collections", "OrderedDict"): _StateDict,
     ("torch", "Size"): lambda dims=(): tuple(int(d) for d in dims),
 }
 

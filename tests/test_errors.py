@@ -104,8 +104,10 @@ def test_source_that_is_a_file_asks_for_the_directory(cli, tmp_path):
 
 def test_unknown_format_name_lists_the_known_ones():
     with pytest.raises(SourceError) as excinfo:
-        ckpttool.read_layout(fixture_dir("llama_tp2_dcp") / "checkpoint", format="megatron")
-    assert str(excinfo.value) == "unknown format 'megatron'; known: sidecar, dcp, hf-distributed, hf"
+        ckpttool.read_layout(fixture_dir("llama_tp2_dcp") / "checkpoint", format="nemo")
+    message = str(excinfo.value)
+    assert message.startswith("unknown format 'nemo'; known: sidecar, ")
+    assert message.removeprefix("unknown format 'nemo'; known: ").split(", ") == list(ckpttool.READERS)
 
 
 def test_forced_format_on_a_missing_directory(cli, tmp_path):

@@ -20,11 +20,26 @@ from types import ModuleType
 from ..errors import FormatNotDetectedError, SourceError, SourceNotFoundError
 from ..layout import Layout
 from ..models import ModelInfo
-from . import dcp, hf, hf_distributed, sidecar
+from . import (
+    colossalai,
+    dcp,
+    deepspeed,
+    hf,
+    hf_distributed,
+    megatron_dist,
+    megatron_legacy,
+    sidecar,
+    verl,
+)
 
 #: in detection order: the most specific first
 READERS: dict[str, ModuleType] = {
     sidecar.NAME: sidecar,
+    deepspeed.NAME: deepspeed,
+    verl.NAME: verl,
+    colossalai.NAME: colossalai,
+    megatron_dist.NAME: megatron_dist,
+    megatron_legacy.NAME: megatron_legacy,
     dcp.NAME: dcp,
     hf_distributed.NAME: hf_distributed,
     hf.NAME: hf,

@@ -1,0 +1,448 @@
+"""What the two Megatron readers share: the iteration directory, the training ``args``, vocab padding, and the
+one cut of Megatron-Core tensors into HuggingFace Llama/Mistral/Qwen2/Mixtral tensors.
+
+Both readers (:mod:`.megatron_dist` for ``--ckpt-format torch_dist``, :mod:`.megatron_legacy` for
+``--ckpt-format torch``) describe a checkpoint with Megatron-Core's own *global* tensors, as ``torch_dist``
+defines them, so this module cuts both the same way:
+
+- per-layer tensors are either stacked with a leading layer axis (``decoder.layers.mlp.linear_fc1.weight`` of
+  shape ``(L, 2F, H)``, torch_dist) or named per global layer (``decoder.layers.3.mlp.linear_fc1.weight``,
+  legacy after renumbering across pipeline stages); experts likewise, stacked ``(L, E, ...)`` under
+  ``mlp.experts.linear_fc1.weight`` or per global expert ``mlp.experts.5.linear_fc1.weight``;
+- ``linear_qkv`` rows are grouped by query group: for each of the ``G`` groups, ``heads/G`` query heads, then
+  one key head, then one value head, ``head_dim`` rows each (TP ranks hold whole groups);
+- a SwiGLU ``linear_fc1`` is ``[gate; up]`` over the whole FFN width (torch_dist's ShardedTensorFactory stores
+  it so; the legacy reader rearranges each TP rank's local ``[gate_r; up_r]`` into it);
+- the vocab rows of ``embedding.word_embeddings.weight`` and ``output_layer.weight`` may be padded to a
+  multiple of ``make_vocab_size_divisible_by * tp``: the readers record that as :class:`~ckpttool.layout.Padding`
+  from the config's true vocab, checked against the args, so the cut strips it once.
+
+Megatron checkpoints carry no HuggingFace config: the config comes from ``--config``; where the checkpoint has
+``args``, :func:`check_args` compares them with it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, ClassVar
+
+from .. import torch_save
+from ..errors import ConfigError, SourceError
+from ..layout import Box, Layout, Padding, TensorLayout
+from ..models import ModelInfo
+from ..plan import Slice, TargetSpec
+from ..safe_pickle import Record
+
+TRACKER = "latest_checkpointed_iteration.txt"
+#: tensors whose rows are the (padded) vocab
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+# ------------------------------------------------------------------------------------------------
+# the iteration directory
+# ------------------------------------------------------------------------------------------------
+
+
+def iteration_dir(root: Path) -> Path:
+    """The directory of one saved iteration: ``root`` itself, or the one ``root``'s tracker file names
+    (``latest_checkpointed_iteration.txt`` holds an iteration number, or ``release``).
+
+    Raises:
+        SourceError: the tracker file is unreadable or names a directory that is not there.
+    """
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        return root
+    try:
+        text = tracker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SourceError(f"'{TRACKER}': cannot read it: {e}") from None
+    if text == "release":
+        name = "release"
+    elif text.isdigit():
+        name = f"iter_{int(text):07d}"
+    else:
+        raise SourceError(f"'{TRACKER}': holds {text[:40]!r}, expected an iteration number or 'release'")
+    path = root / name
+    if not path.is_dir():
+        raise SourceError(f"'{TRACKER}' names iteration {text}, but '{name}/' is not in '{root}'")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# args: an argparse.Namespace pickled by Megatron-LM, read without importing anything
+# ------------------------------------------------------------------------------------------------
+
+
+class Opaque(Record):
+    """Stand-in for an argument value of a class ckpttool does not import (an enum of megatron's, numpy's
+    random state): keeps what the pickle passes, runs nothing. An enum keeps its value."""
+
+    kind = "Opaque"
+
+    @property
+    def value(self) -> Any:
+        return self._args[0] if self._args else None
+
+
+class ArgsAllow(Mapping[tuple[str, str], Any]):
+    """The classes Megatron-LM's ``model_optim_rng.pt`` and ``common.pt`` pickles name, as stand-ins:
+    ``argparse.Namespace`` -> :class:`Record`; megatron's own enums and numpy's RNG state -> :class:`Opaque`.
+    Nothing is imported; anything else is refused by :func:`ckpttool.torch_save.scan`."""
+
+    _EXACT: ClassVar[dict[tuple[str, str], Any]] = {
+        ("argparse", "Namespace"): Record,
+        ("numpy", "dtype"): Opaque,
+        ("numpy", "ndarray"): Opaque,
+        ("numpy.core.multiarray", "_reconstruct"): Opaque,
+        ("numpy._core.multiarray", "_reconstruct"): Opaque,
+        ("numpy.core.multiarray", "scalar"): Opaque,
+        ("numpy._core.multiarray", "scalar"): Opaque,
+        ("_codecs", "encode"): lambda *args: b"",  # the bytes of numpy's RNG state array: not needed
+    }
+
+    def __getitem__(self, key: tuple[str, str]) -> Any:
+        if key in self._EXACT:
+            return self._EXACT[key]
+        module = key[0]
+        if module == "megatron" or module.startswith("megatron."):
+            return Opaque
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self[key]  # type: ignore[index]
+        except (KeyError, TypeError, ValueError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self._EXACT)
+
+    def __len__(self) -> int:
+        return len(self._EXACT)
+
+
+ALLOW = ArgsAllow()
+
+
+def scan_checkpoint(f: BinaryIO, *, label: str) -> Any:
+    """A whole Megatron ``torch.save`` file with every tensor as a :class:`~ckpttool.torch_save.StoredTensor`
+    (:func:`ckpttool.torch_save.scan` with :data:`ALLOW`).
+
+    Raises:
+        UnsafePickleError: the pickle names a class outside the allow-list (nothing is executed).
+        SourceError: not a readable ``torch.save`` archive.
+    """
+    return torch_save.scan(f, label=label, allow=ALLOW)
+
+
+def arg(args: Any, name: str, default: Any = None) -> Any:
+    """One training argument (None-safe); enum stand-ins give their value."""
+    if args is None:
+        return default
+    value = args.get(name, default) if isinstance(args, Record) else getattr(args, name, default)
+    return value.value if isinstance(value, Opaque) else value
+
+
+def parallel_of(args: Any) -> dict[str, int]:
+    """``tp``, ``pp``, ``ep`` (and ``vpp``, ``dp`` when recorded) from the args."""
+    parallel = {
+        "tp": int(arg(args, "tensor_model_parallel_size", 1) or 1),
+        "pp": int(arg(args, "pipeline_model_parallel_size", 1) or 1),
+        "ep": int(arg(args, "expert_model_parallel_size", 1) or 1),
+    }
+    vpp = arg(args, "virtual_pipeline_model_parallel_size")
+    if isinstance(vpp, int) and vpp > 1:
+        parallel["vpp"] = vpp
+    dp = arg(args, "data_parallel_size")
+    if isinstance(dp, int) and dp > 0:
+        parallel["dp"] = dp
+    return parallel
+
+
+def _config_value(config: Mapping[str, object], *names: str) -> Any:
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    return None
+
+
+def _rope_theta(config: Mapping[str, object]) -> Any:
+    rope = config.get("rope_parameters")
+    if isinstance(rope, Mapping) and rope.get("rope_theta") is not None:
+        return rope["rope_theta"]
+    return config.get("rope_theta")
+
+
+def check_args(args: Any, info: ModelInfo, where: str) -> None:
+    """Compare the checkpoint's training args with the config; every disagreement, expected vs found.
+
+    Raises:
+        ConfigError: listing each argument, what the config says and what the args say.
+    """
+    if args is None:
+        return
+    config = info.config
+    moe = bool(arg(args, "num_experts"))
+    heads = config.get("num_attention_heads")
+    groups = arg(args, "num_query_groups") if arg(args, "group_query_attention") else arg(args, "num_attention_heads")
+    ffn = (arg(args, "moe_ffn_hidden_size") or arg(args, "ffn_hidden_size")) if moe else arg(args, "ffn_hidden_size")
+    ffn_name = "moe_intermediate_size" if moe and "moe_intermediate_size" in config else "intermediate_size"
+    hidden = config.get("hidden_size")
+    head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                          and heads else None)
+    pairs: list[tuple[str, Any, str, Any]] = [
+        ("num_layers", arg(args, "num_layers"), "num_hidden_layers", config.get("num_hidden_layers")),
+        ("hidden_size", arg(args, "hidden_size"), "hidden_size", hidden),
+        ("num_attention_heads", arg(args, "num_attention_heads"), "num_attention_heads", heads),
+        ("num_query_groups", groups, "num_key_value_heads", _config_value(config, "num_key_value_heads") or heads),
+        ("kv_channels", arg(args, "kv_channels"), "head_dim", head_dim),
+        ("ffn_hidden_size", ffn, ffn_name, config.get(ffn_name)),
+        ("num_experts", arg(args, "num_experts"), "num_local_experts",
+         _config_value(config, "num_local_experts", "num_experts")),
+        ("moe_router_topk", arg(args, "moe_router_topk") if moe else None, "num_experts_per_tok",
+         config.get("num_experts_per_tok")),
+        ("norm_epsilon", arg(args, "norm_epsilon"), "rms_norm_eps", config.get("rms_norm_eps")),
+        ("rotary_base", arg(args, "rotary_base"), "rope_theta", _rope_theta(config)),
+    ]
+    untie = arg(args, "untie_embeddings_and_output_weights")
+    if untie is not None and config.get("tie_word_embeddings") is not None:
+        pairs.append(("not untie_embeddings_and_output_weights", not untie, "tie_word_embeddings",
+                      bool(config["tie_word_embeddings"])))
+    found = []
+    for arg_name, got, config_name, expected in pairs:
+        if got is None or expected is None:
+            continue
+        if not _same(got, expected):
+            found.append(f"{arg_name}: config.json {config_name} = {expected!r} expected, found {got!r} in the args")
+    if found:
+        raise ConfigError(
+            f"'{where}': the checkpoint's training args disagree with the config ({len(found)}):\n"
+            + "\n".join(f"  - {f}" for f in found)
+            + "\nPass the config of the model this checkpoint trained (--config)."
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return bool(a) == bool(b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9)
+    return a == b
+
+
+def vocab_padding(fqn: str, rows: int, args: Any, info: ModelInfo | None, where: str) -> tuple[Padding, ...]:
+    """The padding of a vocab tensor with ``rows`` rows: none when it holds exactly the config's vocab; the
+    rows beyond it when ``rows`` is the padded vocab the args record; an error otherwise.
+
+    Raises:
+        SourceError: ``rows`` is neither the true vocab nor the padded vocab of the args.
+    """
+    vocab = info.config.get("vocab_size") if info is not None else None
+    if not isinstance(vocab, int) or rows == vocab:
+        return ()
+    tp = int(arg(args, "tensor_model_parallel_size", 1) or 1)
+    divisible = arg(args, "make_vocab_size_divisible_by")
+    recorded = arg(args, "padded_vocab_size")
+    if args is None or (recorded is None and not (isinstance(divisible, int) and divisible > 0)):
+        raise SourceError(
+            f"'{fqn}' in {where}: {rows} rows, but config.json says vocab_size {vocab}, and the checkpoint records no "
+            "args (padded_vocab_size, make_vocab_size_divisible_by) that say the extra rows are padding"
+        )
+    rules = []
+    padded = recorded
+    if isinstance(divisible, int) and divisible > 0:
+        multiple = divisible * tp
+        padded = -(-vocab // multiple) * multiple  # Megatron-LM's _vocab_size_with_padding
+        rules.append(f"{vocab} padded to a multiple of make_vocab_size_divisible_by {divisible} x tp {tp}")
+    if recorded is not None:
+        rules.append(f"args padded_vocab_size = {recorded}")
+    if rows != padded or (recorded is not None and recorded != padded):
+        raise SourceError(
+            f"'{fqn}' in {where}: inconsistent vocab padding: {rows} rows, expected either the true vocab {vocab} "
+            f"(config.json vocab_size) or the padded vocab {padded} ({'; '.join(rules)}). Is the config the one "
+            "this model trained with, or was the vocab padded twice?"
+        )
+    return (Padding(0, vocab),)
+
+
+# ------------------------------------------------------------------------------------------------
+# the cut: Megatron-Core global tensors -> HuggingFace tensors
+# ------------------------------------------------------------------------------------------------
+
+_LAYER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
+#: SequentialMLP in 0.16 saves ``mlp.experts.experts.linear_fc1.weight`` (L, E, ...): its prefix plus "experts."
+_EXPERT = re.compile(r"^mlp\.experts\.(?:experts\.)?(?:(\d+)\.)?(linear_fc1|linear_fc2)\.weight(_w|_v)?$")
+_TOP = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "output_layer.weight": "lm_head.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+}
+_RENAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+class _Cut:
+    """Collects target specs; each ``put`` is one box of a source tensor filling a whole target."""
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+        self.specs: dict[str, list[Slice]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def put(self, name: str, source: str, lead: tuple[int, ...], start: int, rows: int, rest: tuple[int, ...],
+            dst_start: int = 0, total: int | None = None) -> None:
+        """Rows ``start..start+rows`` of ``source`` (after the leading indices ``lead``) fill rows
+        ``dst_start..`` of target ``name`` (``total`` rows in all)."""
+        src = Box((*lead, start, *(0 for _ in rest)), (*(1 for _ in lead), rows, *rest))
+        shape = (total if total is not None else rows, *rest)
+        dst = Box((dst_start, *(0 for _ in rest)), (rows, *rest))
+        self.shapes[name] = shape
+        self.specs.setdefault(name, []).append(Slice(source, src, dst))
+
+    def whole(self, name: str, source: str, lead: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        if not shape:
+            self.shapes[name] = ()
+            self.specs.setdefault(name, []).append(Slice(source, Box((*lead,), (*(1 for _ in lead),)), Box((), ())))
+            return
+        self.put(name, source, lead, 0, shape[0], shape[1:])
+
+    def pick(self, *candidates: str) -> str:
+        """The first candidate name transformers writes on disk for this model (else the first)."""
+        return next((c for c in candidates if c in self.info.disk_shapes), candidates[0])
+
+    def result(self) -> list[TargetSpec]:
+        return [TargetSpec(name, self.shapes[name], tuple(slices)) for name, slices in self.specs.items()]
+
+
+def to_hf(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str], list[tuple[str, str]]]:
+    """Megatron-Core global tensors (either reader) -> HuggingFace on-disk tensors, as boxes.
+
+    Returns:
+        ``(specs, notes, problems)``; a problem is ``(source tensor, message)`` for a tensor with no HF place or
+        with a shape the config contradicts.
+    """
+    cut = _Cut(info)
+    problems: list[tuple[str, str]] = []
+    notes = [
+        f"stripped vocab padding: rows {t.padding[0].true_size}..{t.global_shape[0]} of '{t.fqn}'"
+        for t in layout.tensors.values() if t.padding
+    ]
+    config = info.config
+    heads = int(config.get("num_attention_heads") or 0)
+    groups = int(config.get("num_key_value_heads") or heads)
+    hidden = int(config.get("hidden_size") or 0)
+    head_dim = int(config.get("head_dim") or (hidden // heads if heads else 0))
+    for tensor in layout.tensors.values():
+        fqn = tensor.fqn
+        shape = tensor.true_shape
+        if fqn in _TOP:
+            cut.whole(_TOP[fqn], fqn, (), shape)
+            continue
+        match = _LAYER.match(fqn)
+        if match is None:
+            problems.append(
+                (fqn, f"'{fqn}': not a Megatron-Core GPT tensor ckpttool can place in a {info.model_type} model")
+            )
+            continue
+        stacked = match.group(1) is None
+        layers = range(shape[0]) if stacked else (int(match.group(1)),)
+        inner = shape[1:] if stacked else shape
+        for layer in layers:
+            lead = (layer,) if stacked else ()
+            try:
+                _cut_layer(cut, fqn, match.group(2), layer, lead, inner, heads, groups, head_dim)
+            except ConfigError as e:
+                problems.append((fqn, str(e)))
+                break
+    return cut.result(), notes, problems
+
+
+def _cut_layer(cut: _Cut, fqn: str, suffix: str, layer: int, lead: tuple[int, ...], shape: tuple[int, ...],
+               heads: int, groups: int, head_dim: int) -> None:
+    h = f"model.layers.{layer}."
+    if suffix in _RENAMES:
+        cut.whole(h + _RENAMES[suffix], fqn, lead, shape)
+    elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        _cut_qkv(cut, fqn, h, suffix.rsplit(".", 1)[1], lead, shape, heads, groups, head_dim)
+    elif suffix == "mlp.linear_fc1.weight":
+        _cut_gate_up(cut, fqn, lead, shape, h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")
+    elif suffix in ("mlp.linear_fc1.weight_w", "mlp.linear_fc1.weight_v"):  # singleton shards: halves on their own
+        cut.whole(h + ("mlp.gate_proj.weight" if suffix.endswith("_w") else "mlp.up_proj.weight"), fqn, lead, shape)
+    elif suffix == "mlp.router.weight":
+        cut.whole(cut.pick(h + "block_sparse_moe.gate.weight", h + "mlp.gate.weight"), fqn, lead, shape)
+    elif (m := _EXPERT.match(suffix)) is not None:
+        experts = range(shape[0]) if m.group(1) is None else (int(m.group(1)),)
+        inner = shape[1:] if m.group(1) is None else shape
+        for e in experts:
+            at = (*lead, e) if m.group(1) is None else lead
+            mixtral = h + f"block_sparse_moe.experts.{e}."
+            qwen = h + f"mlp.experts.{e}."
+            gate = cut.pick(mixtral + "w1.weight", qwen + "gate_proj.weight")
+            up = cut.pick(mixtral + "w3.weight", qwen + "up_proj.weight")
+            down = cut.pick(mixtral + "w2.weight", qwen + "down_proj.weight")
+            if m.group(2) == "linear_fc2":
+                cut.whole(down, fqn, at, inner)
+            elif m.group(3) is not None:  # torch_dist singleton shards: the halves under their own keys
+                cut.whole(gate if m.group(3) == "_w" else up, fqn, at, inner)
+            else:
+                _cut_gate_up(cut, fqn, at, inner, gate, up)
+    else:
+        raise ConfigError(f"'{fqn}': '{suffix}' is not a layer tensor ckpttool can place in a HuggingFace model")
+
+
+def _cut_qkv(cut: _Cut, fqn: str, h: str, kind: str, lead: tuple[int, ...], shape: tuple[int, ...],
+             heads: int, groups: int, head_dim: int) -> None:
+    """Rows per query group: ``heads/groups`` query heads, one key head, one value head."""
+    if not heads or not groups or heads % groups:
+        raise ConfigError(
+            f"'{fqn}': the config's num_attention_heads {heads} / num_key_value_heads {groups} do not group"
+        )
+    per_group = heads // groups
+    rows = groups * (per_group + 2) * head_dim
+    if not shape or shape[0] != rows:
+        raise ConfigError(
+            f"'{fqn}': {shape[0] if shape else 0} rows, expected {rows} ({groups} query groups x ({per_group} query + "
+            f"1 key + 1 value heads) x head_dim {head_dim}) from the config"
+        )
+    rest = shape[1:]
+    block = (per_group + 2) * head_dim
+    for g in range(groups):
+        base = g * block
+        cut.put(f"{h}self_attn.q_proj.{kind}", fqn, lead, base, per_group * head_dim, rest,
+                g * per_group * head_dim, heads * head_dim)
+        cut.put(f"{h}self_attn.k_proj.{kind}", fqn, lead, base + per_group * head_dim, head_dim, rest,
+                g * head_dim, groups * head_dim)
+        cut.put(f"{h}self_attn.v_proj.{kind}", fqn, lead, base + (per_group + 1) * head_dim, head_dim, rest,
+                g * head_dim, groups * head_dim)
+
+
+def _cut_gate_up(cut: _Cut, fqn: str, lead: tuple[int, ...], shape: tuple[int, ...], gate: str, up: str) -> None:
+    """A SwiGLU ``linear_fc1`` as the readers describe it globally: ``[gate; up]``."""
+    if not shape or shape[0] % 2:
+        raise ConfigError(f"'{fqn}': {shape[0] if shape else 0} rows cannot be split into gate and up halves")
+    half = shape[0] // 2
+    cut.put(gate, fqn, lead, 0, half, shape[1:])
+    cut.put(up, fqn, lead, half, half, shape[1:])
+
+
+def with_padding(layout: Layout, padding: Mapping[str, tuple[Padding, ...]]) -> Layout:
+    """``layout`` with recorded padding set on the named tensors."""
+    from dataclasses import replace
+
+    tensors: dict[str, TensorLayout] = {
+        fqn: replace(t, padding=padding[fqn]) if fqn in padding else t for fqn, t in layout.tensors.items()
+    }
+    return replace(layout, tensors=tensors)
