@@ -30,6 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from merge_bench import drop_cache  # noqa: E402
+
 PROBE = """
 import os, resource, subprocess, sys, time
 start = time.perf_counter()
@@ -60,16 +63,6 @@ def produce(out: Path, hidden: int, layers: int, stage: int) -> None:
         config.save_pretrained(out / "checkpoint")
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):
             (out / "checkpoint" / script).unlink(missing_ok=True)
-
-
-def drop_cache(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def measure(command: list[str], root: Path) -> tuple[float, int]:
