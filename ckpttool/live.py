@@ -204,7 +204,9 @@ def _describe(state: Mapping[str, Any], specs: Mapping[str, PieceSpec]) -> tuple
             dtype = dtype_name(local.dtype)
         except SourceError as e:
             raise SourceError(f"'{fqn}': {e}") from None
-        if len(offsets) != len(global_shape) or any(o + s > n for o, s, n in zip(offsets, local.shape, global_shape)):
+        if not len(offsets) == local.dim() == len(global_shape) or any(
+            o < 0 or o + s > n for o, s, n in zip(offsets, local.shape, global_shape)
+        ):
             raise SourceError(
                 f"'{fqn}': the local tensor of shape {list(local.shape)} at offsets {list(offsets)} does not fit "
                 f"the global shape {list(global_shape)}"

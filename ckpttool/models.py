@@ -242,11 +242,11 @@ def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
     """The layout's tensors under on-disk HuggingFace names: the reader's own cut when its format has one
     (``to_hf``, e.g. Megatron's fused QKV); else in-memory names (DCP, FSDP, transformers distributed) cut by
     the family's rules, on-disk names passed through, and a wrapper prefix (``model.``/``module.``) stripped."""
-    from .readers import READERS  # a reader may own its format's cut; imported here (readers import models)
+    from .readers import READERS, guarded  # a reader may own its format's cut; imported here (readers import models)
 
     cut = getattr(READERS.get(layout.format), "to_hf", None)
     if cut is not None:
-        specs, notes, problems = cut(layout, info)
+        specs, notes, problems = guarded(layout.format, Path(layout.root), lambda: cut(layout, info))
     else:
         specs, notes, problems = _generic_cut(layout, info)
     tied = [s for s in specs if s.name in info.tied]

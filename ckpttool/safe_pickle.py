@@ -45,14 +45,15 @@ class Record:
         return f"{self.kind}({self.__dict__})"
 
 
-def _record(name: str, tuple_fields: tuple[str, ...] = ()) -> type[Record]:
+def record_class(name: str, tuple_fields: tuple[str, ...] = ()) -> type[Record]:
+    """A stand-in class named ``name``: a :class:`Record` that keeps what the pickle sets."""
     return type(name, (Record,), {"kind": name, "tuple_fields": tuple_fields})
 
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[tuple[str, str], Any] = {
     **{
-        (_DCP_METADATA, name): _record(name)
+        (_DCP_METADATA, name): record_class(name)
         for name in (
             "Metadata",
             "TensorStorageMetadata",
@@ -62,13 +63,13 @@ _ALLOWED: dict[tuple[str, str], Any] = {
             "StorageMeta",
         )
     },
-    (_DCP_METADATA, "TensorProperties"): _record(
+    (_DCP_METADATA, "TensorProperties"): record_class(
         "TensorProperties", ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
     ),
     (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): lambda value=None: value,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _record("_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): record_class("_StorageInfo"),
     # Megatron's save planner keeps every rank's plan in the metadata (Metadata.all_local_plans)
-    **{("torch.distributed.checkpoint.planner", name): _record(name) for name in ("SavePlan", "WriteItem", "TensorWriteData")},
+    **{("torch.distributed.checkpoint.planner", name): record_class(name) for name in ("SavePlan", "WriteItem", "TensorWriteData")},
     ("torch.distributed.checkpoint.planner", "WriteItemType"): lambda value=None: value,
     ("torch", "Size"): lambda dims=(): tuple(int(d) for d in dims),
     ("torch.serialization", "_get_layout"): lambda name: str(name),

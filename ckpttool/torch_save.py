@@ -106,7 +106,7 @@ def scan(f: BinaryIO, start: int = 0, length: int | None = None, *, label: str, 
     except (UnsafePickleError, SourceError):
         raise
     except (zipfile.BadZipFile, KeyError, pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
-            AttributeError, struct.error, OSError, RecursionError) as e:
+            AttributeError, struct.error, OSError, RecursionError, OverflowError, ZeroDivisionError) as e:
         raise SourceError(f"'{label}': cannot read it as a torch.save archive ({type(e).__name__}: {e}); is it truncated?") from None
     return _resolve(obj, offsets)
 

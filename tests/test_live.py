@@ -219,6 +219,9 @@ def test_a_piece_that_does_not_fit_its_spec(tmp_path):
                                           r"offsets \[900, 0\] does not fit the global shape \[1001, 32\]"):
         save_hf(state, tmp_path / "hf", config=llama_config(), specs=specs)
     assert not (tmp_path / "hf").exists()
+    specs = {"model.norm.weight": PieceSpec((1, 32), (0, 0))}  # a 1-D tensor with a 2-D spec
+    with pytest.raises(SourceError, match=r"'model.norm.weight': the local tensor of shape \[32\] at offsets \[0, 0\]"):
+        save_hf(state, tmp_path / "hf", config=llama_config(), specs=specs)
 
 
 def test_a_destination_that_is_not_empty(tmp_path):
@@ -252,7 +255,7 @@ def test_a_config_that_is_not_one(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_tensors_go_through_pinned_host_buffers(tmp_path):
+def test_cuda_tensors_on_one_gpu(tmp_path):
     from ckpttool.live import save_hf
 
     state = {k: v.cuda() for k, v in reference_state().items()}

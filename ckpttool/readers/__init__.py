@@ -14,10 +14,12 @@ Format knowledge lives only here; the plan and executor see pieces and boxes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import TypeVar
 
-from ..errors import FormatNotDetectedError, SourceError, SourceNotFoundError
+from ..errors import CkptError, FormatNotDetectedError, SourceError, SourceNotFoundError
 from ..layout import Layout
 from ..models import ModelInfo
 from . import (
@@ -31,6 +33,8 @@ from . import (
     sidecar,
     verl,
 )
+
+T = TypeVar("T")
 
 #: in detection order: the most specific first
 READERS: dict[str, ModuleType] = {
@@ -97,7 +101,25 @@ def read_layout(
     unknown = sorted(set(given) - set(getattr(reader, "OPTIONS", ())))
     if unknown:
         raise SourceError(f"'{root}': --{unknown[0]} does not apply to the {format} format")
-    return reader.read(root, model, **given)
+    return guarded(format, root, lambda: reader.read(root, model, **given))
+
+
+#: what a reader's parsing raises when metadata has the wrong types or shapes where it did not check them
+MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError)
+
+
+def guarded(format: str, root: Path, work: Callable[[], T]) -> T:
+    """``work()`` (a reader reading ``root``), with what its metadata's unexpected contents raise turned into
+    a :class:`SourceError`: a malformed checkpoint is the input's fault, never an internal error."""
+    try:
+        return work()
+    except CkptError:
+        raise
+    except MALFORMED as e:
+        raise SourceError(
+            f"'{root}': malformed {format} checkpoint metadata ({type(e).__name__}: {e}); the files do not hold "
+            "what this format writes"
+        ) from None
 
 
 def _check_directory(root: Path) -> None:

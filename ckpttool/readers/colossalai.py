@@ -315,6 +315,10 @@ def _check_experts(builder: LayoutBuilder, sources: dict[str, list[str]], model:
     eps = {int(m.group(3)) for rel in files if (m := _STAGE_SHARD.match(rel)) and m.group(3)}
     if not isinstance(experts, int) or not eps:
         return
+    if min(eps) < 1:  # ColossalAI numbers stages and EP ranks from 1 in file names
+        bad = sorted(rel for rel in files if (m := _STAGE_SHARD.match(rel)) and m.group(3) and int(m.group(3)) < 1)
+        builder.problems.append(f"'{bad[0]}': EP rank number 0 in the file name; ColossalAI numbers them from 1")
+        return
     ep_size = max(eps)
     if experts % ep_size:
         builder.problems.append(f"{ep_size} EP ranks cannot split the config's {experts} experts evenly")

@@ -59,6 +59,7 @@ from ..dtypes import itemsize
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece, range_boxes
 from ..models import ModelInfo
+from ..paths import inside
 from ..safe_pickle import Record
 from ..torch_save import StoredTensor
 
@@ -190,8 +191,10 @@ def _step_dir(root: Path) -> Path | None:
             tag = latest.read_text().strip()
         except (OSError, UnicodeDecodeError) as e:
             raise SourceError(f"'{latest}': cannot read the tag of the latest checkpoint: {e}") from None
-        step = root / tag
-        if not tag or "/" in tag or tag in (".", "..") or not step.is_dir():
+        if not tag or "/" in tag or tag in (".", ".."):
+            raise SourceError(f"'{latest}' names the checkpoint {tag!r}, which is not a directory name")
+        step = inside(root, tag, named_by=latest.name)  # a symlink out of the checkpoint is refused
+        if not step.is_dir():
             raise SourceError(f"'{latest}' names the checkpoint {tag!r}, but '{step}' is not a directory")
         return step
     steps = sorted(p for p in root.iterdir() if p.is_dir() and _has_states(p))

@@ -33,6 +33,7 @@ from .. import torch_save
 from ..errors import ConfigError, SourceError
 from ..layout import Box, Layout, Padding, TensorLayout
 from ..models import ModelInfo
+from ..paths import inside
 from ..plan import Slice, TargetSpec
 from ..safe_pickle import Record
 
@@ -62,11 +63,11 @@ def iteration_dir(root: Path) -> Path:
         raise SourceError(f"'{TRACKER}': cannot read it: {e}") from None
     if text == "release":
         name = "release"
-    elif text.isdigit():
+    elif re.fullmatch(r"[0-9]+", text):
         name = f"iter_{int(text):07d}"
     else:
         raise SourceError(f"'{TRACKER}': holds {text[:40]!r}, expected an iteration number or 'release'")
-    path = root / name
+    path = inside(root, name, named_by=TRACKER)
     if not path.is_dir():
         raise SourceError(f"'{TRACKER}' names iteration {text}, but '{name}/' is not in '{root}'")
     return path
@@ -144,7 +145,7 @@ def arg(args: Any, name: str, default: Any = None) -> Any:
     """One training argument (None-safe); enum stand-ins give their value."""
     if args is None:
         return default
-    value = args.get(name, default) if isinstance(args, Record) else getattr(args, name, default)
+    value = args.get(name, default) if isinstance(args, (Record, dict)) else getattr(args, name, default)
     return value.value if isinstance(value, Opaque) else value
 
 

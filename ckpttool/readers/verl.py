@@ -36,7 +36,7 @@ from ..dtypes import dtype_name, itemsize
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece, c_strides
 from ..models import ModelInfo
-from ..safe_pickle import Record
+from ..safe_pickle import Record, record_class
 from ..torch_save import StoredTensor, scan
 
 NAME = "verl"
@@ -107,12 +107,8 @@ class _ShardOrderEntry(_Args):
     fields = ("tensor_dim", "mesh_dims")
 
 
-def _record(name: str) -> type[Record]:
-    return type(name, (Record,), {"kind": name})
-
-
-_Shard, _Replicate, _Strided, _Partial = (_record(n) for n in ("Shard", "Replicate", "_StridedShard", "Partial"))
-_Mesh, _Spec = _record("DeviceMesh"), _record("DTensorSpec")
+_Shard, _Replicate, _Strided, _Partial = (record_class(n) for n in ("Shard", "Replicate", "_StridedShard", "Partial"))
+_Mesh, _Spec = record_class("DeviceMesh"), record_class("DTensorSpec")
 
 
 def _allow() -> dict[tuple[str, str], Any]:
@@ -121,8 +117,8 @@ def _allow() -> dict[tuple[str, str], Any]:
         ("torch.serialization", "_get_layout"): lambda name: str(name),
         ("torch", "device"): lambda *args: str(args[0]) if args else "cpu",
         ("torch.distributed.device_mesh", "DeviceMesh"): _Mesh,
-        ("torch.distributed._mesh_layout", "_MeshLayout"): _record("_MeshLayout"),
-        ("torch.distributed._mesh_layout", "_FlatLayout"): _record("_FlatLayout"),
+        ("torch.distributed._mesh_layout", "_MeshLayout"): record_class("_MeshLayout"),
+        ("torch.distributed._mesh_layout", "_FlatLayout"): record_class("_FlatLayout"),
         ("builtins", "set"): set,
         ("builtins", "frozenset"): frozenset,
     }
