@@ -74,6 +74,13 @@ class StoredTensor:
             return None
         return self.data_offset + self.element_offset * itemsize(self.dtype)
 
+    def required_offset(self, label: str, key: str) -> int:
+        """:meth:`byte_offset`, or a :class:`SourceError` naming the file and the tensor when there is none."""
+        offset = self.byte_offset()
+        if offset is None:
+            raise SourceError(f"'{label}': '{key}' is not stored contiguously in place; ckpttool cannot read it")
+        return offset
+
 
 def scan(f: BinaryIO, start: int = 0, length: int | None = None, *, label: str, allow: Allow | None = None) -> Any:
     """The object saved in ``f[start:start+length]`` with every tensor as a :class:`StoredTensor`.

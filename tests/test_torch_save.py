@@ -109,3 +109,17 @@ def test_scan_refuses_what_it_does_not_allow(tmp_path):
     path.write_bytes(path.read_bytes()[:100])
     with open(path, "rb") as f, pytest.raises(SourceError, match=r"'ckpt.pt': cannot read it as a torch.save archive"):
         scan(f, label="ckpt.pt")
+
+
+def test_a_tensor_not_stored_in_place_is_named(tmp_path):
+    import pytest
+
+    from ckpttool.errors import SourceError
+    from ckpttool.torch_save import scan
+
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(12.0).reshape(3, 4).t()}, buffer)
+    buffer.seek(0)
+    found = scan(buffer, label="rank0.pt")["w"]
+    with pytest.raises(SourceError, match=r"'rank0.pt': 'w' is not stored contiguously in place; ckpttool cannot read it"):
+        found.required_offset("rank0.pt", "w")

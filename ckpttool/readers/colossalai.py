@@ -279,10 +279,7 @@ def _scan_shard(root: Path, rel: str) -> _Found:
     for key, t in state.items():
         if not isinstance(t, StoredTensor):
             continue  # an extra state
-        offset = t.byte_offset()
-        if offset is None:
-            raise SourceError(f"'{rel}': '{key}' is not stored contiguously; ckpttool cannot read it in place")
-        out[str(key)] = (t.shape, t.dtype, offset, t.numel * itemsize(t.dtype))
+        out[str(key)] = (t.shape, t.dtype, t.required_offset(rel, str(key)), t.numel * itemsize(t.dtype))
     return out
 
 

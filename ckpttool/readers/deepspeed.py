@@ -257,9 +257,7 @@ def _shapes(state: _Loaded) -> list[dict[str, tuple[int, ...]]]:
 # ------------------------------------------------------------------------------------------------ pieces
 
 def _whole_piece(rel: str, key: str, tensor: StoredTensor) -> Piece:
-    offset = tensor.byte_offset()
-    if offset is None:
-        raise SourceError(f"'{rel}': '{key}' is not stored contiguously in place; ckpttool cannot read it raw")
+    offset = tensor.required_offset(rel, key)
     return Piece(rel, key, Box.whole(tensor.shape), tensor.dtype, RAW, offset, tensor.numel * itemsize(tensor.dtype))
 
 
@@ -375,8 +373,7 @@ def _read_ranks(root: Path, tag: str, group: list[tuple[int, int, str, str]]) ->
 def _flat_tensor(loaded: _Loaded, value: Any, what: str) -> StoredTensor:
     if not isinstance(value, StoredTensor) or len(value.shape) != 1 or value.dtype != "F32":
         raise SourceError(f"'{loaded.rel}': {what} is not a flat fp32 tensor ({value!r:.80})")
-    if value.byte_offset() is None:
-        raise SourceError(f"'{loaded.rel}': {what} is not stored contiguously in place; ckpttool cannot read it raw")
+    value.required_offset(loaded.rel, what)
     return value
 
 

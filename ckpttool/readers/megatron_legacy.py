@@ -222,8 +222,8 @@ class _Placer:
         if dim is not None:
             shape[dim] *= split
         where = f"'{file}'"
-        if present and t.byte_offset() is None:
-            raise SourceError(f"'{file}': '{key}' is not stored contiguously in place; ckpttool cannot read it")
+        if present:
+            t.required_offset(file, key)
         if fqn in megatron.VOCAB_TENSORS and fqn not in self.padding:
             self.padding[fqn] = megatron.vocab_padding(fqn, shape[0], self.args, self.model, where)
         if not self.builder.declare(fqn, shape, t.dtype, where=where, padding=self.padding.get(fqn, ())):
