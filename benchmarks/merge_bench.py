@@ -98,7 +98,7 @@ def sharded_state(cfg: dict, split: str, rank: int, mesh) -> dict:
 
 def build(work: Path, fmt: str, split: str, size_gib: float) -> Path:
     out = work / "src"
-    subprocess.run(["torchrun", "--standalone", f"--nproc_per_node={WORLD}", __file__, "--produce", str(out), "--format", fmt,
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", __file__, "--produce", str(out), "--format", fmt,
                     "--split", split, "--size-gib", str(size_gib)], check=True, capture_output=True)
     return _files(out)
 
