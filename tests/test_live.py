@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import ckpttool
 from ckpttool.live import WATCH_SECONDS
-from conftest import fixture_dir
+from conftest import fixture_dir, load_output
 
 WORKER = Path(__file__).resolve().parent / "live_worker.py"
 LLAMA = fixture_dir("llama_fsdp2_dcp") / "reference"
@@ -52,18 +52,11 @@ def launch(world: int, out: Path, *scenarios: str, timeout: float = 300) -> tupl
     return [p.returncode for p in procs], outputs, time.monotonic() - start
 
 
-def weights(directory: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def assert_is_reference(directory: Path, reference: Path) -> None:
     """Bit for bit the reference weights, and the same logits from transformers."""
     from transformers import AutoModelForCausalLM
 
-    got, want = weights(directory), weights(reference)
+    got, want = load_output(directory), load_output(reference)
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
