@@ -12,9 +12,14 @@ Python API (mirrors the CLI)::
 
 from __future__ import annotations
 
-from .audit import audit
-from .diff import DiffResult, diff
-from .errors import (
+from .startup import quiet_interrupts
+
+quiet_interrupts()  # first: a Ctrl-C while the command's imports run prints one line (see ckpttool.startup)
+
+from .audit import audit  # noqa: E402
+from .diff import DiffResult, diff  # noqa: E402
+from .errors import (  # noqa: E402
+    ArgumentError,
     AuditError,
     CkptError,
     ConfigError,
@@ -26,17 +31,17 @@ from .errors import (
     SourceNotFoundError,
     UnsafePickleError,
 )
-from .findings import Finding, Report
-from .layout import Box, Fusion, Layout, Padding, Piece, TensorLayout
-from .merge import MergeResult, merge, prepare
-from .plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge
-from .readers import READERS, detect_format, read_layout
-from .sidecar import PieceSpec, save_shard
+from .findings import Finding, Report  # noqa: E402
+from .layout import Box, Fusion, Layout, Padding, Piece, TensorLayout  # noqa: E402
+from .merge import MergeResult, merge, prepare  # noqa: E402
+from .plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge  # noqa: E402
+from .readers import READERS, detect_format, read_layout  # noqa: E402
+from .sidecar import PieceSpec, save_shard  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AuditError", "DiffResult", "Finding", "Report", "audit", "diff",
+    "ArgumentError", "AuditError", "DiffResult", "Finding", "Report", "audit", "diff",
     "Box", "CkptError", "ConfigError", "Copy", "CoverageError", "DestinationError", "FormatNotDetectedError",
     "Fusion", "Layout", "MergeResult", "OutputError", "Padding", "Piece", "PieceSpec", "Plan", "READERS", "Slice", "SourceError",
     "SourceNotFoundError", "Target", "TargetSpec", "TensorLayout", "UnsafePickleError", "detect_format", "merge",

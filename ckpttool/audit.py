@@ -21,15 +21,20 @@ from pathlib import Path
 
 import torch
 
+from . import jsonfile
 from .dtypes import FLOAT_DTYPES, dtype_name
 from .errors import CoverageError, SourceError
 from .executor import PieceLoader
 from .findings import Finding, Report, TensorStats, finding, sort_findings
 from .layout import Layout
+from .loadable import config_findings
+from .paths import JSON_LIMIT, read_source
+from .config_sizes import census, check_config_sizes
 from .models import Mismatch, ModelInfo, compare_with_model, find_config, map_to_hf, model_info, read_config
 from .plan import Plan, Target, TargetSpec, identity_specs, plan_merge
 from .readers import detect_format, hf, read_layout
 from .stats import Statistics, fold
+from .writer import find_extras
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +73,8 @@ def audit(
     model = None
     config_path = find_config(root, config)
     config_dict = read_config(config_path) if config_path is not None else None
-    if config_dict is not None:
+    if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
+        check_config_sizes(config_dict, str(config_path), lambda: census(root, format))
         model = model_info(config_dict, label=str(config_path))
     return check(root, config_path=config_path, config=config_dict, model=model, format=format, data=data,
                  progress=progress)
@@ -104,8 +110,7 @@ def check(
         found.extend(finding("shape-mismatch", message, tensor=fqn) for fqn, message in mapping.problems)
     else:
         specs = identity_specs(layout)
-        why = "no config.json found" if config is None else f"transformers has no causal LM for model_type {config.get('model_type')!r}"
-        found.append(finding("no-config", f"{why}: names and shapes are not checked against an architecture"))
+    found.extend(config_findings(root, fmt, config, checked=model is not None))
     plan, coverage = _plan(layout, [*specs, *tied])
     found.extend(coverage)
     if not specs and not coverage:
@@ -274,13 +279,17 @@ def _dtypes(targets: Sequence[Target], config: Mapping[str, object] | None) -> l
 
 
 def _tokenizer(root: Path, config_path: Path | None, config: Mapping[str, object] | None) -> list[Finding]:
+    extras, skipped = find_extras([root] + ([config_path.parent] if config_path is not None else []))
+    found = [finding("file-link-outside", f"'{path.name}' is a symlink to '{path.resolve()}', outside the checkpoint: "
+                     "not read, and a merge does not copy it", file=path.name) for path in skipped]
     vocab = (config or {}).get("vocab_size")
-    if not isinstance(vocab, int):
-        return []
-    folders = [root] + ([config_path.parent] if config_path is not None else [])
-    path = next((f / "tokenizer.json" for f in folders if (f / "tokenizer.json").is_file()), None)
-    if path is None:
-        return []
+    path = next((p for p in extras if p.name == "tokenizer.json"), None)
+    if not isinstance(vocab, int) or path is None:
+        return found
+    return found + _tokenizer_size(path, vocab)
+
+
+def _tokenizer_size(path: Path, vocab: int) -> list[Finding]:
     size = tokenizer_size(path)
     if size is None:
         return [finding("tokenizer-invalid", f"'{path.name}' is not a tokenizer.json with a vocab; its size is not checked",
@@ -297,8 +306,8 @@ def tokenizer_size(path: Path) -> int | None:
     """One more than the largest token id of a ``tokenizer.json`` (vocab and added tokens), or None when the
     file is not a tokenizer this can read."""
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        doc = jsonfile.loads(read_source(path, limit=JSON_LIMIT))
+    except (SourceError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     model = doc.get("model") if isinstance(doc, dict) else None
     vocab = model.get("vocab") if isinstance(model, dict) else None

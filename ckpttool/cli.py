@@ -22,9 +22,12 @@ from .writer import predict_peak_bytes
 from .findings import Report
 from .merge import MergeResult, merge
 from .readers import READERS
+from .terminal import Bar, Group, escaped, shown
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_AUDIT = 0, 1, 2, 3
 FORMATS = click.Choice(list(READERS))
+#: what --dtype casts floating-point tensors to (ckpttool.dtypes.CAST_DTYPES); integer tensors are never cast
+DTYPES = click.Choice(["bfloat16", "float16", "float32", "bf16", "fp16", "fp32"], case_sensitive=False)
 DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 
 
@@ -38,24 +41,45 @@ def _fail(message: str, as_json: bool) -> None:
         sys.exit(EXIT_ERROR)
     if as_json:
         click.echo(json.dumps({"status": "error", "error": message}))
-    click.echo(f"Error: {message}", err=True)
+    click.echo(f"Error: {escaped(message, lines=True)}", err=True)
     sys.exit(EXIT_ERROR)
 
 
-def _run(as_json: bool, call: Callable[[], Any]) -> Any:
-    """Call the API; expected errors become a message and exit 1, anything else too (traceback on request)."""
+#: the API's arguments, as library errors name them, and the options that set them on the command line
+_FLAGS = {
+    "force=True": "--force", "audit=False": "--no-audit", "weights='master'": "--weights master",
+    "weights='module'": "--weights module", "format='NAME'": "--format NAME",
+}
+
+
+def _as_flags(message: str) -> str:
+    """A library error worded for the command line: API arguments become the options that set them."""
+    for argument, flag in _FLAGS.items():
+        message = message.replace(argument, flag)
+    return message
+
+
+def _run(as_json: bool, call: Callable[[], Any], bar: Bar | None = None) -> Any:
+    """Call the API; expected errors become a message and exit 1, anything else too (traceback on request).
+    The progress ``bar`` is erased before any message, so no stale bar stays above it."""
     try:
-        return call()
+        try:
+            return call()
+        except BaseException:
+            if bar is not None:
+                bar.close(clear=True)
+            raise
     except CkptError as e:
         if os.environ.get("CKPTTOOL_DEBUG") == "1":
             traceback.print_exc()
-        _fail(str(e), as_json)
+        _fail(_as_flags(str(e)), as_json)
     except KeyboardInterrupt:
         _fail("interrupted; nothing was published (merge --resume continues an interrupted merge)", as_json)
-    except Exception as e:  # a bug or an unforeseen input: still no traceback unless asked
+    except Exception as e:  # bad input is a CkptError: anything else is a bug in ckpttool; no traceback unless asked
         if os.environ.get("CKPTTOOL_DEBUG") == "1":
             traceback.print_exc()
-        _fail(f"unexpected {type(e).__name__}: {e} (set CKPTTOOL_DEBUG=1 for a traceback and report it)", as_json)
+        _fail(f"internal error in ckpttool ({type(e).__name__}: {e}); rerun with CKPTTOOL_DEBUG=1 and report it",
+              as_json)
 
 
 def _setup_logging(verbose: int, quiet: bool) -> None:
@@ -74,7 +98,7 @@ def _check_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckpttool")
 def main() -> None:
     """Merge sharded training checkpoints into HuggingFace safetensors, and prove them right."""
@@ -82,11 +106,11 @@ def main() -> None:
 
 @main.command("merge")
 @click.argument("src", type=click.Path(path_type=str))
-@click.argument("out", type=click.Path(path_type=str))
+@click.argument("out", type=click.Path(path_type=str), required=False)
 @click.option("--format", "fmt", type=FORMATS, help="Source format (detected by default).")
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
-@click.option("--dtype", help="Cast floating-point tensors, e.g. bfloat16, float16, float32.")
-@click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size, help="Largest output file (decimal units: 5GB, 500MB, or bytes).")
+@click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast); config.json follows.")
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size, help="Largest output file: 5GB, 500MB (decimal), 5GiB, 500MiB (binary), or bytes.")
 @click.option("--weights", type=click.Choice(["master", "module"]), help="Where both are saved (DeepSpeed): fp32 master weights (default) or the module's weights.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
@@ -98,28 +122,37 @@ def main() -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug); with --dry-run, list every tensor.")
 def merge_command(
-    src: str, out: str, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str, weights: str | None,
+    src: str, out: str | None, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str, weights: str | None,
     dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, workers: int, as_json: bool, quiet: bool,
     verbose: int,
 ) -> None:
-    """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT."""
+    """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT.
+
+    With --dry-run, OUT may be left out: the plan is printed and nothing is written.
+    """
+    if out is None and not dry_run:
+        raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
     quiet = quiet or not _speaks()
     _setup_logging(verbose, quiet or as_json)
-    bar = _Bar() if not (as_json or quiet or dry_run) else None
+    bar = Bar() if not (as_json or quiet or dry_run) else None
     try:
         result: MergeResult = _run(as_json, lambda: merge(
             src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
             force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar, weights=weights,
-        ))
+        ), bar)
     finally:
         if bar is not None:
             bar.close()
     if not _speaks():
         return
+    if result.restored:
+        click.echo(f"note: {result.restored}", err=True)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
         return
     _print_result(result, verbose)
+    if result.generic:
+        click.echo(f"warning: {_generic_warning(result)}", err=True)
     if result.audit is not None and not quiet:
         _print_summary(result.audit, f" (report: {result.output}/ckpttool-audit.json)")
 
@@ -142,9 +175,9 @@ def audit_command(
     from .audit import audit
 
     _setup_logging(verbose, quiet or as_json)
-    bar = _Bar("audit") if not (as_json or quiet or no_data) else None
+    bar = Bar("audit") if not (as_json or quiet or no_data) else None
     try:
-        report: Report = _run(as_json, lambda: audit(src, config=config, format=fmt, data=not no_data, progress=bar))
+        report: Report = _run(as_json, lambda: audit(src, config=config, format=fmt, data=not no_data, progress=bar), bar)
     finally:
         if bar is not None:
             bar.close()
@@ -182,11 +215,11 @@ def diff_command(
     from .diff import DiffResult, diff
 
     _setup_logging(0, quiet or as_json)
-    bar = _Bar("diff") if not (as_json or quiet) else None
+    bar = Bar("diff") if not (as_json or quiet) else None
     try:
         result: DiffResult = _run(as_json, lambda: diff(
             a, b, config=config, config_b=config_b, format_a=format_a, format_b=format_b, progress=bar,
-        ))
+        ), bar)
     finally:
         if bar is not None:
             bar.close()
@@ -194,40 +227,22 @@ def diff_command(
         click.echo(json.dumps(result.to_json(), indent=2))
     else:
         for d in result.differences:
-            click.echo(f"  {d.name}: {d.describe()}")
+            click.echo(f"  {shown(d.name)}: {escaped(d.describe())}")
         verdict = "equal" if result.equal else f"different ({len(result.differences)} tensors)"
         click.echo(f"{verdict}: {len(result.fingerprints)} tensors identical")
     sys.exit(EXIT_OK if result.equal else EXIT_AUDIT)
 
 
-class _Bar:
-    """A tqdm bar on stderr, opened at the first tensor done (nothing shows while planning fails)."""
-
-    def __init__(self, desc: str = "merge") -> None:
-        self._bar: Any = None
-        self._desc = desc
-
-    def __call__(self, written: int, total: int) -> None:
-        if self._bar is None:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self._desc, file=sys.stderr)
-        self._bar.update(written)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
 def _print_result(result: MergeResult, verbose: int) -> None:
     plan = result.plan
     verb = "would write" if result.dry_run else "wrote"
-    click.echo(f"source:   {result.source} ({result.format})")
+    click.echo(f"source:   {shown(result.source)} ({result.format})")
     if result.parallel:
         click.echo(f"parallel: {' '.join(f'{k}={v}' for k, v in result.parallel.items())}")
     click.echo(f"config:   {result.config or '(none: generic merge)'}")
     click.echo(f"coverage: ok, {len(plan.targets)} tensors each covered exactly once")
-    click.echo(f"output:   {result.output} ({verb} {_size(plan.nbytes)} in {len(result.files)} file{'s' if len(result.files) != 1 else ''})")
+    output = shown(result.output) if result.output is not None else "(none given)"
+    click.echo(f"output:   {output} ({verb} {_size(plan.nbytes)} in {len(result.files)} file{'s' if len(result.files) != 1 else ''})")
     for f in result.files:
         click.echo(f"  {f.name}  {len(f.targets)} tensors  {_size(f.nbytes)}")
     if result.extras:
@@ -238,31 +253,42 @@ def _print_result(result: MergeResult, verbose: int) -> None:
         click.echo(f"peak memory: at most {_size(predict_peak_bytes(plan, result.workers))} with {result.workers} "
                    f"worker{'s' if result.workers != 1 else ''} (largest tensor {_size(plan.largest_target_bytes())})")
     for note in plan.notes:
-        click.echo(f"note: {note}")
+        click.echo(f"note: {escaped(note)}")
     if result.dry_run or verbose:
         for t in plan.targets:
             shape = "x".join(str(n) for n in t.shape) or "scalar"
             pieces = f"{len(t.copies)} piece{'s' if len(t.copies) != 1 else ''}"
-            click.echo(f"  {t.name}  {t.dtype} [{shape}]  <- {', '.join(t.sources)} ({pieces})")
+            click.echo(f"  {shown(t.name)}  {t.dtype} [{shape}]  <- {', '.join(map(shown, t.sources))} ({pieces})")
 
 
 def _print_report(report: Report, quiet: bool) -> None:
     """A table of findings (errors only with ``quiet``) and the verdict."""
-    shown = report.errors if quiet else report.findings
-    if shown:
-        width = min(max(len(f.code) for f in shown), 28)
-        for f in shown:
-            where = f.tensor or f.file or ""
+    listed = report.errors if quiet else report.findings
+    if listed:
+        width = min(max(len(f.code) for f in listed), 28)
+        for f in listed:
+            where = shown(f.tensor or f.file or "")
             click.echo(f"{f.severity:<7}  {f.code:<{width}}  {where}")
-            click.echo(f"         {f.message}")
+            click.echo(f"         {escaped(f.message)}")
     _print_summary(report, "", err=False)
+
+
+def _generic_warning(result: MergeResult) -> str:
+    """The line a generic merge prints on stderr: nothing was checked, and without a config nothing loads it."""
+    unchecked = "tensor names are kept as the source recorded them and nothing was checked against an architecture"
+    if result.config is None:
+        where = f"'{result.output}'" if result.output is not None else "the output"
+        return (f"generic merge (no config.json found): {unchecked}; transformers cannot load {where} without a "
+                "config.json (merge again with --config)")
+    return f"generic merge (transformers has no causal LM for the config '{result.config}'): {unchecked}"
 
 
 def _print_summary(report: Report, suffix: str, err: bool = True) -> None:
     s = report.summary()
     checked = "data and headers" if report.data_checked else "headers only"
+    verdict = "PASS WITH WARNINGS" if report.ok and s["warnings"] else str(s["verdict"]).upper()
     click.echo(
-        f"audit: {s['verdict'].upper()}, {s['errors']} errors, {s['warnings']} warnings, {s['info']} info "
+        f"audit: {verdict}, {s['errors']} errors, {s['warnings']} warnings, {s['info']} info "
         f"({report.tensors} tensors, {checked}){suffix}",
         err=err,
     )

@@ -9,7 +9,7 @@ stable code, so both ``merge`` (in its error) and ``audit`` (as a finding) say t
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 Shape = tuple[int, ...]
@@ -64,6 +64,24 @@ def diagnose(name: str, got: Shape, expected: Shape, vocab_size: int | None = No
                     "that was not split",
                 )
     return Diagnosis("shape-mismatch", f"{list(got)} instead of {list(expected)}")
+
+
+#: diagnoses that say a tensor is wrong as saved, whatever the config: a merge without a config would publish it so
+DAMAGED = ("vocab-tp-piece", "shape-tp-piece", "vocab-padding-not-stripped", "vocab-padding-doubled", "shape-transposed")
+
+
+def refusal_advice(codes: Iterable[str]) -> str:
+    """What to do about a merge refused for tensors that do not match the config. A merge without a config is
+    offered only when no tensor is diagnosed as damaged: it would publish a damaged tensor unchanged (the seed
+    incident: one TP piece of a padded vocab saved as the whole embedding)."""
+    damaged = [code for code in DAMAGED if code in set(codes)]
+    if not damaged:
+        return "Pass the config the model was trained with (--config), or no config for a generic merge."
+    return (
+        f"A tensor above is wrong as saved ({', '.join(damaged)}): a merge without a config would publish it "
+        "unchanged, so do not drop the config. Save the checkpoint again with every piece, or pass the config the "
+        "model was trained with (--config) if this one is not it."
+    )
 
 
 def padded(n: int, multiple: int) -> int:

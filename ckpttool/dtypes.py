@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
+
 import torch
 
-from .errors import SourceError
+from .errors import ArgumentError, SourceError
 
 #: safetensors dtype name -> torch dtype
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -53,6 +56,43 @@ def dtype_name(value: str | torch.dtype) -> str:
         return _ALIASES[text.lower()]
     known = ", ".join(sorted(set(_ALIASES) | set(TORCH_DTYPES)))
     raise SourceError(f"unknown dtype {value!r}; known: {known}")
+
+
+#: what ``merge(dtype=...)``, ``save_hf(dtype=...)`` and ``--dtype`` cast floating-point tensors to, by the names
+#: a user gives (lower case; ``torch.`` may precede them); the last three are aliases of the first three
+CAST_DTYPES: dict[str, str] = {
+    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "bf16": "BF16", "fp16": "F16", "fp32": "F32",
+}
+
+
+def cast_dtype(value: str | torch.dtype | None) -> str | None:
+    """The safetensors name of the dtype to cast floating-point tensors to, or None to keep the source's.
+
+    Only bfloat16, float16 and float32: a cast to an integer type would turn every weight into zeros, and
+    float8 needs scales that a plain cast does not compute, so both are refused rather than written.
+
+    Raises:
+        ArgumentError: ``value`` is not one of :data:`CAST_DTYPES` (or the torch dtype of one).
+    """
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        text = str(value).removeprefix("torch.")
+    else:
+        text = str(value).strip().lower().removeprefix("torch.")
+    if text in CAST_DTYPES:
+        return CAST_DTYPES[text]
+    raise ArgumentError(
+        f"dtype={value!r} is not a dtype ckpttool casts to: choose bfloat16, float16 or float32 (aliases bf16, "
+        "fp16, fp32), or dtype=None to keep the source's dtypes; integer tensors are never cast"
+    )
+
+
+def prevailing_float(dtypes: Iterable[str]) -> str | None:
+    """The floating-point dtype most tensors have (safetensors names, one per tensor), or None when none is
+    floating: what a config's ``dtype`` must say, as transformers loads every weight in it."""
+    counts = Counter(d for d in dtypes if d in FLOAT_DTYPES)
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def itemsize(name: str) -> int:

@@ -34,6 +34,18 @@ class UnsafePickleError(SourceError):
     """A pickled file asked for a class outside ckpttool's allow-list and was refused unread."""
 
 
+class PickleBombError(SourceError):
+    """A pickled file was refused because reading it would take work without bound: objects shared and handed
+    over and over (a graph that is exponential as a tree), a reference cycle, or nesting too deep."""
+
+
+class ArgumentError(CkptError, ValueError):
+    """A Python API argument has a value the call does not take; the message names the argument (``dtype=``).
+
+    The command line never shows these: its options are checked by click before the API is called.
+    """
+
+
 class ConfigError(CkptError, ValueError):
     """The model config is missing, unreadable, or disagrees with the checkpoint."""
 
@@ -72,5 +84,5 @@ class AuditError(CkptError):
             lines.append(f"  ... and {len(errors) - 20} more")
         super().__init__(
             f"the merged checkpoint fails its audit ({len(errors)} error{'s' if len(errors) != 1 else ''}); nothing was "
-            f"published at '{output}':\n" + "\n".join(lines) + "\nPass --no-audit to publish it anyway."
+            f"published at '{output}':\n" + "\n".join(lines) + "\nPass audit=False to publish it anyway."
         )

@@ -19,6 +19,7 @@ import torch
 from .dtypes import dtype_name, torch_dtype
 from .errors import SourceError, UnsafePickleError
 from .layout import RAW, Box, Piece
+from .paths import open_source
 from .plan import Target
 
 #: most bytes of pieces kept for later targets (a stacked expert piece feeds 2E targets)
@@ -95,13 +96,13 @@ class PieceLoader:
 
     def _bytes(self, piece: Piece) -> bytearray:
         path = self.root / piece.file
-        try:
-            with open(path, "rb") as f:
+        with open_source(path, piece.file) as f:  # a regular file, or a SourceError naming it
+            try:
                 f.seek(piece.byte_offset)
                 data = bytearray(piece.byte_length)
                 got = f.readinto(data)
-        except OSError as e:
-            raise SourceError(f"'{piece.file}': cannot read '{piece.key}': {e.strerror or e}") from None
+            except OSError as e:
+                raise SourceError(f"'{piece.file}': cannot read '{piece.key}': {e.strerror or e}") from None
         if got != piece.byte_length:
             raise SourceError(
                 f"'{piece.file}': '{piece.key}' needs {piece.byte_length} bytes at offset {piece.byte_offset} but "

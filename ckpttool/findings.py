@@ -15,7 +15,8 @@ SEVERITIES = (ERROR, WARNING, INFO)
 #: code -> (severity, what it means)
 CODES: dict[str, tuple[str, str]] = {
     # files and index of a HuggingFace directory
-    "header-invalid": (ERROR, "a safetensors file cannot be read: truncated, bad header, offsets outside the file"),
+    "header-invalid": (ERROR, "a safetensors file cannot be read: truncated, bad header, offsets outside the file, "
+                                "a key twice, bytes between or after the tensors (the safetensors library refuses it)"),
     "index-invalid": (ERROR, "model.safetensors.index.json is not valid JSON or has no weight_map"),
     "index-outside": (ERROR, "the index names a file outside the directory (../, an absolute path, a symlink out)"),
     "index-missing-file": (ERROR, "the index names a file that does not exist"),
@@ -32,6 +33,7 @@ CODES: dict[str, tuple[str, str]] = {
     "source-note": (INFO, "what the reader skipped or assumed (optimizer state, generic names)"),
     # names and shapes against the config
     "no-config": (INFO, "no config.json: names and shapes are not checked against an architecture"),
+    "config-missing": (WARNING, "a HuggingFace directory without config.json: transformers cannot load it"),
     "tensor-missing": (ERROR, "the architecture expects a tensor that is not there"),
     "layers-missing": (ERROR, "every tensor of a range of layers is missing (a pipeline stage not merged)"),
     "expert-missing": (ERROR, "every tensor of an expert is missing"),
@@ -48,6 +50,7 @@ CODES: dict[str, tuple[str, str]] = {
     "tied-copy": (INFO, "lm_head is saved although tied; it equals the embedding, transformers ignores it"),
     "tokenizer-vocab": (ERROR, "the tokenizer has token ids beyond the config's vocab_size"),
     "tokenizer-invalid": (WARNING, "tokenizer.json cannot be read as a tokenizer with a vocab"),
+    "file-link-outside": (WARNING, "a tokenizer or generation file is a symlink out of the checkpoint: not read, not copied"),
     "tokenizer-smaller": (INFO, "the tokenizer has fewer tokens than vocab_size (usual with padded vocabs)"),
     "dtype-mix": (ERROR, "a floating-point tensor in another dtype than the rest of the model"),
     "config-dtype": (WARNING, "the config's dtype is not the dtype of the weights"),

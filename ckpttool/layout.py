@@ -243,6 +243,12 @@ class LayoutBuilder:
         fusion: Fusion | None = None,
     ) -> bool:
         """Record a global tensor; return False (and note a problem) if it contradicts an earlier record."""
+        if not isinstance(fqn, str):
+            self.problems.append(f"{fqn!r:.60}: a tensor name that is not a string in {where}")
+            return False
+        if not isinstance(global_shape, (tuple, list)) or not all(isinstance(n, int) for n in global_shape):
+            self.problems.append(f"'{fqn}': global shape {global_shape!r:.60} in {where} is not a list of integers")
+            return False
         shape = tuple(int(n) for n in global_shape)
         if any(n < 0 for n in shape):
             self.problems.append(f"'{fqn}': negative global shape {list(shape)} in {where}")

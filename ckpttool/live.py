@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .distributed import Group, ProcessGroupError, share_out
-from .dtypes import dtype_name, itemsize, torch_dtype
+from .dtypes import cast_dtype, dtype_name, itemsize, torch_dtype
 from .errors import CkptError, ConfigError, SourceError
 from .findings import Report
 from .layout import Box, Layout, LayoutBuilder, Piece
@@ -45,7 +45,8 @@ from .models import hf_specs, model_info
 from .plan import Copy, Plan, Target, identity_specs, plan_merge
 from .sidecar import PieceSpec
 from .stream import Reader, buffer_sizes, write_file
-from .writer import OutputFile, Staging, assign_files, check_destination, check_written, file_layout
+from .destination import Staging
+from .writer import OutputFile, assign_files, check_written, file_layout
 
 #: default bytes of gathered tensors a rank holds at once (two buckets of half this)
 BUCKET_BYTES = 512 * 2**20
@@ -114,7 +115,8 @@ def save_hf(
         specs: for plain (non-DTensor) tensors, where this rank's tensor sits in the global one, by name. A
             plain tensor without a spec is taken as whole (a replica).
         max_shard_size: largest output file (``"5GB"``, bytes); files are shared out among the ranks.
-        dtype: cast floating-point tensors, e.g. ``"bfloat16"``.
+        dtype: cast floating-point tensors to ``"bfloat16"``, ``"float16"`` or ``"float32"`` (aliases ``"bf16"``,
+            ``"fp16"``, ``"fp32"``); integer tensors are never cast; ``config.json`` names the dtype written.
         bucket_bytes: gathered bytes a rank holds at once, in two buckets (one written while the next arrives).
         timeout: seconds any rank waits for another before all of them give up.
         force: replace a non-empty destination.
@@ -124,11 +126,13 @@ def save_hf(
         CoverageError: the ranks' pieces do not cover every tensor exactly once (the same message on every rank).
         ConfigError: the tensors do not match the config.
         LiveGatherError: a rank failed, died or did not arrive within ``timeout``; it is named.
+        ArgumentError: ``dtype`` is not one ckpttool casts to.
 
     Example:
         >>> save_hf(model, "out/hf", config=model.config)  # doctest: +SKIP
     """
     dest = Path(out_dir)
+    cast_dtype(dtype)  # every rank refuses a bad dtype= alike, before any collective
     call = next(_calls)
     state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) else model_or_state_dict
     config_dict = _config_dict(config)
@@ -150,11 +154,10 @@ def save_hf(
         plan = _collect(group, watch, "plan", lambda: _plan(everyone, config_dict, dtype, local["notes"]))[group.rank]
         files = tuple(assign_files(plan, max_shard_size))
         owner = share_out([f.nbytes for f in files], group.world)
-        staging = Staging(dest)
+        staging = Staging(dest, force=force)
 
         def enter() -> str:
-            check_destination(dest, [], force)
-            return str(staging.__enter__().path)
+            return str(staging.open())
 
         path = Path(_collect(group, watch, "prepare the destination", enter, rank0=True)[0])
         mine = [f for f, rank in zip(files, owner) if rank == group.rank]
@@ -169,7 +172,7 @@ def save_hf(
         ), rank0=True)[0]
     except BaseException as e:
         if group.rank == 0 and staging is not None:
-            staging.__exit__(type(e), e, None)
+            staging.abandon(e)
         raise
     finally:
         watch.stop()
@@ -262,7 +265,7 @@ def _plan(everyone: Sequence[list[_Held]], config: dict[str, object] | None, dty
         specs, found = hf_specs(layout, info)
         notes = [*notes, *found]
     specs = sorted(specs, key=lambda s: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s.name)])
-    return plan_merge(layout, specs, dtype=dtype_name(dtype) if dtype else None, notes=notes)
+    return plan_merge(layout, specs, dtype=cast_dtype(dtype), notes=notes)
 
 
 def _rank_file(rank: int) -> str:

@@ -11,20 +11,21 @@ from pathlib import Path
 
 from .audit import check
 from .distributed import Group, share_out
-from .dtypes import dtype_name
-from .errors import AuditError, SourceError
+from .dtypes import cast_dtype, dtype_name, prevailing_float
+from .errors import ArgumentError, AuditError, SourceError
 from .findings import Report
 from .layout import Layout
+from .config_sizes import census, check_config_sizes
 from .models import ModelInfo, find_config, hf_specs, model_info, read_config
 from .plan import Plan, identity_specs, plan_merge
 from .readers import read_layout
+from .destination import AUDIT_FILE, Staging, check_destination
 from .writer import (
     OutputFile,
-    Staging,
     assign_files,
-    check_destination,
     predict_peak_bytes,
     clean_staging,
+    find_extras,
     plan_id,
     write_extras,
     write_index,
@@ -33,10 +34,6 @@ from .writer import (
 )
 
 log = logging.getLogger(__name__)
-
-#: the audit report a merge writes beside the weights (transformers ignores it)
-AUDIT_FILE = "ckpttool-audit.json"
-
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
@@ -54,7 +51,8 @@ class MergeResult:
     """What :func:`merge` did (or, with ``dry_run``, would do)."""
 
     source: str
-    output: str
+    #: the destination; None for a dry run given none
+    output: str | None
     format: str
     plan: Plan
     files: tuple[OutputFile, ...]
@@ -65,6 +63,10 @@ class MergeResult:
     kept_files: int = 0
     workers: int = 1
     parallel: dict[str, int] = field(default_factory=dict)
+    #: an earlier output that a killed run had moved aside, put back before this merge (see ckpttool.destination)
+    restored: str | None = None
+    #: no architecture was mapped (no config, or one transformers has no causal LM for): names kept as recorded
+    generic: bool = False
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -75,6 +77,7 @@ class MergeResult:
             "format": self.format,
             "parallel": self.parallel,
             "config": self.config,
+            "generic": self.generic,
             "coverage": "every target tensor is covered exactly once",
             "tensors": len(self.plan.targets),
             "total_bytes": self.plan.nbytes,
@@ -90,6 +93,7 @@ class MergeResult:
             ],
             "audit": self.audit.to_json() if self.audit is not None else None,
             "kept_files": self.kept_files,
+            "restored": self.restored,
         }
 
 
@@ -104,8 +108,11 @@ def prepare(
     kept as the source recorded them, and a note says so.
     """
     root = Path(src)
+    cast = cast_dtype(dtype)  # checked before anything is read
     config_path = find_config(root, config)
     config_dict = read_config(config_path) if config_path is not None else None
+    if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
+        check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights))
     info = model_info(config_dict, label=str(config_path)) if config_dict is not None else None
     layout = read_layout(root, format=format, model=info, weights=weights)
     notes: list[str] = []
@@ -116,13 +123,19 @@ def prepare(
     else:
         specs, notes = hf_specs(layout, info)
     specs = sorted(specs, key=lambda s: _natural(s.name))
-    plan = plan_merge(layout, specs, dtype=dtype_name(dtype) if dtype else None, notes=notes)
+    notes = [*notes, *find_extras(extras_search(root, config_path))[1].values()]  # files not copied, and why
+    plan = plan_merge(layout, specs, dtype=cast, notes=notes)
     return Prepared(layout, plan, config_path, config_dict, info)
+
+
+def extras_search(root: Path, config_path: Path | None) -> list[Path]:
+    """Where tokenizer and generation files are looked for: beside the config, then in the source."""
+    return list(dict.fromkeys([*([config_path.parent] if config_path is not None else []), root]))
 
 
 def merge(
     src: str | Path,
-    out: str | Path,
+    out: str | Path | None = None,
     *,
     format: str | None = None,
     config: str | Path | None = None,
@@ -141,10 +154,12 @@ def merge(
 
     Args:
         src: the checkpoint directory (any supported format).
-        out: the destination directory; must not exist or be empty unless ``force``.
+        out: the destination directory; must not exist or be empty unless ``force``. May be None only with
+            ``dry_run`` (to see the plan before choosing where it goes).
         format: reader name; detected when None.
         config: ``config.json`` or a directory holding it; found in or next to ``src`` when None.
-        dtype: cast floating-point tensors (e.g. ``"bfloat16"``).
+        dtype: cast floating-point tensors to ``"bfloat16"``, ``"float16"`` or ``"float32"`` (aliases ``"bf16"``,
+            ``"fp16"``, ``"fp32"``); integer tensors are never cast; ``config.json`` names the dtype written.
         max_shard_size: largest output file, e.g. ``"5GB"`` (decimal units) or bytes.
         dry_run: plan and check only; read no tensor data, write nothing.
         force: replace a non-empty destination.
@@ -168,11 +183,14 @@ def merge(
         CoverageError: a tensor is not covered exactly once (missing rank file, overlap).
         AuditError: the written checkpoint has audit errors (``audit=True``); nothing was published.
         SourceError, ConfigError, DestinationError: bad input, config or destination; nothing is written.
+        ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``.
 
     Example:
         >>> merge("fixtures/llama_fsdp2_dcp/checkpoint", "out/llama")  # doctest: +SKIP
     """
-    root, dest = Path(src), Path(out)
+    if out is None and not dry_run:
+        raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
+    root, dest = Path(src), (Path(out) if out is not None else None)
     group = Group()
     try:
         prepared = prepare(root, format=format, config=config, dtype=dtype, weights=weights)
@@ -180,37 +198,38 @@ def merge(
         if not plan.targets:
             raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
         files = tuple(assign_files(plan, max_shard_size))
-        check_destination(dest, [root], force)
+        if dest is not None:
+            check_destination(dest, [root], force)
         extras: list[str] = []
-        report, kept = None, 0
-        if not dry_run:
+        report, kept, restored = None, 0, None
+        if dest is not None and not dry_run:
             on_bytes = (lambda n: progress(n, plan.nbytes)) if progress else (lambda n: None)
             owner = share_out([f.nbytes for f in files], group.world)
             mine = [f for f, rank in zip(files, owner) if rank == group.rank]
             identity = plan_id(plan, files)
-            staging = Staging(dest, resume=resume)
-            path = Path(group.on_rank0(lambda: str(_enter(staging, identity))))
+            staging = Staging(dest, sources=[root], force=force, resume=resume)
+            entered, restored = group.on_rank0(lambda: _enter(staging, identity))
+            path = Path(entered)
             try:
                 kept = sum(group.on_all(lambda: write_weights(
                     plan, mine, path, identity, on_bytes, verify=verify, workers=workers, rank=group.rank,
                 )))
 
-                config_dir = [prepared.config_path.parent] if prepared.config_path is not None else []
                 extras, report = group.on_rank0(lambda: finish_output(
                     staging, plan, files, config=prepared.config, model=prepared.model,
                     config_label=str(prepared.config_path) if prepared.config_path else None,
-                    search=list(dict.fromkeys([*config_dir, root])), dtype=dtype, audit=audit,
+                    search=extras_search(root, prepared.config_path), dtype=dtype, audit=audit,
                 ))
             except BaseException as e:
                 if group.rank == 0:
-                    staging.__exit__(type(e), e, None)
+                    staging.abandon(e)
                 raise
             log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
     finally:
         group.close()
     return MergeResult(
         source=str(root),
-        output=str(dest),
+        output=str(dest) if dest is not None else None,
         format=prepared.layout.format,
         parallel=dict(prepared.layout.parallel),
         plan=plan,
@@ -221,14 +240,17 @@ def merge(
         audit=report,
         kept_files=kept,
         workers=workers,
+        restored=restored,
+        generic=prepared.model is None,
     )
 
 
-def _enter(staging: Staging, identity: str) -> Path:
-    """Create (or, with resume, take up) the staging directory and clear what no journal of this plan holds."""
-    staging.__enter__()
-    clean_staging(staging.path, identity)
-    return staging.path
+def _enter(staging: Staging, identity: str) -> tuple[str, str | None]:
+    """Lock the destination, create (or, with resume, take up) the staging directory and clear what no journal
+    of this plan holds. Returns its path and what was restored at the destination, if anything."""
+    path = staging.open()
+    clean_staging(path, identity)
+    return str(path), staging.restoration
 
 
 def finish_output(
@@ -239,13 +261,38 @@ def finish_output(
     what was written, then the rename into place. Returns the extra files written and the audit report."""
     path = staging.path
     write_index(plan, files, path)
-    written = write_extras(path, config, search, dtype_name(dtype) if dtype else None)
+    written = write_extras(path, config, search, config_dtype(config, plan, cast=dtype is not None))
     found = None
     if audit:
         found = _audit_output(path, staging.dest, config is not None, config_label, model)
         written.append(AUDIT_FILE)
     staging.publish()
     return written, found
+
+
+def config_dtype(config: dict[str, object] | None, plan: Plan, *, cast: bool) -> str | None:
+    """The dtype ``config.json`` must be given (a safetensors name), or None to leave it as the source's.
+
+    transformers loads the weights in the config's dtype, so it must name the floating-point dtype written:
+    after a cast, and whenever the source's config says another (DeepSpeed's module weights are bf16 under a
+    config saying float32). ``"auto"`` and non-string values (per-module dtypes) are left alone.
+    """
+    written = prevailing_float(t.dtype for t in plan.targets)
+    if config is None or written is None:
+        return None
+    stated = [config[key] for key in ("dtype", "torch_dtype") if config.get(key) is not None]
+    if not stated:
+        return written if cast else None
+    return written if any(_names_another(value, written) for value in stated) else None
+
+
+def _names_another(value: object, dtype: str) -> bool:
+    if not isinstance(value, str) or value == "auto":
+        return False
+    try:
+        return dtype_name(value) != dtype
+    except SourceError:  # a spelling ckpttool does not know: replaced by one transformers does
+        return True
 
 
 def _audit_output(staging: Path, dest: Path, has_config: bool, config_label: str | None, model: ModelInfo | None) -> Report:

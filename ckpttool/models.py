@@ -21,9 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .diagnose import Diagnosis, diagnose
-from .errors import ConfigError
+from .diagnose import Diagnosis, diagnose, refusal_advice
+from . import jsonfile
+from .errors import ConfigError, SourceError
 from .layout import Box, Layout, Shape, TensorLayout
+from .paths import JSON_LIMIT, link_escapes, read_source
 from .plan import Slice, TargetSpec, tensor_specs
 
 log = logging.getLogger(__name__)
@@ -92,24 +94,41 @@ RULES: dict[str, tuple[Rename | Unstack, ...]] = {
 
 def find_config(source: Path, explicit: str | Path | None) -> Path | None:
     """The ``config.json`` to use: ``explicit`` (a file or an HF directory), else in the source, in its
-    ``huggingface/`` directory (where verl writes it), or next to the source."""
+    ``huggingface/`` directory (where verl writes it), or next to the source.
+
+    A ``config.json`` found in a directory must not be a symlink out of it (:func:`paths.link_escapes`).
+
+    Raises:
+        ConfigError: ``explicit`` names no config, or a ``config.json`` found is a symlink out of its directory.
+    """
     if explicit is not None:
         path = Path(explicit)
         if path.is_dir():
-            path = path / "config.json"
+            path = _refuse_link_out(path / "config.json", path)
         if not path.is_file():
             raise ConfigError(f"config '{explicit}' not found (give a config.json file or a directory holding one)")
         return path
-    for candidate in (source / "config.json", source / "huggingface" / "config.json", source.parent / "config.json"):
+    for candidate, folder in ((source / "config.json", source), (source / "huggingface" / "config.json", source),
+                              (source.parent / "config.json", source.parent)):
         if candidate.is_file():
-            return candidate
+            return _refuse_link_out(candidate, folder)
     return None
+
+
+def _refuse_link_out(path: Path, folder: Path) -> Path:
+    target = link_escapes(path, folder)
+    if target is not None:
+        raise ConfigError(f"'{path}' is a symlink to '{target}', outside '{folder}'; ckpttool follows no link out of "
+                          "the checkpoint. Copy the config in its place, or name that file itself as the config")
+    return path
 
 
 def read_config(path: Path) -> dict[str, object]:
     try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        config = jsonfile.loads(read_source(path, limit=JSON_LIMIT))
+    except SourceError as e:  # not a regular file, unreadable: the message names the file
+        raise ConfigError(str(e)) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"'{path}': cannot read the config: {e}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"'{path}': the config is not a JSON object")
@@ -185,7 +204,7 @@ def _cache_path(config: Mapping[str, object]) -> Path | None:
 def _read_cache(path: Path, config: Mapping[str, object]) -> tuple[ModelInfo | None] | None:
     """``(info,)`` from the cache (``info`` may be None: no causal LM), or None when there is no usable entry."""
     try:
-        doc = json.loads(path.read_text())
+        doc = jsonfile.loads(path.read_text())
         if doc is None or doc.get("none"):
             return (None,) if doc is not None else None
         shapes = lambda m: {k: tuple(int(n) for n in v) for k, v in m.items()}  # noqa: E731
@@ -242,11 +261,11 @@ def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
     """The layout's tensors under on-disk HuggingFace names: the reader's own cut when its format has one
     (``to_hf``, e.g. Megatron's fused QKV); else in-memory names (DCP, FSDP, transformers distributed) cut by
     the family's rules, on-disk names passed through, and a wrapper prefix (``model.``/``module.``) stripped."""
-    from .readers import READERS, guarded  # a reader may own its format's cut; imported here (readers import models)
+    from .readers import READERS  # a reader may own its format's cut; imported here (readers import models)
 
     cut = getattr(READERS.get(layout.format), "to_hf", None)
     if cut is not None:
-        specs, notes, problems = guarded(layout.format, Path(layout.root), lambda: cut(layout, info))
+        specs, notes, problems = cut(layout, info)
     else:
         specs, notes, problems = _generic_cut(layout, info)
     tied = [s for s in specs if s.name in info.tied]
@@ -294,7 +313,7 @@ def hf_specs(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[st
             f"({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n"
             + "\n".join(f"  - {p}" for p in problems[:40])
             + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
-            + "\nPass the config the model was trained with (--config), or no config for a generic merge."
+            + "\n" + refusal_advice(m.diagnosis.code for m in mismatches if m.diagnosis is not None)
             + (" ckpttool strips padding the source recorded (sidecar 'padding') and never guesses it."
                if padded else "")
         )

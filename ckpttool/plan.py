@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .dtypes import FLOAT_DTYPES, itemsize
-from .errors import CoverageError, SourceError
+from .errors import ArgumentError, CoverageError, SourceError
 from .layout import Box, Layout, Piece, Shape, TensorLayout
 
 
@@ -115,11 +115,14 @@ def plan_merge(
     Raises:
         CoverageError: some target has a gap, an overlap or a copy out of bounds; every problem is listed,
             with the region, the files holding its neighbours, and the likely cause.
+        ArgumentError: ``dtype`` is not a floating-point dtype (a cast to an integer type would zero weights).
 
     Example:
         >>> plan = plan_merge(read_layout("ckpt/"))  # doctest: +SKIP
         >>> plan.nbytes  # doctest: +SKIP
     """
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ArgumentError(f"dtype={dtype!r}: floating-point tensors are cast only to {', '.join(sorted(FLOAT_DTYPES))}")
     specs = identity_specs(layout) if specs is None else specs
     targets: list[Target] = []
     problems: list[str] = []

@@ -53,7 +53,8 @@ def render(report: Report) -> str:
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>ckpttool audit: {_e(report.source)}</title>",
         f"<style>{_CSS}</style></head><body>",
-        f"<h1>ckpttool audit</h1><p><span class=\"verdict {verdict}\" id=\"verdict\">{verdict.upper()}</span> "
+        f"<h1>ckpttool audit</h1><p><span class=\"verdict {verdict}\" id=\"verdict\">{verdict.upper()}"
+        f"{' WITH WARNINGS' if report.ok and summary['warnings'] else ''}</span> "
         f"{summary['errors']} errors, {summary['warnings']} warnings, {summary['info']} info</p>",
         '<table class="meta">',
         *(f"<tr><td>{_e(k)}</td><td><code>{_e(v)}</code></td></tr>" for k, v in (

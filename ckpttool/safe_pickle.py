@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from .errors import SourceError, UnsafePickleError
+from .errors import PickleBombError, SourceError, UnsafePickleError
+from .pickle_bounds import EnumStandIn, bound_graph, budget, charge, charged, enum_member, ints, text
 
 
 class Record:
@@ -24,11 +25,16 @@ class Record:
     #: names for a state pickled as a plain tuple (TensorProperties does this)
     tuple_fields: tuple[str, ...] = ()
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Record:  # noqa: PYI034 (NEWOBJ calls only this)
+        charge(*args, *kwargs.values())
+        return super().__new__(cls)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.__dict__.update(kwargs)
         self._args = args
 
     def __setstate__(self, state: Any) -> None:
+        charge(state, *(state if isinstance(state, tuple) else ()))
         if isinstance(state, tuple) and self.tuple_fields:
             self.__dict__.update(zip(self.tuple_fields, state))
         elif isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
@@ -66,31 +72,44 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     (_DCP_METADATA, "TensorProperties"): record_class(
         "TensorProperties", ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
     ),
-    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): lambda value=None: value,
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): EnumStandIn(
+        f"{_DCP_METADATA}._MEM_FORMAT_ENCODING",
+        {"TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2},
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): record_class("_StorageInfo"),
     # Megatron's save planner keeps every rank's plan in the metadata (Metadata.all_local_plans)
     **{("torch.distributed.checkpoint.planner", name): record_class(name) for name in ("SavePlan", "WriteItem", "TensorWriteData")},
-    ("torch.distributed.checkpoint.planner", "WriteItemType"): lambda value=None: value,
-    ("torch", "Size"): lambda dims=(): tuple(int(d) for d in dims),
-    ("torch.serialization", "_get_layout"): lambda name: str(name),
-    ("pathlib", "PosixPath"): lambda *parts: "/".join(str(p) for p in parts),
-    ("pathlib", "PurePosixPath"): lambda *parts: "/".join(str(p) for p in parts),
-    ("pathlib", "WindowsPath"): lambda *parts: "\\".join(str(p) for p in parts),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"): EnumStandIn(
+        "torch.distributed.checkpoint.planner.WriteItemType", {"TENSOR": 1, "SHARD": 2, "BYTE_IO": 3}
+    ),
+    ("torch", "Size"): lambda dims=(): ints(dims),
+    ("torch.serialization", "_get_layout"): text,
+    ("pathlib", "PosixPath"): lambda *parts: "/".join(text(p) for p in parts),
+    ("pathlib", "PurePosixPath"): lambda *parts: "/".join(text(p) for p in parts),
+    ("pathlib", "WindowsPath"): lambda *parts: "\\".join(text(p) for p in parts),
     ("collections", "OrderedDict"): dict,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
 }
 #: torch dtypes pickle as module-level globals (``torch.float32``); they load as their names.
+#: Enum members pickle as ``Cls(value)``, or under Python 3.11.0-3.11.4 as ``getattr(Cls, "NAME")``
+#: (:func:`ckpttool.pickle_bounds.enum_member`); both give the member's value.
 
 
 class _AllowListUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, label: str) -> None:
         super().__init__(io.BytesIO(data))
         self.label = label
+        self.names: dict[int, str] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        # an enum member as Python 3.11.0-3.11.4 pickle it (protocol 2 names the module __builtin__)
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            return enum_member(self.label, self.names)
         if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)]
+            found = charged(_ALLOWED[(module, name)])
+            self.names[id(found)] = f"{module}.{name}"
+            return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return name  # a dtype is data; whether safetensors can hold it is the reader's question
         raise UnsafePickleError(
@@ -105,13 +124,22 @@ class _AllowListUnpickler(pickle.Unpickler):
 def load_metadata_pickle(data: bytes, label: str) -> Any:
     """Unpickle DCP metadata bytes with the allow-list; ``label`` names the file in errors.
 
+    The work the pickle causes is bounded (:mod:`ckpttool.pickle_bounds`).
+
     Raises:
         UnsafePickleError: the pickle names a class outside the allow-list.
+        PickleBombError: reading it would take work without bound (shared objects, cycles, deep nesting).
         SourceError: the bytes are not a valid pickle (truncated, garbage).
     """
     try:
-        return _AllowListUnpickler(data, label).load()
-    except UnsafePickleError:
+        with budget(label, len(data)):
+            found = _AllowListUnpickler(data, label).load()
+        bound_graph(found, label)
+        return found
+    except (UnsafePickleError, PickleBombError):
         raise
-    except Exception as e:  # truncated or garbage bytes raise many different types inside pickle
+    except SourceError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+            RecursionError, OverflowError, UnicodeDecodeError, MemoryError) as e:  # what the pickle VM raises on garbage
         raise SourceError(f"'{label}': cannot read the metadata pickle ({type(e).__name__}: {e}); is it truncated?") from None

@@ -3,6 +3,8 @@
 A file is: 8 bytes little-endian ``N``, then ``N`` bytes of JSON header, then the data buffer. The header maps
 each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the buffer) and may
 hold ``"__metadata__"``: a string-to-string map. The header is padded with spaces to a multiple of 8 bytes.
+As the safetensors library requires, the tensors' byte ranges, in order, cover the buffer exactly (no gap, no
+overlap, no byte after the last) and no key appears twice.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from . import jsonfile
 from .dtypes import TORCH_DTYPES, itemsize
 from .errors import SourceError
+from .paths import open_source
 
 #: headers larger than this are refused before being read (safetensors itself uses the same bound)
 MAX_HEADER_BYTES = 100_000_000
@@ -46,13 +50,14 @@ def read_header(path: str | os.PathLike[str], name: str | None = None) -> Header
         name: how to call the file in messages (default: the path).
 
     Raises:
-        SourceError: truncated file, header length past the end, bad JSON, unknown dtype, offsets outside the
-            file, overlapping tensors, or a byte count that disagrees with the shape.
+        SourceError: truncated file, header length past the end, bad JSON, a key twice in the header, unknown
+            dtype, offsets outside the file, overlapping tensors, bytes between or after the tensors, or a byte
+            count that disagrees with the shape.
     """
     label = name or str(path)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_source(path, label) as f:  # a regular file, or a SourceError naming it
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise SourceError(f"'{label}': truncated safetensors file ({size} bytes, no header)")
@@ -68,7 +73,9 @@ def read_header(path: str | os.PathLike[str], name: str | None = None) -> Header
     except OSError as e:
         raise SourceError(f"'{label}': cannot read: {e.strerror or e}") from None
     try:
-        header = json.loads(raw)
+        header = jsonfile.loads(raw, unique_keys=True)
+    except jsonfile.JSONRefused as e:
+        raise SourceError(f"'{label}': safetensors header refused: {e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SourceError(f"'{label}': safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -82,7 +89,7 @@ def read_header(path: str | os.PathLike[str], name: str | None = None) -> Header
     entries: dict[str, Entry] = {}
     for key, info in header.items():
         entries[key] = _entry(label, key, info, data_start, buffer)
-    _check_no_overlap(label, entries)
+    _check_contiguous(label, entries, data_start, size)
     return Header(entries, metadata, data_start)
 
 
@@ -115,13 +122,30 @@ def _entry(label: str, key: str, info: object, data_start: int, buffer: int) -> 
     return Entry(dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
 
-def _check_no_overlap(label: str, entries: Mapping[str, Entry]) -> None:
-    last_end, last_key = -1, ""
+def _check_contiguous(label: str, entries: Mapping[str, Entry], data_start: int, size: int) -> None:
+    """In the order of their offsets, the tensors must tile the data buffer: no overlap, no gap, no byte after
+    the last. The safetensors library refuses any other file ("invalid offset", "incomplete metadata, file not
+    fully covered"), so a file that passes here is one ``from_pretrained`` loads."""
+    position, last = data_start, ""
     for key, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
-        if e.begin < last_end and e.end > e.begin:
-            raise SourceError(f"'{label}': tensors '{last_key}' and '{key}' overlap in the data buffer")
-        if e.end > e.begin:
-            last_end, last_key = e.end, key
+        if e.begin < position:
+            raise SourceError(f"'{label}': tensors '{last}' and '{key}' overlap in the data buffer")
+        if e.begin > position:
+            where = f"after tensor '{last}'" if last else "at the start of the data buffer"
+            raise SourceError(
+                f"'{label}': {e.begin - position} bytes {where} belong to no tensor (data offsets "
+                f"{position - data_start}..{e.begin - data_start}, before tensor '{key}'); {_NOT_COVERED}"
+            )
+        position, last = e.end, key
+    if position < size:
+        where = f"after the last tensor '{last}'" if last else "after a header that lists no tensor"
+        raise SourceError(
+            f"'{label}': {size - position} bytes {where} belong to no tensor (data offsets "
+            f"{position - data_start}..{size - data_start}); {_NOT_COVERED}"
+        )
+
+
+_NOT_COVERED = "the safetensors library refuses a file whose tensors do not cover its data exactly"
 
 
 def encode_header(entries: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Mapping[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:

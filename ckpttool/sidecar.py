@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from .dtypes import dtype_name
+from . import jsonfile
 from .errors import SourceError
 from .layout import Fusion, Padding
 
@@ -217,7 +218,7 @@ def parse_sidecar(text: str, label: str) -> Sidecar:
         SourceError: not JSON, not a sidecar, an unknown version, or a malformed field (named).
     """
     try:
-        doc = json.loads(text)
+        doc = jsonfile.loads(text)
     except json.JSONDecodeError as e:
         raise SourceError(f"'{label}': not valid JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:

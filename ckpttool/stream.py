@@ -31,6 +31,7 @@ from .dtypes import itemsize, torch_dtype
 from .errors import SourceError
 from .executor import CACHE_BYTES, PieceLoader
 from .layout import RAW, Box, Piece, c_strides
+from .paths import open_source, source_os_error
 from .plan import Target, dim_map, map_region
 
 #: the most output bytes one chunk holds (a chunk is at least one row)
@@ -102,14 +103,20 @@ class Reader:
         size = itemsize(piece.dtype)
         nbytes = (last - first + 1) * size
         buffer = self._buffer("read", nbytes)
-        got = os.preadv(self._fd(piece.file), [memoryview(buffer)[:nbytes]], piece.byte_offset + first * size)
+        try:
+            got = os.preadv(self._fd(piece.file), [memoryview(buffer)[:nbytes]], piece.byte_offset + first * size)
+        except OSError as e:
+            raise source_os_error(piece.file, e) from None
         if got != nbytes:
             raise SourceError(
                 f"'{piece.file}': '{piece.key}' needs {nbytes} bytes at offset {piece.byte_offset + first * size} but "
                 f"only {got} are there; the file is truncated"
             )
         flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(torch_dtype(piece.dtype))
-        return torch.as_strided(flat, sizes, [strides[s] if s is not None else 0 for s in dims])
+        # a dim of size 1 takes the stride C order gives it: any stride indexes it, but torch views the bytes of
+        # a tensor (``.view(torch.uint8)``) only when its last stride is 1, so a one-element tensor needs it too
+        filler = c_strides(sizes)
+        return torch.as_strided(flat, sizes, [strides[s] if s is not None else filler[d] for d, s in enumerate(dims)])
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         """A tensor of ``shape`` on this thread's buffer ``name``, reused from chunk to chunk (allocating a
@@ -129,10 +136,8 @@ class Reader:
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:
-                try:
-                    fd = os.open(self.root / file, os.O_RDONLY)
-                except OSError as e:
-                    raise SourceError(f"'{file}': cannot read: {e.strerror or e}") from None
+                with open_source(self.root / file, file) as handle:  # a regular file, or a SourceError
+                    fd = os.dup(handle.fileno())
                 self._fds[file] = fd
             return fd
 

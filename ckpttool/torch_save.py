@@ -23,8 +23,9 @@ from typing import Any, BinaryIO
 import torch
 
 from .dtypes import dtype_name, itemsize
-from .errors import SourceError, UnsafePickleError
+from .errors import PickleBombError, SourceError, UnsafePickleError
 from .layout import c_strides
+from .pickle_bounds import bound_graph, budget, charge, charged, enum_member, ints
 
 #: storage classes of torch.save pickles -> safetensors dtype names
 _STORAGES = {
@@ -93,6 +94,7 @@ def scan(f: BinaryIO, start: int = 0, length: int | None = None, *, label: str, 
 
     Raises:
         UnsafePickleError: the pickle names a class that is not a tensor, a container or in ``allow``.
+        PickleBombError: reading the pickle would take work without bound (:mod:`ckpttool.pickle_bounds`).
         SourceError: not a ``torch.save`` archive (truncated, garbage, the legacy non-zip format).
     """
     if length is None:
@@ -106,24 +108,33 @@ def scan(f: BinaryIO, start: int = 0, length: int | None = None, *, label: str, 
             raise SourceError(f"'{label}': not a torch.save archive ({len(pickles)} data.pkl entries)")
         base = pickles[0][: -len("data.pkl")]
         little = base + "byteorder" not in names or archive.read(base + "byteorder") == b"little"
-        unpickler = _Unpickler(io.BytesIO(archive.read(pickles[0])), label, allow or {})
-        obj = unpickler.load()
+        data = archive.read(pickles[0])
+        unpickler = _Unpickler(io.BytesIO(data), label, allow or {})
+        with budget(label, len(data)):
+            obj = unpickler.load()
+        bound_graph(obj, label)
         offsets = {key: _data_offset(f, start, length, archive, f"{base}data/{key}", s.numel * itemsize(s.dtype))
                    if little else None for key, s in unpickler.storages.items()}
-    except (UnsafePickleError, SourceError):
+    except SourceError:
         raise
     except (zipfile.BadZipFile, KeyError, pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
             AttributeError, struct.error, OSError, RecursionError, OverflowError, ZeroDivisionError) as e:
         raise SourceError(f"'{label}': cannot read it as a torch.save archive ({type(e).__name__}: {e}); is it truncated?") from None
-    return _resolve(obj, offsets)
+    return _resolve(obj, offsets, {})
 
 
-def locate(f: BinaryIO, start: int, length: int) -> StoredTensor | None:
+def locate(f: BinaryIO, start: int, length: int, *, label: str = "item") -> StoredTensor | None:
     """The one contiguous tensor saved in ``f[start:start+length]`` when its raw bytes can be located, else None
-    (the caller falls back to ``torch.load(weights_only=True)``)."""
+    (the caller falls back to ``torch.load(weights_only=True)``). ``label`` names the file in errors.
+
+    Raises:
+        PickleBombError: the item's pickle would take work without bound; ``torch.load`` must not read it either.
+    """
     try:
-        found = scan(f, start, length, label="item")
-    except (SourceError, UnsafePickleError):
+        found = scan(f, start, length, label=label)
+    except PickleBombError:
+        raise
+    except SourceError:
         return None
     if not isinstance(found, StoredTensor) or found.byte_offset() is None:
         return None
@@ -166,9 +177,12 @@ class _Pending:
 def _rebuild_tensor(storage: Any, offset: Any, shape: Any, stride: Any, *rest: Any) -> _Pending:
     if not isinstance(storage, _Storage) or not isinstance(offset, int):
         raise pickle.UnpicklingError("a tensor without a storage")
-    if not all(isinstance(n, int) for n in (*shape, *stride)) or len(shape) != len(stride):
+    shape, stride = ints(shape), ints(stride)
+    if len(shape) != len(stride):
         raise pickle.UnpicklingError("a tensor with a bad shape or stride")
-    return _Pending(storage, offset, tuple(shape), tuple(stride))
+    if any(n < 0 for n in shape) or offset < 0:
+        raise pickle.UnpicklingError(f"a tensor of shape {list(shape)} at storage offset {offset}")
+    return _Pending(storage, offset, shape, stride)
 
 
 def _rebuild_parameter(data: Any, *rest: Any) -> Any:
@@ -182,6 +196,9 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
 
 class _PlainTensor:
     """What ``torch.Tensor`` and ``torch.nn.Parameter`` classes load as."""
+
+    def __setstate__(self, state: Any) -> None:
+        charge(state)
 
 
 class _StateDict(dict):
@@ -202,7 +219,7 @@ _BUILTIN: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): _PlainTensor,
     ("torch.nn.parameter", "Parameter"): _PlainTensor,
     ("collections", "OrderedDict"): _StateDict,
-    ("torch", "Size"): lambda dims=(): tuple(int(d) for d in dims),
+    ("torch", "Size"): lambda dims=(): ints(dims),
 }
 
 
@@ -212,12 +229,16 @@ class _Unpickler(pickle.Unpickler):
         self.label = label
         self.allow = allow
         self.storages: dict[str, _Storage] = {}
+        self.names: dict[int, str] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _BUILTIN:
-            return _BUILTIN[(module, name)]
-        if (module, name) in self.allow:
-            return self.allow[(module, name)]
+        # an enum member as Python 3.11.0-3.11.4 pickle it (protocol 2 names the module __builtin__)
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            return enum_member(self.label, self.names)
+        if (module, name) in _BUILTIN or (module, name) in self.allow:
+            found = charged(_BUILTIN[(module, name)] if (module, name) in _BUILTIN else self.allow[(module, name)])
+            self.names[id(found)] = f"{module}.{name}"
+            return found
         if module == "torch" and name in _STORAGES:
             return _STORAGES[name]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -232,26 +253,38 @@ class _Unpickler(pickle.Unpickler):
             raise UnsafePickleError(f"'{self.label}': refused to unpickle: unexpected persistent id (nothing was executed)")
         _, dtype, key, _location, numel = pid
         if not (isinstance(dtype, str) and dtype in _STORAGES.values() and isinstance(numel, int) and numel >= 0):
-            raise pickle.UnpicklingError(f"storage of type {dtype!r}")
+            raise pickle.UnpicklingError(f"storage of type {dtype[:40]!r}" if isinstance(dtype, str) else "a storage")
+        if not isinstance(key, (str, int)):
+            raise pickle.UnpicklingError("a storage key that is not a name")
+        charge(key)
         storage = self.storages.setdefault(str(key), _Storage(dtype_name(dtype), str(key), numel))
         return storage
 
 
-def _resolve(obj: Any, offsets: Mapping[str, int | None]) -> Any:
-    """``obj`` with every pending tensor replaced by a :class:`StoredTensor` (containers rebuilt, others kept)."""
+def _resolve(obj: Any, offsets: Mapping[str, int | None], done: dict[int, Any]) -> Any:
+    """``obj`` with every pending tensor replaced by a :class:`StoredTensor` (containers rebuilt, others kept).
+
+    Each object is resolved once (``done``: ``id`` -> result), so what the pickle shares stays shared and the work
+    is linear; :func:`~ckpttool.pickle_bounds.bound_graph` has refused cycles and deep nesting before."""
+    key = id(obj)
+    if key in done:
+        return done[key]
     if isinstance(obj, _Pending):
-        return StoredTensor(obj.storage.dtype, obj.shape, obj.stride, obj.storage.key, obj.offset,
-                            offsets.get(obj.storage.key), obj.storage.numel)
-    if isinstance(obj, dict):
-        return {k: _resolve(v, offsets) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_resolve(v, offsets) for v in obj]
-    if isinstance(obj, tuple) and type(obj) is tuple:
-        return tuple(_resolve(v, offsets) for v in obj)
-    if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        for k, v in vars(obj).items():
-            setattr(obj, k, _resolve(v, offsets))
-    return obj
+        result: Any = StoredTensor(obj.storage.dtype, obj.shape, obj.stride, obj.storage.key, obj.offset,
+                                   offsets.get(obj.storage.key), obj.storage.numel)
+    elif isinstance(obj, dict):
+        result = {k: _resolve(v, offsets, done) for k, v in obj.items()}
+    elif isinstance(obj, list):
+        result = [_resolve(v, offsets, done) for v in obj]
+    elif isinstance(obj, tuple) and type(obj) is tuple:
+        result = tuple(_resolve(v, offsets, done) for v in obj)
+    else:
+        result = obj
+        if hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for k, v in vars(obj).items():
+                setattr(obj, k, _resolve(v, offsets, done))
+    done[key] = result
+    return result
 
 
 class _Window(io.RawIOBase):

@@ -1,6 +1,6 @@
 """The HuggingFace output: sharded safetensors + index + config + tokenizer, published atomically.
 
-Everything is written into a staging directory beside the destination (``.NAME.ckpttool-partial-*``),
+Everything is written into a staging directory beside the destination (see :mod:`ckpttool.destination`),
 verified, and renamed into place at the end; on an error the staging directory is removed, so the
 destination never holds a partial checkpoint. A journal in the staging directory records every output file
 finished so far with its sha256, so a merge killed after hours continues with ``--resume`` where it stopped,
@@ -11,42 +11,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DestinationError, OutputError, SourceError
+from .destination import EXTRA_FILES, INDEX, JOURNAL_GLOB, journal_name
+from .errors import ArgumentError, OutputError, SourceError
+from .paths import link_escapes
 from .stream import CHUNK_BYTES, Chunk, Reader, buffer_sizes, chunks, file_digest, piece_uses
 from .stream import predict_peak_bytes as stream_peak_bytes
 from .stream import write_file as stream_file
-from .paths import is_within
 from .plan import Plan, Target
 from .safetensors_format import encode_header, read_header
 
-INDEX = "model.safetensors.index.json"
-PARTIAL = ".ckpttool-partial-"
-JOURNAL_GLOB = ".ckpttool-journal-*.json"
-
-
-def journal_name(rank: int = 0) -> str:
-    """The journal file of one writing process (rank 0 when a single process merges)."""
-    return f".ckpttool-journal-{rank}.json"
-#: files copied beside the weights when present in the config's directory or the source
-EXTRA_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,18 +43,34 @@ class OutputFile:
         return sum(t.nbytes for t in self.targets)
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes from ``"5GB"``/``"500MB"`` (decimal units, as huggingface_hub) or a plain integer."""
-    from huggingface_hub.serialization._base import parse_size_to_int
+#: size units: decimal as huggingface_hub (``5GB`` is 5 * 1000**3 bytes), binary with an ``i`` (``5GiB``)
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+SIZE_HELP = "give bytes, or a number with KB, MB, GB, TB (decimal) or KiB, MiB, GiB, TiB (binary), e.g. 5GB or 500MiB"
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"5GB"``/``"500MB"`` (decimal units, as huggingface_hub), ``"5GiB"``/``"500MiB"`` (binary) or
+    a plain integer. Units are case-insensitive.
+
+    Raises:
+        ValueError: not a number of bytes or a number with one of :data:`SIZE_UNITS`.
+    """
     if isinstance(text, int):
         return text
-    if text.strip().isdigit():
-        return int(text.strip())
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or (unit and unit not in SIZE_UNITS):
+        raise ValueError(f"invalid size {text!r}: {SIZE_HELP}")
+    return int(float(match.group(1)) * SIZE_UNITS[unit or "B"])
+
+
+def _shard_size(value: str | int) -> int:
     try:
-        return parse_size_to_int(text)
-    except ValueError as e:
-        raise ValueError(f"invalid size {text!r}: {e}") from None
+        return parse_size(value)
+    except (ValueError, TypeError):
+        raise ArgumentError(f"max_shard_size={value!r} is not a size: {SIZE_HELP}") from None
 
 
 def assign_files(plan: Plan, max_shard_size: str | int = "5GB") -> list[OutputFile]:
@@ -84,83 +82,9 @@ def assign_files(plan: Plan, max_shard_size: str | int = "5GB") -> list[OutputFi
         by_name,
         get_storage_size=lambda t: t.nbytes,
         filename_pattern="model{suffix}.safetensors",
-        max_shard_size=parse_size(max_shard_size),
+        max_shard_size=_shard_size(max_shard_size),
     )
     return [OutputFile(name, tuple(by_name[n] for n in names)) for name, names in split.filename_to_tensors.items()]
-
-
-def check_destination(dest: Path, sources: Sequence[Path], force: bool) -> None:
-    """Refuse destinations that would lose data.
-
-    Raises:
-        DestinationError: inside a source, containing a source while ``force`` would replace it, an existing
-            non-empty directory without ``force``, a file, or a parent that cannot be written.
-    """
-    for src in sources:
-        if is_within(dest, src):
-            raise DestinationError(f"destination '{dest}' lies inside the source '{src}'; ckpttool never writes there")
-        if dest.exists() and is_within(src, dest):
-            raise DestinationError(f"destination '{dest}' contains the source '{src}'; replacing it would destroy the source")
-    if dest.exists() or dest.is_symlink():
-        if not dest.is_dir():
-            raise DestinationError(f"destination '{dest}' exists and is not a directory")
-        if any(dest.iterdir()) and not force:
-            raise DestinationError(f"destination '{dest}' exists and is not empty; pass --force to replace it")
-    parent = dest.parent if dest.parent != Path("") else Path(".")
-    if not parent.is_dir():
-        raise DestinationError(f"cannot create '{dest}': its parent directory '{parent}' does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise DestinationError(f"cannot create '{dest}': '{parent}' is not writable")
-
-
-class Staging:
-    """A staging directory beside ``dest``; :meth:`publish` renames it into place, failure removes it.
-
-    With ``resume``, the staging directory of an interrupted run (the newest holding a journal) is taken up
-    again; otherwise staging directories of earlier runs are removed. On Ctrl-C the directory is kept, so
-    ``--resume`` can continue.
-    """
-
-    def __init__(self, dest: Path, resume: bool = False) -> None:
-        self.dest = dest
-        self.resume = resume
-        self.path = dest.parent / f".{dest.name}{PARTIAL}{uuid.uuid4().hex[:8]}"
-        self.resumed = False
-
-    def __enter__(self) -> Staging:
-        earlier = _staging_dirs(self.dest)
-        if self.resume:
-            journaled = [d for d in earlier if any(d.glob(JOURNAL_GLOB))]
-            if journaled:
-                self.path, self.resumed = journaled[0], True
-        for stale in earlier:
-            if stale != self.path:
-                shutil.rmtree(stale, ignore_errors=True)
-        self.path.mkdir(exist_ok=self.resumed)
-        return self
-
-    def __exit__(self, kind: object, value: object, tb: object) -> None:
-        if kind is KeyboardInterrupt and any(self.path.glob(JOURNAL_GLOB)):
-            return
-        if self.path.exists():
-            shutil.rmtree(self.path, ignore_errors=True)
-
-    def publish(self) -> None:
-        for journal in self.path.glob(JOURNAL_GLOB):
-            journal.unlink()
-        old = None
-        if self.dest.exists():
-            old = self.dest.parent / f".{self.dest.name}.ckpttool-old-{uuid.uuid4().hex[:8]}"
-            os.rename(self.dest, old)
-        os.rename(self.path, self.dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def _staging_dirs(dest: Path) -> list[Path]:
-    """Staging directories of earlier runs (killed, powered off), recognisable by name; newest first."""
-    found = [d for d in dest.parent.glob(f".{dest.name}{PARTIAL}*") if d.is_dir()]
-    return sorted(found, key=lambda d: d.stat().st_mtime, reverse=True)
 
 
 class Journal:
@@ -375,14 +299,30 @@ def write_extras(directory: Path, config: Mapping[str, object] | None, search: S
                 config[key] = name
         write_text(directory / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
         written.append("config.json")
-    for name in EXTRA_FILES:
-        for folder in search:
-            candidate = folder / name
-            if candidate.is_file():
-                try:
-                    shutil.copyfile(candidate, directory / name)
-                except OSError as e:
-                    raise SourceError(f"'{candidate}': cannot copy: {e.strerror or e}") from None
-                written.append(name)
-                break
+    extras, skipped = find_extras(search)
+    for note in skipped.values():
+        log.warning("%s", note)
+    for candidate in extras:
+        try:
+            shutil.copyfile(candidate, directory / candidate.name)
+        except OSError as e:
+            raise SourceError(f"'{candidate}': cannot copy: {e.strerror or e}") from None
+        written.append(candidate.name)
     return written
+
+
+def find_extras(search: Sequence[Path]) -> tuple[list[Path], dict[Path, str]]:
+    """The tokenizer and generation files to copy (each name from the first folder of ``search`` holding it),
+    and those skipped, each with a note, because they are symlinks out of their folder (``tokenizer.json ->
+    /etc/passwd`` is never read nor published); links inside a hub cache repository folder are followed."""
+    extras: list[Path] = []
+    skipped: dict[Path, str] = {}
+    for name in EXTRA_FILES:
+        candidate = next((f / name for f in search if (f / name).is_file()), None)
+        target = link_escapes(candidate, candidate.parent) if candidate is not None else None
+        if candidate is not None and target is not None:
+            skipped[candidate] = (f"'{candidate}' not copied: it is a symlink to '{target}', outside the checkpoint; "
+                                  "copy the file in its place to ship it")
+        elif candidate is not None:
+            extras.append(candidate)
+    return extras, skipped

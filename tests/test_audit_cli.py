@@ -203,7 +203,7 @@ HEADLESS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--
 
 
 @pytest.mark.skipif(CHROMIUM is None and os.environ.get("CKPTTOOL_REQUIRE_CHROMIUM") != "1",
-                    reason="Debian's chromium is not installed (CI installs it and sets CKPTTOOL_REQUIRE_CHROMIUM=1)")
+                    reason="no chromium on PATH (scripts/test.sh, which CI runs, installs it and requires this test)")
 def test_html_report_renders_in_chromium_and_shows_the_findings(cli, tmp_path):
     assert CHROMIUM is not None, "CKPTTOOL_REQUIRE_CHROMIUM=1 but no chromium on PATH"
     page = tmp_path / "report.html"

@@ -158,7 +158,7 @@ def test_empty_directory_lists_what_was_looked_for(cli, tmp_path):
         "shard-*-model-*-of-*.safetensors (transformers distributed_checkpoint=True) (hf-distributed)",
         "*.ckpttool.json sidecars beside per-rank safetensors (ckpttool sidecar) (sidecar)",
         "model.safetensors or model.safetensors.index.json (HuggingFace) (hf)",
-        "Pass --format to name one.",
+        "Pass --format NAME to name one.",
     )
 
 
@@ -177,8 +177,9 @@ def test_existing_destination_needs_force(cli, tmp_path):
     assert f"destination '{out}' exists and is not empty; pass --force to replace it" in result.stderr
     assert (out / "keep.txt").read_text() == "mine"
     forced = cli("merge", fixture_dir("llama_tp2_dcp") / "checkpoint", out, "--force", "-q")
-    assert forced.exit_code == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert forced.exit_code == 1  # --force replaces only an earlier output (tests/test_destination.py)
+    assert "that ckpttool did not write (keep.txt)" in forced.stderr
+    assert (out / "keep.txt").read_text() == "mine" and not (out / "model.safetensors").exists()
 
 
 def test_empty_destination_directory_is_used(cli, tmp_path):
@@ -237,10 +238,13 @@ def test_bad_max_shard_size_is_a_usage_error(cli, tmp_path):
     assert "Invalid value for '--max-shard-size': invalid size 'lots'" in result.output
 
 
-def test_unknown_dtype_is_an_error(cli, tmp_path):
+def test_unknown_dtype_is_a_usage_error_listing_the_choices(cli, tmp_path):
     out = tmp_path / "hf"
     result = cli("merge", fixture_dir("llama_tp2_dcp") / "checkpoint", out, "--dtype", "float7")
-    assert_failed_cleanly(result, out, "unknown dtype 'float7'")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert ("Invalid value for '--dtype': 'float7' is not one of 'bfloat16', 'float16', 'float32', 'bf16', 'fp16', "
+            "'fp32'.") in result.stderr
+    assert not out.exists()
 
 
 def test_unknown_option_is_a_usage_error(cli, tmp_path):
@@ -283,7 +287,8 @@ def test_unexpected_exception_has_no_traceback(cli, tmp_path, monkeypatch):
     monkeypatch.setattr(ckpttool.cli, "merge", boom)
     out = tmp_path / "hf"
     result = cli("merge", fixture_dir("llama_tp2_dcp") / "checkpoint", out)
-    assert_failed_cleanly(result, out, "Error: unexpected RuntimeError: kaboom (set CKPTTOOL_DEBUG=1 for a traceback")
+    assert_failed_cleanly(result, out, "Error: internal error in ckpttool (RuntimeError: kaboom); rerun with "
+                                       "CKPTTOOL_DEBUG=1 and report it")
 
 
 def test_hf_index_naming_a_file_outside_is_refused(cli, tmp_path):
@@ -325,5 +330,5 @@ def test_a_reader_option_that_does_not_apply(cli, copy_fixture, tmp_path):
     src = copy_fixture("llama_tp2_dcp")
     result = cli("merge", src, tmp_path / "hf", "--weights", "module")
     assert result.exit_code == 1
-    assert "--weights does not apply to the dcp format" in result.stderr
+    assert "--weights module does not apply to the dcp format" in result.stderr
     assert not (tmp_path / "hf").exists()

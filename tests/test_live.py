@@ -223,7 +223,7 @@ def test_a_destination_that_is_not_empty(tmp_path):
 
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "keep.txt").write_text("mine")
-    with pytest.raises(DestinationError, match="exists and is not empty; pass --force to replace it"):
+    with pytest.raises(DestinationError, match="exists and is not empty; pass force=True to replace it"):
         save_hf(reference_state(), tmp_path / "hf", config=llama_config())
     assert (tmp_path / "hf" / "keep.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]

@@ -737,3 +737,13 @@ def test_any_uneven_split_reassembles_exactly_and_any_defect_is_caught(case):
                 assert match is not None, problem
                 found.add(match.group(1))
             assert found == expected
+
+
+def test_a_cast_to_a_non_floating_dtype_is_refused():
+    from ckpttool.errors import ArgumentError
+    from ckpttool.readers import read_layout
+    from conftest import fixture_dir
+
+    layout = read_layout(fixture_dir("llama_tp2_dcp") / "checkpoint")
+    with pytest.raises(ArgumentError, match=r"dtype='I8': floating-point tensors are cast only to BF16, F16, F32, F64"):
+        plan_merge(layout, dtype="I8")

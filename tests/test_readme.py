@@ -15,17 +15,33 @@ def _commands() -> list[str]:
     return [block.strip() for block in re.findall(r"```bash\n(.*?)```", readme, re.S)]
 
 
+def _expanded(command: str) -> str:
+    """The command, followed by the text of the repository script it runs (``bash scripts/test.sh``), if any."""
+    script = re.fullmatch(r"bash (\S+)", command)
+    return command if script is None else command + "\n" + (ROOT / script.group(1)).read_text()
+
+
 def test_ci_runs_the_readme_test_command():
-    test_command = next(c for c in _commands() if c.endswith("pytest -q"))
+    test_command = _commands()[1]  # Quick start, command 2
     ci = (ROOT / ".ci" / "run").read_text()
-    assert test_command in ci
+    assert test_command in [line.strip() for line in ci.splitlines() if not line.lstrip().startswith("#")]
+
+
+def test_the_readme_test_command_installs_chromium_and_requires_the_browser_test():
+    """What CI runs must not skip the HTML report's browser test: chromium is installed, and its absence fails."""
+    script = _expanded(_commands()[1])
+    assert "apt-get install -y -qq chromium" in script and "sudo" in script
+    assert 'CKPTTOOL_REQUIRE_CHROMIUM="${CKPTTOOL_REQUIRE_CHROMIUM:-1}"' in script
+    assert re.search(r"^pytest -q\b", script, re.M)
+    syntax = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "test.sh")], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
 
 
 def test_readme_main_job_uses_a_shipped_fixture_and_pins_torch():
     main_job = next(c for c in _commands() if "ckpttool merge" in c)
     fixture = re.search(r"ckpttool merge (\S+)", main_job).group(1)
     assert (ROOT / fixture / ".metadata").is_file()
-    for command in _commands()[:2]:
+    for command in map(_expanded, _commands()[:2]):
         assert "pip install torch==2.13.0" in command or "pip install -q torch==2.13.0" in command
         assert "-c .ci/constraints.txt" in command
 

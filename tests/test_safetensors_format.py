@@ -247,3 +247,105 @@ def test_two_tensors_on_the_same_bytes_overlap(tmp_path):
 def test_dtype_that_is_not_a_string(tmp_path):  # found by tests/test_fuzz.py: a list is unhashable
     path = write_raw(tmp_path / "f.safetensors", {"w": {"dtype": [], "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)
     assert refused(path) == f"'{LABEL}': tensor 'w' has unsupported dtype []"
+
+
+# --------------------------------------------------------------------------------------------- what safetensors refuses
+
+
+def _safetensors_refuses(path: Path) -> None:
+    """The library ckpttool writes for refuses the file too: ckpttool is no laxer than the consumer."""
+    from safetensors import SafetensorError, safe_open
+
+    with pytest.raises(SafetensorError):
+        with safe_open(str(path), framework="pt") as f:
+            list(f.keys())
+
+
+def test_a_key_twice_in_the_header_is_refused(tmp_path):
+    header = (b'{"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},'
+              b'"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}')
+    path = write_raw(tmp_path / "f", header, bytes(4))
+    assert refused(path) == f"'{LABEL}': safetensors header refused: the key 'w' appears twice in one object"
+    _safetensors_refuses(path)
+
+
+def test_a_key_twice_in_a_tensor_record_is_refused(tmp_path):
+    path = write_raw(tmp_path / "f", b'{"w":{"dtype":"U8","dtype":"F32","shape":[4],"data_offsets":[0,4]}}', bytes(4))
+    assert refused(path) == f"'{LABEL}': safetensors header refused: the key 'dtype' appears twice in one object"
+
+
+def test_bytes_between_two_tensors_are_refused(tmp_path):
+    path = write_raw(tmp_path / "f", {
+        "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+        "b": {"dtype": "U8", "shape": [4], "data_offsets": [8, 12]},
+    }, bytes(12))
+    assert refused(path) == (
+        f"'{LABEL}': 4 bytes after tensor 'a' belong to no tensor (data offsets 4..8, before tensor 'b'); "
+        "the safetensors library refuses a file whose tensors do not cover its data exactly"
+    )
+    _safetensors_refuses(path)
+
+
+def test_bytes_before_the_first_tensor_are_refused(tmp_path):
+    path = write_raw(tmp_path / "f", {"a": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, bytes(6))
+    assert refused(path) == (
+        f"'{LABEL}': 2 bytes at the start of the data buffer belong to no tensor (data offsets 0..2, before tensor "
+        "'a'); the safetensors library refuses a file whose tensors do not cover its data exactly"
+    )
+    _safetensors_refuses(path)
+
+
+def test_bytes_after_the_last_tensor_are_refused(tmp_path):
+    path = tmp_path / "f"
+    save_file({"a": torch.arange(4, dtype=torch.float32)}, str(path))
+    path.write_bytes(path.read_bytes() + b"\0\0\0")
+    assert refused(path) == (
+        f"'{LABEL}': 3 bytes after the last tensor 'a' belong to no tensor (data offsets 16..19); "
+        "the safetensors library refuses a file whose tensors do not cover its data exactly"
+    )
+    _safetensors_refuses(path)
+
+
+def test_bytes_after_a_header_without_tensors_are_refused(tmp_path):
+    path = write_raw(tmp_path / "f", {"__metadata__": {"format": "pt"}}, b"xx")
+    assert refused(path) == (
+        f"'{LABEL}': 2 bytes after a header that lists no tensor belong to no tensor (data offsets 0..2); "
+        "the safetensors library refuses a file whose tensors do not cover its data exactly"
+    )
+    _safetensors_refuses(path)
+
+
+def test_an_empty_tensor_inside_another_overlaps_it(tmp_path):
+    path = write_raw(tmp_path / "f", {
+        "a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
+        "b": {"dtype": "U8", "shape": [0], "data_offsets": [4, 4]},
+    }, bytes(8))
+    assert refused(path) == f"'{LABEL}': tensors 'a' and 'b' overlap in the data buffer"
+    _safetensors_refuses(path)
+
+
+def test_a_deeply_nested_header_is_refused_cleanly(tmp_path):
+    path = write_raw(tmp_path / "f", b'{"__metadata__":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert refused(path) == (
+        f"'{LABEL}': safetensors header refused: nested too deeply (more levels of arrays and objects than "
+        "ckpttool parses)"
+    )
+
+
+def test_the_audit_names_a_file_the_safetensors_library_refuses(cli, tmp_path):
+    """``audit`` reports what ``from_pretrained`` would refuse as ``header-invalid`` on that file, exit 3."""
+    from test_audit import reference, write_hf
+
+    tensors, config = reference("llama_fsdp2_dcp")
+    hf = write_hf(tmp_path / "hf", tensors, config, shards=2)
+    shard = "model-00002-of-00002.safetensors"
+    (hf / shard).write_bytes((hf / shard).read_bytes() + b"\0" * 4)
+    result = cli("audit", hf, "--json")
+    assert result.exit_code == 3, result.output
+    invalid = [f for f in json.loads(result.stdout)["findings"] if f["code"] == "header-invalid"]
+    assert len(invalid) == 1 and invalid[0]["file"] == shard and invalid[0]["severity"] == "error"
+    assert re.fullmatch(
+        rf"'{shard}': 4 bytes after the last tensor '[^']+' belong to no tensor \(data offsets \d+\.\.\d+\); "
+        "the safetensors library refuses a file whose tensors do not cover its data exactly",
+        invalid[0]["message"],
+    ), invalid[0]["message"]

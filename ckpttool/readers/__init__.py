@@ -14,10 +14,8 @@ Format knowledge lives only here; the plan and executor see pieces and boxes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import TypeVar
 
 from ..errors import CkptError, FormatNotDetectedError, SourceError, SourceNotFoundError
 from ..layout import Layout
@@ -33,8 +31,7 @@ from . import (
     sidecar,
     verl,
 )
-
-T = TypeVar("T")
+from .claims import claimed_format
 
 #: in detection order: the most specific first
 READERS: dict[str, ModuleType] = {
@@ -51,20 +48,51 @@ READERS: dict[str, ModuleType] = {
 
 
 def detect_format(root: Path) -> str:
-    """The name of the first reader that recognises ``root``.
+    """The name of the reader that recognises ``root`` (see :mod:`.claims` when several do).
 
     Raises:
         SourceNotFoundError: ``root`` does not exist.
+        SourceError: ``root`` holds checkpoints of two formats; the message names both and what was found.
         FormatNotDetectedError: no reader matched; the message lists what was looked for.
     """
     _check_directory(root)
-    for name, reader in READERS.items():
-        if reader.matches(root):
-            return name
+    found = claimed_format(root, READERS)
+    if found is not None:
+        return found
+    below = _checkpoints_below(root)
+    if below:
+        listed = "\n".join(f"  - '{path}' ({name})" for path, name in below)
+        raise FormatNotDetectedError(
+            f"'{root}': no checkpoint here, but {'these subfolders hold' if len(below) > 1 else 'this subfolder holds'} "
+            f"one; give {'one of them' if len(below) > 1 else 'it'} as the source:\n{listed}"
+        )
     looked = "\n".join(f"  - {reader.LOOKS_FOR} ({name})" for name, reader in READERS.items())
     raise FormatNotDetectedError(
-        f"'{root}': no checkpoint format recognised. Looked for:\n{looked}\nPass --format to name one."
+        f"'{root}': no checkpoint format recognised. Looked for:\n{looked}\nPass format='NAME' to name one."
     )
+
+
+#: subfolders :func:`detect_format` looks into when the source itself holds no checkpoint
+SUBFOLDERS_LOOKED_AT = 64
+
+
+def _checkpoints_below(root: Path) -> list[tuple[Path, str]]:
+    """The subfolders of ``root`` that hold a checkpoint, with its format: a run's folder often holds several
+    (Megatron's ``legacy/`` and ``torch_dist/``, one folder per step), and the user gave the folder above."""
+    try:
+        folders = sorted(p for p in root.iterdir() if not p.name.startswith(".") and p.is_dir())
+    except OSError:
+        return []
+    found = []
+    for folder in folders[:SUBFOLDERS_LOOKED_AT]:
+        for name, reader in READERS.items():
+            try:
+                if reader.matches(folder):
+                    found.append((folder, name))
+                    break
+            except (CkptError, OSError):  # unreadable or malformed: not one to suggest
+                break
+    return found
 
 
 def read_layout(
@@ -81,8 +109,11 @@ def read_layout(
             take an option refuses it.
 
     Raises:
-        SourceError: the metadata is inconsistent or names files outside the directory.
+        SourceError: the metadata is malformed (every value is checked: :mod:`ckpttool.validate`), inconsistent,
+            or names files outside the directory; a file cannot be read (the ``OSError``, naming the file).
         FormatNotDetectedError: nothing recognisable in ``src``.
+
+    Anything else a reader raises is a bug in ckpttool, never caught here: the CLI reports it as an internal error.
 
     Example:
         >>> layout = read_layout("fixtures/llama_fsdp2_dcp/checkpoint")  # doctest: +SKIP
@@ -93,33 +124,20 @@ def read_layout(
     if format is None:
         format = detect_format(root)
     elif format not in READERS:
-        raise SourceError(f"unknown format {format!r}; known: {', '.join(READERS)}")
+        raise SourceError(f"format={format!r} is not a format ckpttool reads; known: {', '.join(READERS)}")
     else:
         _check_directory(root)
     reader = READERS[format]
     given = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(given) - set(getattr(reader, "OPTIONS", ())))
     if unknown:
-        raise SourceError(f"'{root}': --{unknown[0]} does not apply to the {format} format")
-    return guarded(format, root, lambda: reader.read(root, model, **given))
-
-
-#: what a reader's parsing raises when metadata has the wrong types or shapes where it did not check them
-MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError)
-
-
-def guarded(format: str, root: Path, work: Callable[[], T]) -> T:
-    """``work()`` (a reader reading ``root``), with what its metadata's unexpected contents raise turned into
-    a :class:`SourceError`: a malformed checkpoint is the input's fault, never an internal error."""
+        raise SourceError(f"'{root}': {unknown[0]}={given[unknown[0]]!r} does not apply to the {format} format")
     try:
-        return work()
-    except CkptError:
-        raise
-    except MALFORMED as e:
-        raise SourceError(
-            f"'{root}': malformed {format} checkpoint metadata ({type(e).__name__}: {e}); the files do not hold "
-            "what this format writes"
-        ) from None
+        return reader.read(root, model, **given)
+    except OSError as e:  # a file the reader opens is unreadable (permissions, I/O error): the input, not a bug
+        if isinstance(e, CkptError):
+            raise
+        raise SourceError(f"'{e.filename or root}': cannot read it: {e.strerror or e}") from None
 
 
 def _check_directory(root: Path) -> None:

@@ -6,7 +6,7 @@ sharded is the set of tensors, over files:
 
 - pp == 1: ``pytorch_model-00001.bin`` ... (``torch.save`` of a dict of tensors) or ``model-00001.safetensors``
   ..., and ``pytorch_model.bin.index.json`` / ``model.safetensors.index.json`` (``{"metadata":
-  {"total_size": <MB>}, "weight_map": {name: file}}``; the total is in MB, as ColossalAI counts it).
+  {"total_size": <MiB>}, "weight_map": {name: file}}``; the total is in MiB, as ColossalAI counts it).
 - pp > 1: every stage writes ``pytorch_model-stage-{stage:05d}-shard-{idx:05d}.bin`` and its own index
   ``tmp_index_files/pytorch_model.bin.index-stage-{stage:05d}.json``; at the end pp rank 0 merges the stage
   indexes into the final index and deletes ``tmp_index_files/``. A save interrupted before that leaves only
@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..dtypes import itemsize
+from .. import jsonfile
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
 from ..models import ModelInfo
-from ..paths import inside
+from ..paths import JSON_LIMIT, inside, open_source, read_source
 from ..safetensors_format import read_header
 from ..torch_save import StoredTensor, scan
 
@@ -53,13 +54,13 @@ _PLAIN_SHARD = re.compile(r"^(?:pytorch_model|model)(?:\.[^/]+)?-(\d{5})\.(bin|s
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 #: a shard's tensors: name -> (shape, dtype, byte offset, byte length)
 _Found = dict[str, tuple[tuple[int, ...], str, int, int]]
-#: ColossalAI's total_size is a float sum of MB; allow for the order of summation
+#: ColossalAI's total_size is a float sum of MiB; allow for the order of summation
 _MB_TOLERANCE = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
 class _Index:
-    """One index file: its name, weight map and recorded total size (MB), and the (stage, EP rank) it is for."""
+    """One index file: its name, weight map and recorded total size (MiB), and the (stage, EP rank) it is for."""
 
     name: str
     weight_map: dict[str, str]
@@ -160,7 +161,7 @@ def _is_moe(files) -> bool:
 
 def _read_index(root: Path, rel: str) -> _Index:
     try:
-        index = json.loads((root / rel).read_text())
+        index = jsonfile.loads(read_source(root / rel, rel, limit=JSON_LIMIT))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SourceError(f"'{rel}': cannot read the index: {e}") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -214,7 +215,7 @@ def _check_stages(root: Path, indexes: list[_Index]) -> None:
 
 
 def _check_total(root: Path, index: _Index, cache: dict[str, _Found], *, moe: bool) -> None:
-    """An index's total_size (MB) against the tensors it names. A finished MoE index is not checked: its
+    """An index's total_size (MiB) against the tensors it names. A finished MoE index is not checked: its
     total counts the non-expert copies of every EP rank, its map names one."""
     if index.total_size is None or moe:
         return
@@ -231,8 +232,8 @@ def _check_total(root: Path, index: _Index, cache: dict[str, _Found], *, moe: bo
         shape, dtype, _, _ = sizes[rel][name]
         total += math.prod(shape) * itemsize(dtype) / 1024 / 1024
     if abs(total - index.total_size) > _MB_TOLERANCE * max(1.0, total):
-        raise SourceError(f"'{index.name}': metadata.total_size is {index.total_size} MB, but the tensors it names "
-                          f"hold {total} MB (expected {total}, found {index.total_size}); the index does not "
+        raise SourceError(f"'{index.name}': metadata.total_size is {index.total_size} MiB, but the tensors it names "
+                          f"hold {total} MiB (expected {total}, found {index.total_size}); the index does not "
                           "describe these shards")
 
 
@@ -271,7 +272,7 @@ def _scan_shard(root: Path, rel: str) -> _Found:
     if rel.endswith(".safetensors"):
         header = read_header(path, rel)
         return {k: (e.shape, e.dtype, e.begin, e.end - e.begin) for k, e in header.entries.items()}
-    with open(path, "rb") as f:
+    with open_source(path, rel) as f:
         state = scan(f, label=rel)
     if not isinstance(state, dict):
         raise SourceError(f"'{rel}': not a dict of tensors (a {type(state).__name__})")

@@ -18,9 +18,10 @@ from ..dtypes import dtype_name, itemsize
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, TORCH_SAVE, Box, Layout, LayoutBuilder, Piece
 from ..models import ModelInfo
-from ..paths import inside
-from ..safe_pickle import load_metadata_pickle
+from ..paths import inside, open_source, read_source
+from ..safe_pickle import Record, load_metadata_pickle
 from ..torch_save import locate
+from ..validate import dims, expect, field, integer
 
 NAME = "dcp"
 LOOKS_FOR = ".metadata with *.distcp files (PyTorch Distributed Checkpoint)"
@@ -38,21 +39,25 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     path = root / METADATA
     if not path.is_file():
         raise SourceNotFoundError(f"'{root}': no {METADATA} file")
-    md = load_metadata_pickle(path.read_bytes(), METADATA)
+    md = load_metadata_pickle(read_source(path, METADATA), METADATA)
     tensors_md = md.get("state_dict_metadata") if getattr(md, "kind", None) == "Metadata" else None
     storage_md = md.get("storage_data") if tensors_md is not None else None
     if not isinstance(tensors_md, dict) or not isinstance(storage_md, dict):
         raise SourceError(f"'{METADATA}': not DCP metadata (no state_dict_metadata/storage_data)")
     storage = {}
     for index, info in storage_md.items():
+        fqn = field(index, "fqn", str, METADATA, what="storage_data index: fqn")
         offsets = index.get("offset")
-        storage[(index.get("fqn"), tuple(offsets) if offsets is not None else None)] = info
+        if offsets is not None:
+            offsets = dims(offsets, f"storage_data index of '{fqn}': offset", METADATA)
+        storage[(fqn, offsets)] = info
     builder = LayoutBuilder(str(root), NAME)
     skipped_state, skipped_bytes = 0, 0
     sizes: dict[str, int | None] = {}
     handles: dict[str, BinaryIO] = {}
     try:
         for fqn, tmd in tensors_md.items():
+            expect(fqn, str, "state_dict_metadata: a tensor name", METADATA)
             if getattr(tmd, "kind", "") != "TensorStorageMetadata":
                 skipped_bytes += 1
                 continue
@@ -60,7 +65,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                 skipped_state += 1
                 continue
             props = tmd.get("properties")
-            stored = props.get("dtype") if props is not None else None
+            stored = props.get("dtype") if isinstance(props, Record) else None
             try:
                 dtype = dtype_name(stored or "")
             except SourceError:
@@ -70,8 +75,10 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                 raise SourceError(f"'{METADATA}': '{fqn}' has no global size")
             if not builder.declare(fqn, shape, dtype, where=f"'{METADATA}'"):
                 continue
-            for chunk in tmd.get("chunks") or ():
-                offsets, chunk_sizes = tuple(chunk.get("offsets") or ()), tuple(chunk.get("sizes") or ())
+            for chunk in expect(tmd.get("chunks") or [], (list, tuple), f"'{fqn}' chunks", METADATA):
+                expect(chunk, Record, f"'{fqn}' chunk", METADATA)
+                offsets = dims(chunk.get("offsets") or (), f"'{fqn}' chunk offsets", METADATA)
+                chunk_sizes = dims(chunk.get("sizes") or (), f"'{fqn}' chunk sizes", METADATA)
                 if not len(offsets) == len(chunk_sizes) == len(shape):
                     raise SourceError(
                         f"'{METADATA}': '{fqn}' has a chunk with offsets {list(offsets)} and sizes {list(chunk_sizes)} "
@@ -80,7 +87,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                 info = storage.get((fqn, offsets))
                 if info is None:
                     raise SourceError(f"'{METADATA}': '{fqn}' chunk at offsets {list(offsets)} has no storage entry")
-                rel = str(info.get("relative_path"))
+                rel = field(info, "relative_path", str, METADATA, what=f"'{fqn}' storage relative_path")
                 if info.get("transform_descriptors"):
                     raise SourceError(
                         f"'{rel}': '{fqn}' is stored with transforms {info.get('transform_descriptors')}, "
@@ -89,7 +96,8 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                 if rel not in sizes:  # confine and stat each file once, not once per chunk
                     file = inside(root, rel, named_by=METADATA)
                     sizes[rel] = os.path.getsize(file) if file.is_file() else None
-                start, length = int(info.get("offset")), int(info.get("length"))
+                start = field(info, "offset", integer, METADATA, what=f"'{fqn}' storage offset")
+                length = field(info, "length", integer, METADATA, what=f"'{fqn}' storage length")
                 if sizes[rel] is not None and start + length > sizes[rel]:
                     raise SourceError(
                         f"'{rel}': '{fqn}' needs bytes {start}..{start + length} but the file has {sizes[rel]}; "
@@ -121,8 +129,8 @@ def _as_raw(root: Path, piece: Piece, handles: dict[str, BinaryIO]) -> Piece:
     bounded chunks), else unchanged (loaded whole with ``torch.load(weights_only=True)``)."""
     handle = handles.get(piece.file)
     if handle is None:
-        handle = handles[piece.file] = open(root / piece.file, "rb")  # noqa: SIM115 (closed by the caller)
-    found = locate(handle, piece.byte_offset, piece.byte_length)
+        handle = handles[piece.file] = open_source(root / piece.file, piece.file)  # closed by the caller
+    found = locate(handle, piece.byte_offset, piece.byte_length, label=piece.file)
     if found is None or found.dtype != piece.dtype or found.shape != piece.box.sizes:
         return piece
     offset = found.byte_offset()

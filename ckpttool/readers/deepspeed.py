@@ -59,9 +59,12 @@ from ..dtypes import itemsize
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece, range_boxes
 from ..models import ModelInfo
-from ..paths import inside
+from ..paths import inside, open_source, read_tag
+from .deepspeed_universal import universal_instead, way_out
+from ..pickle_bounds import EnumStandIn
 from ..safe_pickle import Record
 from ..torch_save import StoredTensor
+from ..validate import dims, expect, field, integer
 
 NAME = "deepspeed"
 LOOKS_FOR = "'latest' or global_step*/ with *_model_states.pt and *_optim_states.pt (DeepSpeed)"
@@ -80,15 +83,14 @@ class _Record(Record):
     kind = "DeepSpeed"
 
 
-def _enum_value(value: Any = None, *rest: Any) -> Any:
-    return value  # ZeroStageEnum(2) -> 2
-
-
 #: the exact non-tensor classes DeepSpeed's checkpoints pickle, as inert stand-ins (nothing is imported):
 #: the ZeRO stage enum, the loss scalers (static; dynamic under fp16), the param slice mappings of the optimizer
 #: state, and the training args Megatron-DeepSpeed adds to the model states
 ALLOW: Mapping[tuple[str, str], Any] = {
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _enum_value,
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): EnumStandIn(  # ZeroStageEnum(2) -> 2
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3, "max_stage": 3},
+    ),
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): _Record,
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): _Record,
     ("deepspeed.utils.tensor_fragment", "fragment_address"): _Record,
@@ -114,7 +116,7 @@ def matches(root: Path) -> bool:
 
 def read(root: Path, model: ModelInfo | None, weights: str = "master") -> Layout:
     if weights not in ("master", "module"):
-        raise SourceError(f"--weights must be 'master' or 'module', not {weights!r}")
+        raise SourceError(f"weights= must be 'master' or 'module', not {weights!r}")
     step = _step_dir(root)
     if step is None:
         raise SourceNotFoundError(f"'{root}': no DeepSpeed checkpoint ('latest', global_step*/ or *_model_states.pt)")
@@ -134,16 +136,15 @@ def read(root: Path, model: ModelInfo | None, weights: str = "master") -> Layout
     tp = 1 if pipeline else max(len(mp_ranks), 1)
     if tp > 1 or tp_layers:
         raise SourceError(
-            f"'{_rel(tag, tp_layers[0] if tp_layers else '')}': model-parallel ranks {mp_ranks} (tensor "
-            "parallelism): these files do not record how each tensor is split; convert the checkpoint with "
-            "DeepSpeed's ds_to_universal (which applies the model's split patterns) and merge the result"
+            f"'{_rel(tag, tp_layers[0] if tp_layers else '') or root}': model-parallel ranks {mp_ranks} (tensor "
+            f"parallelism): these files do not record how each tensor is split; {way_out(step)}"
         )
     builder.parallel = {"tp": 1, "pp": len(mp_ranks) if pipeline else 1, "dp": 1}
     if weights == "module":
         if zero3_models and not models:
             raise SourceError(
                 f"'{_rel(tag, zero3_models[0][2])}': a ZeRO-3 checkpoint keeps only empty placeholders in the "
-                "module states (the weights live partitioned in the optimizer files); use --weights master"
+                "module states (the weights live partitioned in the optimizer files); use weights='master'"
             )
         if pipeline:
             _read_layers(root, step, tag, layers, builder)
@@ -155,7 +156,7 @@ def read(root: Path, model: ModelInfo | None, weights: str = "master") -> Layout
         return builder.build()
     if not optims:
         raise SourceError(
-            f"'{_rel(tag, '')}': no *_optim_states.pt files, so no fp32 master weights; pass --weights module to "
+            f"'{_rel(tag, '')}': no *_optim_states.pt files, so no fp32 master weights; pass weights='module' to "
             "take the module's weights"
         )
     if zero3_models:
@@ -187,12 +188,10 @@ def _step_dir(root: Path) -> Path | None:
     if not latest.is_file() and (root / "latest_universal").is_file():
         latest = root / "latest_universal"  # ds_to_universal's tag file
     if latest.is_file():
-        try:
-            tag = latest.read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise SourceError(f"'{latest}': cannot read the tag of the latest checkpoint: {e}") from None
-        if not tag or "/" in tag or tag in (".", ".."):
-            raise SourceError(f"'{latest}' names the checkpoint {tag!r}, which is not a directory name")
+        tag = read_tag(latest)
+        if tag is None or "/" in tag or "\\" in tag or tag in (".", ".."):  # its content is never shown
+            raise SourceError(f"'{latest}': not a valid checkpoint tag (DeepSpeed writes the name of one step's "
+                              "folder there, such as 'global_step100')")
         step = inside(root, tag, named_by=latest.name)  # a symlink out of the checkpoint is refused
         if not step.is_dir():
             raise SourceError(f"'{latest}' names the checkpoint {tag!r}, but '{step}' is not a directory")
@@ -221,7 +220,7 @@ def _scan(root: Path, rel: str) -> _Loaded:
     path = root / rel
     if not path.is_file():
         raise SourceNotFoundError(f"'{rel}': missing")
-    with open(path, "rb") as f:
+    with open_source(path, rel) as f:
         return _Loaded(rel, torch_save.scan(f, label=rel, allow=ALLOW))
 
 
@@ -229,7 +228,12 @@ def _model_states(root: Path, step: Path, tag: str, models: list[tuple[int, str]
     if not models:
         raise SourceNotFoundError(f"'{_rel(tag, 'mp_rank_00_model_states.pt')}': missing (the model states: "
                                   "parameter names and shapes)")
-    state = _scan(root, _rel(tag, models[0][1]))
+    return _states(root, _rel(tag, models[0][1]))
+
+
+def _states(root: Path, rel: str) -> _Loaded:
+    """A model states file, scanned: a dict."""
+    state = _scan(root, rel)
     if not isinstance(state.obj, dict):
         raise SourceError(f"'{state.rel}': not a DeepSpeed model states file (no dict inside)")
     return state
@@ -242,16 +246,22 @@ def _dp_from_optim(optims: list[tuple[int, int, str, str]]) -> int:
 def _shapes(state: _Loaded) -> list[dict[str, tuple[int, ...]]]:
     groups = state.obj.get("param_shapes")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise SourceError(f"'{state.rel}': no 'param_shapes' (is it a ZeRO checkpoint? else use --weights module)")
+        raise SourceError(f"'{state.rel}': no 'param_shapes' (is it a ZeRO checkpoint? else use weights='module')")
     out = []
     for group in groups:
         shapes = {}
         for name, shape in group.items():
             if not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
                 raise SourceError(f"'{state.rel}': '{name}' has the shape {shape!r} in param_shapes")
-            shapes[str(name)] = shape
+            shapes[expect(name, str, "param_shapes: a parameter name", state.rel)] = shape
         out.append(shapes)
     return out
+
+
+def _names(state: _Loaded, key: str) -> set[str]:
+    """A list of names in the model states (``buffer_names``); absent: none."""
+    names = field(state.obj, key, list, state.rel, default=None) or []
+    return {expect(n, str, f"{key}: an entry", state.rel) for n in names}
 
 
 # ------------------------------------------------------------------------------------------------ pieces
@@ -272,6 +282,7 @@ def _add_module(state: _Loaded, builder: LayoutBuilder, names: set[str] | None, 
             continue
         if not isinstance(tensor, StoredTensor):
             continue
+        key = expect(key, str, "module: a tensor name", state.rel)
         name = _strip(key) if strip_layer else key
         if builder.declare(name, tensor.shape, tensor.dtype, where=f"'{state.rel}'"):
             builder.add(name, _whole_piece(state.rel, f"module.{key}", tensor))
@@ -317,8 +328,10 @@ class _Builder(LayoutBuilder):
         self.shapes: dict[str, tuple[int, ...]] = {}
 
     def declare(self, fqn: str, global_shape: Any, dtype: str, **kwargs: Any) -> bool:  # type: ignore[override]
-        self.shapes.setdefault(fqn, tuple(int(n) for n in global_shape))
-        return super().declare(fqn, global_shape, dtype, **kwargs)
+        ok = super().declare(fqn, global_shape, dtype, **kwargs)
+        if ok:
+            self.shapes.setdefault(fqn, tuple(global_shape))
+        return ok
 
     def add(self, fqn: str, piece: Piece, *, present: bool = True) -> None:
         self.given.setdefault(fqn, []).append((piece, present))
@@ -348,10 +361,12 @@ def _read_ranks(root: Path, tag: str, group: list[tuple[int, int, str, str]]) ->
     for rank, (loaded, osd) in ranks.items():
         count = osd.get("partition_count")
         if isinstance(count, list):
-            if len(set(count)) != 1:
+            values = dims(count, "partition_count", loaded.rel)
+            if len(set(values)) > 1:
                 raise SourceError(f"'{loaded.rel}': partition_count {count} differs between param groups "
-                                  "(expert data parallelism); ckpttool does not read MoE ZeRO checkpoints yet")
-            count = count[0]
+                                  "(expert data parallelism); ckpttool does not read MoE ZeRO checkpoints yet"
+                                  + universal_instead(root / tag if tag else root))
+            count = values[0] if values else count
         if not isinstance(count, int) or count < 1:
             raise SourceError(f"'{loaded.rel}': partition_count is {count!r}")
         counts[rank] = count
@@ -359,6 +374,9 @@ def _read_ranks(root: Path, tag: str, group: list[tuple[int, int, str, str]]) ->
         listed = ", ".join(f"{count} in '{ranks[r][0].rel}'" for r, count in sorted(counts.items()))
         raise SourceError(f"the optimizer files disagree on partition_count: {listed}")
     count = next(iter(counts.values()))
+    if count > 64 * len(ranks):  # each missing rank's region is named: not for a count no save could make
+        raise SourceError(f"partition_count is {count} (in '{ranks[min(ranks)][0].rel}'), but {len(ranks)} optimizer "
+                          f"files were found; expected {count} files for ranks 0..{count - 1}")
     mp_rank = group[0][0]
     extra = sorted(r for r in ranks if r >= count)
     if extra:
@@ -406,13 +424,15 @@ def _read_zero12(root: Path, step: Path, tag: str, state: _Loaded, group: list[t
                 f"{len(shapes)}"
             )
         slices[rank] = [
-            (_flat_tensor(loaded, g, f"single_partition_of_fp32_groups[{i}]"), int(p))
+            (_flat_tensor(loaded, g, f"single_partition_of_fp32_groups[{i}]"),
+             integer(p, f"group_paddings[{i}]", loaded.rel))
             for i, (g, p) in enumerate(zip(groups, paddings))
         ]
     aligns = some.get("param_alignment_paddings")
     for g, group_shapes in enumerate(shapes):
         pads = aligns[g] if isinstance(aligns, list) and g < len(aligns) else [0] * len(group_shapes)
-        if not isinstance(pads, list) or len(pads) != len(group_shapes):
+        pads = dims(pads, f"param_alignment_paddings[{g}]", ranks[min(ranks)][0].rel)
+        if len(pads) != len(group_shapes):
             raise SourceError(f"'{ranks[min(ranks)][0].rel}': param_alignment_paddings[{g}] has {len(pads)} entries "
                               f"for {len(group_shapes)} parameters")
         needed = sum(math.prod(s) for s in group_shapes.values()) + sum(pads)
@@ -455,12 +475,13 @@ def _read_zero12(root: Path, step: Path, tag: str, state: _Loaded, group: list[t
 
 def _add_extras(state: _Loaded, builder: LayoutBuilder, strip_layer: bool) -> None:
     """Buffers, frozen parameters (saved whole under ZeRO-1/2) and shared (tied) parameters."""
-    buffers = state.obj.get("buffer_names") or []
+    buffers = _names(state, "buffer_names")
     if buffers:
-        _add_module(state, builder, names=set(buffers), why="buffers", strip_layer=strip_layer)
-    frozen = state.obj.get("frozen_param_fragments") or {}
+        _add_module(state, builder, names=buffers, why="buffers", strip_layer=strip_layer)
+    frozen = field(state.obj, "frozen_param_fragments", dict, state.rel, default=None) or {}
     for key, tensor in frozen.items():
         if isinstance(tensor, StoredTensor):
+            key = expect(key, str, "frozen_param_fragments: a parameter name", state.rel)
             name = _strip(key) if strip_layer else key
             if builder.declare(name, tensor.shape, tensor.dtype, where=f"'{state.rel}' frozen_param_fragments"):
                 builder.add(name, _whole_piece(state.rel, f"frozen_param_fragments.{key}", tensor))
@@ -473,6 +494,8 @@ def _add_shared(state: _Loaded, builder: _Builder) -> None:
         return
     declared = set(builder.declared)
     for alias, owner in shared.items():
+        expect(alias, str, "shared_params: a parameter name", state.rel)
+        expect(owner, str, f"shared_params: the owner of '{alias}'", state.rel)
         if alias in declared or owner not in declared:
             continue
         builder.notes.append(f"'{alias}' is shared with '{owner}' (shared_params): written with the same weights")
@@ -490,7 +513,7 @@ def _read_zero3(root: Path, step: Path, tag: str, mp_rank: int, group: list[tupl
             f"'{_rel(tag, f'zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt')}': missing (rank 0's model "
             "states hold the parameter names and shapes)"
         )
-    state = _scan(root, _rel(tag, models[0][2]))
+    state = _states(root, _rel(tag, models[0][2]))
     shapes = [s for g in _shapes(state) for s in g.items()]
     ranks, count, _prefix, template = _read_ranks(root, tag, group)
     builder.parallel["dp"] = count
@@ -541,21 +564,25 @@ def _read_zero3(root: Path, step: Path, tag: str, mp_rank: int, group: list[tupl
 def _add_extras_zero3(root: Path, tag: str, state: _Loaded, models: list[tuple[int, int, str]], count: int,
                       builder: LayoutBuilder) -> None:
     """Buffers (whole, in rank 0's module) and frozen parameters (each rank's padded partition)."""
-    buffers = state.obj.get("buffer_names") or []
+    buffers = _names(state, "buffer_names")
     if buffers:
-        _add_module(state, builder, names=set(buffers), why="buffers")
-    frozen_shapes = state.obj.get("frozen_param_shapes") or {}
+        _add_module(state, builder, names=buffers, why="buffers")
+    frozen_shapes = field(state.obj, "frozen_param_shapes", dict, state.rel, default=None) or {}
     if frozen_shapes:
-        per_rank_states = {rank: (_scan(root, _rel(tag, name)) if rank else state) for rank, _, name in models}
+        per_rank_states = {rank: (_states(root, _rel(tag, name)) if rank else state) for rank, _, name in models}
         for name, shape in frozen_shapes.items():
+            expect(name, str, "frozen_param_shapes: a parameter name", state.rel)
+            shape = dims(shape, f"frozen_param_shapes: '{name}'", state.rel)
             numel = math.prod(shape)
             per_rank = -(-numel // count)
             first = None
             for rank in range(count):
                 loaded = per_rank_states.get(rank)
-                fragment = (loaded.obj.get("frozen_param_fragments") or {}).get(name) if loaded else None
+                fragments = loaded and field(loaded.obj, "frozen_param_fragments", dict, loaded.rel, default=None)
+                fragment = (fragments or {}).get(name)
                 if fragment is None:
                     continue
+                expect(fragment, StoredTensor, f"frozen_param_fragments: '{name}'", loaded.rel)
                 if first is None:
                     if not builder.declare(name, shape, fragment.dtype, where=f"'{state.rel}' frozen_param_shapes"):
                         break

@@ -11,11 +11,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import jsonfile
 from ..errors import SourceError, SourceNotFoundError
 from ..findings import Finding, finding
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
 from ..models import ModelInfo
-from ..paths import inside
+from ..paths import JSON_LIMIT, inside, read_source
 from ..safetensors_format import Header, read_header
 
 NAME = "hf"
@@ -85,8 +86,11 @@ def scan(root: Path) -> Scan:
 
 def _read_index(root: Path, found: list[Finding]) -> tuple[dict[str, str], object]:
     try:
-        index = json.loads((root / INDEX).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        index = jsonfile.loads(read_source(root / INDEX, INDEX, limit=JSON_LIMIT))
+    except SourceError as e:  # unreadable, or not a regular file: the message names it
+        found.append(finding("index-invalid", str(e), file=INDEX))
+        return {}, None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         found.append(finding("index-invalid", f"'{INDEX}': cannot read: {e}", file=INDEX))
         return {}, None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -103,7 +107,7 @@ def _header(root: Path, rel: str, keys: list[str], found: list[Finding]) -> Head
     except SourceError as e:
         found.append(finding("index-outside", str(e), file=rel))
         return None
-    if not path.is_file():
+    if not path.exists():  # a FIFO or a device is there: read_header says it is not a regular file
         more = f" (and {len(keys) - 1} more tensors)" if len(keys) > 1 else ""
         found.append(finding("index-missing-file", f"'{INDEX}' puts '{keys[0]}'{more} in '{rel}', which does not exist",
                              tensor=keys[0], file=rel))

@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from .. import jsonfile
 from ..errors import ConfigError, SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
 from ..models import ModelInfo
@@ -44,7 +45,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
         header = read_header(root / name, name)
         info = header.metadata.get(SHARDING_KEY)
         try:
-            sharding = json.loads(info) if info is not None else {}
+            sharding = jsonfile.loads(info) if info is not None else {}
         except json.JSONDecodeError:
             raise SourceError(f"'{name}': {SHARDING_KEY} metadata is not valid JSON") from None
         if not isinstance(sharding, dict):

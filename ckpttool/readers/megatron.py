@@ -33,9 +33,11 @@ from .. import torch_save
 from ..errors import ConfigError, SourceError
 from ..layout import Box, Layout, Padding, TensorLayout
 from ..models import ModelInfo
-from ..paths import inside
+from ..paths import inside, read_tag
 from ..plan import Slice, TargetSpec
+from ..pickle_bounds import EnumStandIn
 from ..safe_pickle import Record
+from ..validate import integer
 
 TRACKER = "latest_checkpointed_iteration.txt"
 #: tensors whose rows are the (padded) vocab
@@ -57,16 +59,13 @@ def iteration_dir(root: Path) -> Path:
     tracker = root / TRACKER
     if not tracker.is_file():
         return root
-    try:
-        text = tracker.read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SourceError(f"'{TRACKER}': cannot read it: {e}") from None
+    text = read_tag(tracker, TRACKER)
     if text == "release":
         name = "release"
-    elif re.fullmatch(r"[0-9]+", text):
+    elif text is not None and re.fullmatch(r"[0-9]+", text, re.ASCII):
         name = f"iter_{int(text):07d}"
-    else:
-        raise SourceError(f"'{TRACKER}': holds {text[:40]!r}, expected an iteration number or 'release'")
+    else:  # what did not parse is never shown: the file may be a link to anything
+        raise SourceError(f"'{TRACKER}': not an iteration number or 'release' (what Megatron-LM writes there)")
     path = inside(root, name, named_by=TRACKER)
     if not path.is_dir():
         raise SourceError(f"'{TRACKER}' names iteration {text}, but '{name}/' is not in '{root}'")
@@ -89,6 +88,27 @@ class Opaque(Record):
         return self._args[0] if self._args else None
 
 
+#: Megatron's enums that training args hold (``attention_backend``, ``model_type``, ...), with their members as
+#: Megatron-Core defines them, so an enum pickled as ``getattr(AttnBackend, "auto")`` (Python 3.11.0-3.11.4) gives
+#: the same :class:`Opaque` as ``AttnBackend(5)``; a name not listed is refused
+_MEGATRON_ENUMS: dict[str, dict[str, Any]] = {
+    "ModelType": {"encoder_or_decoder": 1, "encoder_and_decoder": 2, "retro_encoder": 3, "retro_decoder": 4},
+    "LayerType": {"embedding": 1, "loss": 2, "encoder": 3, "decoder": 4, "mtp": 5},
+    "AttnType": {"self_attn": 1, "cross_attn": 2},
+    "AttnMaskType": {"padding": 1, "causal": 2, "no_mask": 3, "padding_causal": 4, "arbitrary": 5,
+                     "causal_bottom_right": 6},
+    "AttnBackend": {"flash": 1, "fused": 2, "unfused": 3, "local": 4, "auto": 5},
+    "CudaGraphScope": {"full_iteration": 1, "attn": 2, "mlp": 3, "moe": 4, "moe_router": 5, "moe_preprocess": 6,
+                       "mamba": 7, "full_iteration_inference": 8},
+    "Fp8Recipe": {n: n for n in ("delayed", "tensorwise", "mxfp8", "blockwise", "custom")},
+    "Fp4Recipe": {n: n for n in ("nvfp4", "custom")},
+}
+_ENUM_MODULES = {
+    "megatron.core.enums": ("ModelType", "Fp8Recipe", "Fp4Recipe"),
+    "megatron.core.transformer.enums": ("ModelType", "LayerType", "AttnType", "AttnMaskType", "AttnBackend", "CudaGraphScope"),
+}
+
+
 class ArgsAllow(Mapping[tuple[str, str], Any]):
     """The classes Megatron-LM's ``model_optim_rng.pt`` and ``common.pt`` pickles name, as stand-ins:
     ``argparse.Namespace`` -> :class:`Record`; megatron's own enums and numpy's RNG state -> :class:`Opaque`.
@@ -103,6 +123,8 @@ class ArgsAllow(Mapping[tuple[str, str], Any]):
         ("numpy.core.multiarray", "scalar"): Opaque,
         ("numpy._core.multiarray", "scalar"): Opaque,
         ("_codecs", "encode"): lambda *args: b"",  # the bytes of numpy's RNG state array: not needed
+        **{(module, name): EnumStandIn(f"{module}.{name}", _MEGATRON_ENUMS[name], Opaque)
+           for module, names in _ENUM_MODULES.items() for name in names},
     }
 
     def __getitem__(self, key: tuple[str, str]) -> Any:
@@ -149,18 +171,32 @@ def arg(args: Any, name: str, default: Any = None) -> Any:
     return value.value if isinstance(value, Opaque) else value
 
 
-def parallel_of(args: Any) -> dict[str, int]:
-    """``tp``, ``pp``, ``ep`` (and ``vpp``, ``dp`` when recorded) from the args."""
+def int_arg(args: Any, name: str, file: str, default: int = 0, *, minimum: int = 0) -> int:
+    """One integer training argument (``default`` when absent or None), checked.
+
+    Raises:
+        SourceError: naming ``file`` and ``args.<name>``: the value is not an integer of at least ``minimum``.
+    """
+    value = arg(args, name)
+    return default if value is None else integer(value, f"args.{name}", file, minimum=minimum)
+
+
+def parallel_of(args: Any, file: str) -> dict[str, int]:
+    """``tp``, ``pp``, ``ep`` (and ``vpp``, ``dp`` when recorded) from the args of ``file``.
+
+    Raises:
+        SourceError: a parallel size that is not a positive integer.
+    """
     parallel = {
-        "tp": int(arg(args, "tensor_model_parallel_size", 1) or 1),
-        "pp": int(arg(args, "pipeline_model_parallel_size", 1) or 1),
-        "ep": int(arg(args, "expert_model_parallel_size", 1) or 1),
+        "tp": int_arg(args, "tensor_model_parallel_size", file, 1, minimum=1),
+        "pp": int_arg(args, "pipeline_model_parallel_size", file, 1, minimum=1),
+        "ep": int_arg(args, "expert_model_parallel_size", file, 1, minimum=1),
     }
-    vpp = arg(args, "virtual_pipeline_model_parallel_size")
-    if isinstance(vpp, int) and vpp > 1:
+    vpp = int_arg(args, "virtual_pipeline_model_parallel_size", file, 1, minimum=1)
+    if vpp > 1:
         parallel["vpp"] = vpp
     dp = arg(args, "data_parallel_size")
-    if isinstance(dp, int) and dp > 0:
+    if isinstance(dp, int) and not isinstance(dp, bool) and dp > 0:
         parallel["dp"] = dp
     return parallel
 
@@ -232,31 +268,37 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return bool(a) == bool(b)
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=1e-9)
+        try:
+            return math.isclose(a, b, rel_tol=1e-9)
+        except OverflowError:  # an integer beyond any float
+            return a == b
     return a == b
 
 
-def vocab_padding(fqn: str, rows: int, args: Any, info: ModelInfo | None, where: str) -> tuple[Padding, ...]:
-    """The padding of a vocab tensor with ``rows`` rows: none when it holds exactly the config's vocab; the
-    rows beyond it when ``rows`` is the padded vocab the args record; an error otherwise.
+def vocab_padding(fqn: str, rows: int, args: Any, info: ModelInfo | None, file: str) -> tuple[Padding, ...]:
+    """The padding of a vocab tensor with ``rows`` rows (its args in ``file``): none when it holds exactly the
+    config's vocab; the rows beyond it when ``rows`` is the padded vocab the args record; an error otherwise.
 
     Raises:
         SourceError: ``rows`` is neither the true vocab nor the padded vocab of the args.
     """
+    where = f"'{file}'"
     vocab = info.config.get("vocab_size") if info is not None else None
     if not isinstance(vocab, int) or rows == vocab:
         return ()
-    tp = int(arg(args, "tensor_model_parallel_size", 1) or 1)
-    divisible = arg(args, "make_vocab_size_divisible_by")
+    tp = int_arg(args, "tensor_model_parallel_size", file, 1, minimum=1)
+    divisible = int_arg(args, "make_vocab_size_divisible_by", file, 0)
     recorded = arg(args, "padded_vocab_size")
-    if args is None or (recorded is None and not (isinstance(divisible, int) and divisible > 0)):
+    if recorded is not None:
+        recorded = integer(recorded, "args.padded_vocab_size", file, minimum=1)
+    if args is None or (recorded is None and not divisible > 0):
         raise SourceError(
             f"'{fqn}' in {where}: {rows} rows, but config.json says vocab_size {vocab}, and the checkpoint records no "
             "args (padded_vocab_size, make_vocab_size_divisible_by) that say the extra rows are padding"
         )
     rules = []
     padded = recorded
-    if isinstance(divisible, int) and divisible > 0:
+    if divisible > 0:
         multiple = divisible * tp
         padded = -(-vocab // multiple) * multiple  # Megatron-LM's _vocab_size_with_padding
         rules.append(f"{vocab} padded to a multiple of make_vocab_size_divisible_by {divisible} x tp {tp}")
@@ -346,6 +388,9 @@ def to_hf(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str],
     groups = int(config.get("num_key_value_heads") or heads)
     hidden = int(config.get("hidden_size") or 0)
     head_dim = int(config.get("head_dim") or (hidden // heads if heads else 0))
+    # a stacked tensor holds at most every layer (expert) of the config: its leading size is not trusted to loop on
+    most = {"layers": _config_count(config, "num_hidden_layers"),
+            "experts": _config_count(config, "num_local_experts", "num_experts", "n_routed_experts")}
     for tensor in layout.tensors.values():
         fqn = tensor.fqn
         shape = tensor.true_shape
@@ -359,20 +404,30 @@ def to_hf(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str],
             )
             continue
         stacked = match.group(1) is None
+        if stacked and (not shape or shape[0] > most["layers"]):
+            problems.append((fqn, f"'{fqn}': {shape[0] if shape else 'no'} stacked layers, expected at most "
+                                  f"{most['layers']} (the config's num_hidden_layers)"))
+            continue
         layers = range(shape[0]) if stacked else (int(match.group(1)),)
         inner = shape[1:] if stacked else shape
         for layer in layers:
             lead = (layer,) if stacked else ()
             try:
-                _cut_layer(cut, fqn, match.group(2), layer, lead, inner, heads, groups, head_dim)
+                _cut_layer(cut, fqn, match.group(2), layer, lead, inner, heads, groups, head_dim, most["experts"])
             except ConfigError as e:
                 problems.append((fqn, str(e)))
                 break
     return cut.result(), notes, problems
 
 
+def _config_count(config: Mapping[str, object], *names: str) -> int:
+    """The first of ``names`` the config holds as a non-negative integer (``2**16`` when none: a bound to loop to)."""
+    value = _config_value(config, *names)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 1 << 16
+
+
 def _cut_layer(cut: _Cut, fqn: str, suffix: str, layer: int, lead: tuple[int, ...], shape: tuple[int, ...],
-               heads: int, groups: int, head_dim: int) -> None:
+               heads: int, groups: int, head_dim: int, most_experts: int) -> None:
     h = f"model.layers.{layer}."
     if suffix in _RENAMES:
         cut.whole(h + _RENAMES[suffix], fqn, lead, shape)
@@ -385,6 +440,9 @@ def _cut_layer(cut: _Cut, fqn: str, suffix: str, layer: int, lead: tuple[int, ..
     elif suffix == "mlp.router.weight":
         cut.whole(cut.pick(h + "block_sparse_moe.gate.weight", h + "mlp.gate.weight"), fqn, lead, shape)
     elif (m := _EXPERT.match(suffix)) is not None:
+        if m.group(1) is None and (not shape or shape[0] > most_experts):
+            raise ConfigError(f"'{fqn}': {shape[0] if shape else 'no'} stacked experts, expected at most "
+                              f"{most_experts} (the config's number of experts)")
         experts = range(shape[0]) if m.group(1) is None else (int(m.group(1)),)
         inner = shape[1:] if m.group(1) is None else shape
         for e in experts:

@@ -22,13 +22,17 @@ the cut into HuggingFace tensors of :mod:`.megatron`.
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
+from .. import jsonfile
 from ..errors import SourceError
 from ..layout import Layout
 from ..models import ModelInfo
+from ..paths import JSON_LIMIT, open_source, read_source
+from ..safe_pickle import Record
+from ..validate import expect
 from . import dcp, megatron
 from .megatron import to_hf  # noqa: F401 (the reader's cut)
 
@@ -42,14 +46,26 @@ def matches(root: Path) -> bool:
         directory = megatron.iteration_dir(root)
     except SourceError:
         return False
-    return _backend(directory) == "torch_dist"
+    try:
+        return _backend(directory) == "torch_dist"
+    except SourceError:  # Megatron's metadata.json beside DCP metadata, but unreadable: read() says why
+        return (directory / dcp.METADATA).is_file()
 
 
 def _backend(directory: Path) -> str | None:
-    try:
-        doc = json.loads((directory / METADATA_JSON).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+    """``sharded_backend`` from ``metadata.json``; None when there is no such file or it does not say.
+
+    Raises:
+        SourceError: the file is there but not a regular file, unreadable, or not JSON (or nested too deeply).
+    """
+    path = directory / METADATA_JSON
+    if not os.path.lexists(path):
         return None
+    raw = read_source(path, str(path), limit=JSON_LIMIT)  # a FIFO or a device is refused, never read
+    try:
+        doc = jsonfile.loads(raw)
+    except ValueError as e:
+        raise SourceError(f"'{path}': cannot read it: {e}") from None
     return doc.get("sharded_backend") if isinstance(doc, dict) else None
 
 
@@ -63,7 +79,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     layout = dcp.read(directory, model)
     args = _common_args(directory)
     prefix = "" if directory == root else f"{directory.relative_to(root)}/"
-    where = f"'{prefix}{COMMON}'"
+    where = f"{prefix}{COMMON}"
     if model is not None:
         megatron.check_args(args, model, f"{prefix}{COMMON}")
     padding = {}
@@ -82,7 +98,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     if prefix:
         layout = _rebase(layout, prefix, root)
     return replace(layout, format=NAME, notes=tuple(notes),
-                   parallel=megatron.parallel_of(args) if args is not None else {})
+                   parallel=megatron.parallel_of(args, where) if args is not None else {})
 
 
 def _common_args(directory: Path) -> object | None:
@@ -90,9 +106,10 @@ def _common_args(directory: Path) -> object | None:
     path = directory / COMMON
     if not path.is_file():
         return None
-    with open(path, "rb") as f:
+    with open_source(path, COMMON) as f:
         common = megatron.scan_checkpoint(f, label=COMMON)
-    return common.get("args") if isinstance(common, dict) else None
+    args = common.get("args") if isinstance(common, dict) else None
+    return None if args is None else expect(args, (Record, dict), "args (the training arguments)", COMMON)
 
 
 def _rebase(layout: Layout, prefix: str, root: Path) -> Layout:

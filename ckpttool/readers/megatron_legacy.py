@@ -40,7 +40,10 @@ from ..dtypes import itemsize
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
 from ..models import ModelInfo
+from ..paths import open_source
+from ..safe_pickle import Record
 from ..torch_save import StoredTensor
+from ..validate import expect, integer
 from . import megatron
 from .megatron import to_hf  # noqa: F401 (the reader's cut)
 
@@ -87,7 +90,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     for name in dirs:
         path = directory / name / FILE
         if path.is_file():
-            with open(path, "rb") as f:
+            with open_source(path, f"{prefix}{name}/{FILE}") as f:
                 state = megatron.scan_checkpoint(f, label=f"{prefix}{name}/{FILE}")
             if not isinstance(state, dict):
                 raise SourceError(f"'{prefix}{name}/{FILE}': not a Megatron checkpoint (no state dict)")
@@ -98,17 +101,28 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     args = states[first].get("args")
     if args is None:
         raise SourceError(f"'{prefix}{first}/{FILE}': no 'args'; ckpttool needs them for the parallel layout")
-    parallel = megatron.parallel_of(args)
     for name, state in states.items():
-        other = megatron.parallel_of(state.get("args"))
-        if other != parallel or megatron.arg(state.get("args"), "num_layers") != megatron.arg(args, "num_layers"):
+        if state.get("args") is not None:
+            expect(state["args"], (Record, dict), "args (the training arguments)", f"{prefix}{name}/{FILE}")
+    parallel = megatron.parallel_of(args, f"{prefix}{first}/{FILE}")
+    said = {**parallel, "num_layers": megatron.arg(args, "num_layers")}
+    for name, state in states.items():
+        other = {**megatron.parallel_of(state.get("args"), f"{prefix}{name}/{FILE}"),
+                 "num_layers": megatron.arg(state.get("args"), "num_layers")}
+        if other != said:
             raise SourceError(
-                f"'{prefix}{name}/{FILE}': its args say {other}, but '{prefix}{first}/{FILE}' says {parallel}. "
+                f"'{prefix}{name}/{FILE}': its args say {other}, but '{prefix}{first}/{FILE}' says {said}. "
                 "Are two checkpoints mixed in one directory?"
             )
     if model is not None:
         megatron.check_args(args, model, f"{prefix}{first}/{FILE}")
     tp, pp, ep = parallel["tp"], parallel["pp"], parallel["ep"]
+    if tp > 99 or pp > 999 or ep > 999 or tp * pp * ep > 64 * len(dirs):
+        raise SourceError(
+            f"'{prefix}{first}/{FILE}': its args say tp={tp} pp={pp} ep={ep}, that is {tp * pp * ep} rank directories "
+            f"(mp_rank_TT[_PPP][_EEE], at most 99 x 999 x 999), but {len(dirs)} are there; are these the args of "
+            "this checkpoint?"
+        )
     ranks = (_Rank(t, p, e) for p in range(pp) for t in range(tp) for e in range(ep))
     expected = {_dir_name(r, pp, ep): r for r in ranks}
     strangers = sorted(set(dirs) - set(expected))
@@ -119,7 +133,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
         )
     builder = LayoutBuilder(str(root), NAME)
     builder.parallel = parallel
-    reader = _Placer(builder, args, model, prefix)
+    reader = _Placer(builder, args, model, prefix, f"{prefix}{first}/{FILE}")
     lost = []
     for name, rank in expected.items():
         if name in states:
@@ -143,7 +157,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
 
 def _lost_stage(file: str, rank: _Rank, args: Any, parallel: dict[str, int]) -> str:
     """What a missing file with no sibling of its stage held: its layers, and the embedding or output layer."""
-    layers = int(megatron.arg(args, "num_layers") or 0)
+    layers = megatron.int_arg(args, "num_layers", file)
     pp, vpp = parallel["pp"], parallel.get("vpp", 1)
     lo = _layer_offset(args, layers, rank.pp, 0, pp, vpp, file)
     hi = _layer_offset(args, layers, rank.pp + 1, 0, pp, vpp, file) if rank.pp + 1 < pp else layers
@@ -170,7 +184,7 @@ def _donor(rank: _Rank, expected: dict[str, _Rank], states: dict[str, Any]) -> s
 class _Placer:
     """Turns one rank's local state dict into pieces of the global tensors."""
 
-    def __init__(self, builder: LayoutBuilder, args: Any, model: ModelInfo | None, prefix: str) -> None:
+    def __init__(self, builder: LayoutBuilder, args: Any, model: ModelInfo | None, prefix: str, args_file: str) -> None:
         self.builder = builder
         self.args = args
         self.model = model
@@ -178,8 +192,8 @@ class _Placer:
         self.skipped = 0
         self.parallel = builder.parallel
         arg = megatron.arg
-        self.layers = int(arg(args, "num_layers") or 0)
-        self.experts = int(arg(args, "num_experts") or 0)
+        self.layers = megatron.int_arg(args, "num_layers", args_file)
+        self.experts = megatron.int_arg(args, "num_experts", args_file)
         self.gated = bool(arg(args, "swiglu", True))
         etp = arg(args, "expert_tensor_parallel_size")
         self.expert_tp = int(etp) if isinstance(etp, int) and etp > 0 else self.parallel["tp"]
@@ -224,15 +238,15 @@ class _Placer:
         where = f"'{file}'"
         if present:
             t.required_offset(file, key)
-        if fqn in megatron.VOCAB_TENSORS and fqn not in self.padding:
-            self.padding[fqn] = megatron.vocab_padding(fqn, shape[0], self.args, self.model, where)
+        if fqn in megatron.VOCAB_TENSORS and fqn not in self.padding and shape:
+            self.padding[fqn] = megatron.vocab_padding(fqn, shape[0], self.args, self.model, file)
         if not self.builder.declare(fqn, shape, t.dtype, where=where, padding=self.padding.get(fqn, ())):
             return
         base = t.byte_offset() or 0
         tags = (("tp_rank", rank.tp), ("pp_stage", rank.pp)) + ((("ep_rank", rank.ep),) if expert else ())
         if name.endswith(("linear_fc1.weight", "linear_fc1.bias")) and self.gated and split > 1:
             # [gate_r; up_r] on this rank -> gate rows r*f.. and up rows F + r*f.. of the global [gate; up]
-            if t.shape[0] % 2:
+            if t.shape[0] % 2 or not t.shape[0]:
                 raise SourceError(f"'{file}': '{key}' has {t.shape[0]} rows, not a SwiGLU [gate; up] pair")
             half = t.shape[0] // 2
             row_bytes = (t.numel // t.shape[0]) * itemsize(t.dtype)
@@ -278,6 +292,8 @@ def _layer_offset(args: Any, layers: int, stage: int, chunk: int, pp: int, vpp: 
     arg = megatron.arg
     first = arg(args, "decoder_first_pipeline_num_layers")
     last = arg(args, "decoder_last_pipeline_num_layers")
+    first = None if first is None else integer(first, "args.decoder_first_pipeline_num_layers", file)
+    last = None if last is None else integer(last, "args.decoder_last_pipeline_num_layers", file)
     if pp == 1 and vpp == 1:
         return 0
     if first is None and last is None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
 from ..models import ModelInfo
-from ..paths import inside
+from ..paths import JSON_LIMIT, inside, read_source
 from ..safetensors_format import read_header
 from ..sidecar import SUFFIX, parse_sidecar, shard_name
 
@@ -45,7 +45,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     builder.missing.update(f"{shard_name(r, world)}{SUFFIX}" for r in range(world) if r not in ranks)
     for path, s in zip(paths, sidecars):
         data = inside(root, s.file, named_by=path.name)
-        if not data.is_file():
+        if not data.exists():  # a FIFO or a device is there: read_header says it is not a regular file
             raise SourceNotFoundError(f"'{path.name}' describes '{s.file}', which does not exist")
         header = read_header(data, s.file)
         for p in s.pieces:
@@ -68,6 +68,6 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
 
 def _text(path: Path) -> str:
     try:
-        return path.read_bytes().decode("utf-8")
+        return read_source(path, path.name, limit=JSON_LIMIT).decode("utf-8")
     except UnicodeDecodeError:
         raise SourceError(f"'{path.name}': not valid JSON (not UTF-8 text)") from None

@@ -33,11 +33,15 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..dtypes import dtype_name, itemsize
+from .. import jsonfile
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece, c_strides
 from ..models import ModelInfo
+from ..paths import JSON_LIMIT, open_source, read_source
+from ..pickle_bounds import charge, ints, text
 from ..safe_pickle import Record, record_class
 from ..torch_save import StoredTensor, scan
+from ..validate import dims, expect, field, integer, malformed, shown
 
 NAME = "verl"
 LOOKS_FOR = "model_world_size_W_rank_R.pt files (FSDP/verl per-rank DTensor state dicts)"
@@ -61,7 +65,7 @@ class _Wrapper:
 
 
 def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, *rest: Any) -> _Wrapper:
-    return _Wrapper(dtype, tuple(int(n) for n in size), tuple(int(n) for n in stride))
+    return _Wrapper(dtype, ints(size), ints(stride))
 
 
 class _DTensor:
@@ -69,6 +73,7 @@ class _DTensor:
 
     def __init__(self, wrapper: Any, state: Any) -> None:
         self.wrapper = wrapper
+        charge(state, *(state if isinstance(state, tuple) else ()))
         slots = {}
         if isinstance(state, tuple):
             for part in state:
@@ -86,6 +91,7 @@ class _Args:
     fields: tuple[str, ...] = ()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _Args:  # noqa: PYI034 (stand-in, never subclassed further)
+        charge(*args, *kwargs.values())
         obj = object.__new__(cls)
         obj.__dict__.update(zip(cls.fields, args))
         obj.__dict__.update(kwargs)
@@ -95,6 +101,7 @@ class _Args:
         pass
 
     def __setstate__(self, state: Any) -> None:
+        charge(state)
         if isinstance(state, dict):
             self.__dict__.update(state)
 
@@ -114,8 +121,8 @@ _Mesh, _Spec = record_class("DeviceMesh"), record_class("DTensorSpec")
 def _allow() -> dict[tuple[str, str], Any]:
     allow: dict[tuple[str, str], Any] = {
         ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
-        ("torch.serialization", "_get_layout"): lambda name: str(name),
-        ("torch", "device"): lambda *args: str(args[0]) if args else "cpu",
+        ("torch.serialization", "_get_layout"): text,
+        ("torch", "device"): lambda *args: text(args[0]) if args else "cpu",
         ("torch.distributed.device_mesh", "DeviceMesh"): _Mesh,
         ("torch.distributed._mesh_layout", "_MeshLayout"): record_class("_MeshLayout"),
         ("torch.distributed._mesh_layout", "_FlatLayout"): record_class("_FlatLayout"),
@@ -312,21 +319,30 @@ def _read_ints(f: BinaryIO, t: StoredTensor, label: str) -> list[int]:
 def _mesh(raw: Any, rank: int, f: BinaryIO, label: str) -> Mesh:
     """The mesh of a DTensor spec: its shape, names and the ranks at its positions, for the cell holding
     ``rank`` (a sub-mesh of a larger mesh is one of several cells of the root's rank map)."""
-    names = tuple(str(n) for n in (raw.get("_mesh_dim_names") or raw.get("mesh_dim_names") or ()))
+    names = expect(raw.get("_mesh_dim_names") or raw.get("mesh_dim_names") or (), (tuple, list),
+                   "device mesh dim names", label)
+    names = tuple(str(n) for n in names)
     old = raw.get("mesh")
     if isinstance(old, StoredTensor):  # older torch: the mesh's rank tensor itself
+        if not old.shape or 0 in old.shape:
+            raise malformed(label, "device mesh", "a rank tensor of one or more ranks per dim", list(old.shape))
         return Mesh(old.shape, tuple(_read_ints(f, old, label)), names)
     rank_map, layout = raw.get("_rank_map"), raw.get("_layout")
     axes = layout.get("axes") if isinstance(layout, Record) else None
     if not isinstance(rank_map, StoredTensor) or not axes:
         raise SourceError(f"'{label}': a DTensor's device mesh records no rank tensor")
+    expect(axes, (tuple, list), "device mesh layout axes", label)
     flat = _read_ints(f, rank_map, label)
     shape, offsets = [], [0]
     for axis in axes:
-        a_shape, a_stride = tuple(axis.get("shape") or ()), tuple(axis.get("stride") or ())
-        if isinstance(a_shape, int) or len(a_shape) != len(a_stride):
+        a_shape = field(axis, "shape", dims, label, what="device mesh layout: an axis's shape")
+        a_stride = field(axis, "stride", dims, label, what="device mesh layout: an axis's stride")
+        if len(a_shape) != len(a_stride):
             raise SourceError(f"'{label}': unreadable device mesh layout {axes!r}")
         shape.append(math.prod(a_shape))
+        if not shape[-1] or math.prod(shape) > len(flat):
+            raise malformed(label, "device mesh layout", f"axes of 1 to {len(flat)} ranks (the rank tensor's size)",
+                            axes)
         positions = [sum(i * s for i, s in zip(idx, a_stride)) for idx in itertools.product(*(range(n) for n in a_shape))]
         offsets = [o + p for o in offsets for p in positions]
     cells = []
@@ -348,14 +364,16 @@ def _mesh(raw: Any, rank: int, f: BinaryIO, label: str) -> Mesh:
 
 def _placements(raw: Any, label: str, fqn: str) -> tuple[Placement, ...]:
     out = []
-    for p in raw or ():
+    for p in expect(raw or (), (tuple, list), f"'{fqn}' placements", label):
         kind = getattr(p, "kind", None)
         if kind == "Replicate":
             out.append(Placement("replicate"))
         elif kind == "Shard":
-            out.append(Placement("shard", int(p.get("dim"))))
+            out.append(Placement("shard", field(p, "dim", integer, label, what=f"'{fqn}' placement Shard's dim")))
         elif kind == "_StridedShard":
-            out.append(Placement("strided", int(p.get("dim")), int(p.get("split_factor") or 1)))
+            dim = field(p, "dim", integer, label, what=f"'{fqn}' placement _StridedShard's dim")
+            factor = p.get("split_factor") or 1
+            out.append(Placement("strided", dim, integer(factor, f"'{fqn}' placement's split_factor", label, minimum=1)))
         elif kind == "Partial":
             raise SourceError(f"'{label}': '{fqn}' is a Partial DTensor (unreduced sums); save it after a reduction")
         else:
@@ -416,7 +434,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     entries: dict[str, list[_Entry]] = {}
     plain = 0
     for rank, name in sorted(files.items()):
-        with open(root / name, "rb") as f:
+        with open_source(root / name, name) as f:
             state = scan(f, label=name, allow=ALLOW)
             if not isinstance(state, dict):
                 raise SourceError(f"'{name}': not a state dict (a {type(state).__name__})")
@@ -464,9 +482,11 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
         notes.append(f"skipped {len(skipped)} optimizer/extra-state files ({skipped[0]}, ...)")
     if plain:
         notes.append(f"{plain} plain (non-DTensor) tensor entries read as whole tensors replicated on every rank")
-    missing = sorted(set(range(world)) - set(files))
+    missing = list(itertools.islice((r for r in range(world) if r not in files), 8))  # the world may be absurd
     if missing:
-        notes.append("missing rank files: " + ", ".join(f"model_world_size_{world}_rank_{r}.pt" for r in missing))
+        more = world - len(files) - len(missing)
+        notes.append("missing rank files: " + ", ".join(f"model_world_size_{world}_rank_{r}.pt" for r in missing)
+                     + (f" and {more} more" if more else ""))
     return builder.build(notes)
 
 
@@ -476,7 +496,7 @@ def _check_fsdp_config(root: Path, world: int, files: dict[int, str]) -> None:
     if not path.is_file():
         return
     try:
-        recorded = json.loads(path.read_text()).get("world_size")
+        recorded = jsonfile.loads(read_source(path, FSDP_CONFIG, limit=JSON_LIMIT)).get("world_size")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise SourceError(f"'{FSDP_CONFIG}': cannot read it: {e}") from None
     if recorded is not None and recorded != world:
@@ -505,9 +525,10 @@ def _entry(fqn: str, value: Any, rank: int, name: str, f: BinaryIO, meshes: dict
     if dtype != local.dtype:
         raise SourceError(f"'{name}': '{fqn}' is a {dtype} DTensor whose local tensor is {local.dtype}")
     meta = spec.get("tensor_meta")
-    if isinstance(meta, _TensorMeta) and tuple(getattr(meta, "shape", wrapper.size)) != wrapper.size:
-        raise SourceError(f"'{name}': '{fqn}' records two global shapes: {list(wrapper.size)} and "
-                          f"{list(meta.shape)}")
+    meta_shape = getattr(meta, "shape", wrapper.size) if isinstance(meta, _TensorMeta) else wrapper.size
+    if not isinstance(meta_shape, (tuple, list)) or tuple(meta_shape) != wrapper.size:
+        other = list(meta_shape) if isinstance(meta_shape, (tuple, list)) else shown(meta_shape)
+        raise SourceError(f"'{name}': '{fqn}' records two global shapes: {list(wrapper.size)} and {other}")
     order = _shard_order(spec.get("shard_order"), name, fqn)
     raw_mesh = spec.get("mesh")
     if not isinstance(raw_mesh, Record):
@@ -521,6 +542,9 @@ def _entry(fqn: str, value: Any, rank: int, name: str, f: BinaryIO, meshes: dict
     for p in placements:
         if p.kind != "replicate" and not 0 <= p.dim < len(wrapper.size):
             raise SourceError(f"'{name}': '{fqn}' of {len(wrapper.size)} dims is sharded on dim {p.dim}")
+        if p.split_factor > math.prod(mesh.shape):  # what the later mesh dims split: never more than the ranks
+            raise malformed(name, f"'{fqn}' placement {p}", f"a split_factor of at most {math.prod(mesh.shape)} "
+                            "(the mesh's size)", p.split_factor)
     if order is not None:
         expected = sorted((m, p.dim) for m, p in enumerate(placements) if p.kind != "replicate")
         if sorted((m, d) for d, dims in order for m in dims) != expected or any(
@@ -542,10 +566,14 @@ def _shard_order(raw: Any, name: str, fqn: str) -> tuple[tuple[int, tuple[int, .
     """A DTensorSpec's ``shard_order`` (newer torch, e.g. 2.13) as ``(tensor dim, mesh dims)`` entries, or None."""
     if raw is None:
         return None
-    try:
-        return tuple((int(e.tensor_dim), tuple(int(m) for m in e.mesh_dims)) for e in raw)
-    except (AttributeError, TypeError, ValueError):
-        raise SourceError(f"'{name}': '{fqn}' has an unreadable shard_order {raw!r}") from None
+    entries = []
+    for e in raw if isinstance(raw, (tuple, list)) else [None]:
+        tensor_dim, mesh_dims = getattr(e, "tensor_dim", None), getattr(e, "mesh_dims", None)
+        if not (isinstance(tensor_dim, int) and isinstance(mesh_dims, (tuple, list))
+                and all(isinstance(m, int) for m in mesh_dims)):
+            raise SourceError(f"'{name}': '{fqn}' has an unreadable shard_order {raw!r:.80}")
+        entries.append((int(tensor_dim), tuple(int(m) for m in mesh_dims)))
+    return tuple(entries)
 
 
 def _add_pieces(builder: LayoutBuilder, fqn: str, found: list[_Entry], world: int, files: dict[int, str]) -> None:
@@ -564,22 +592,28 @@ def _add_pieces(builder: LayoutBuilder, fqn: str, found: list[_Entry], world: in
         coord = mesh.coordinate(r)
         assert coord is not None
         groups.setdefault(tuple(coord[i] for i in sharded), []).append(r)
+    chosen = []
     for key, ranks in sorted(groups.items()):
         present = [r for r in ranks if r in by_rank]
         rank = present[0] if present else ranks[0]
         coord = mesh.coordinate(rank)
         assert coord is not None
         ranges = local_ranges(first.global_shape, mesh.shape, coord, placements, first.order)
+        chosen.append((rank, coord, present, ranges))
+    wrong = [(rank, coord, ranges) for rank, coord, present, ranges in chosen
+             if present and local_shape(ranges) != by_rank[rank].local.shape]
+    for rank, coord, ranges in wrong:  # before any region is cut: a global shape the locals contradict may be absurd
+        builder.problems.append(
+            f"'{fqn}': rank {rank}'s local tensor in '{by_rank[rank].file}' has shape "
+            f"{list(by_rank[rank].local.shape)}, "
+            f"but the placements ({', '.join(str(p) for p in placements)}) on mesh {list(mesh.shape)} at "
+            f"{list(coord)} give {list(local_shape(ranges))} of the global {list(first.global_shape)}"
+        )
+    if wrong:
+        return
+    for rank, coord, present, ranges in chosen:
         if present:
-            e = by_rank[rank]
-            if local_shape(ranges) != e.local.shape:
-                builder.problems.append(
-                    f"'{fqn}': rank {rank}'s local tensor in '{e.file}' has shape {list(e.local.shape)}, but the "
-                    f"placements ({', '.join(str(p) for p in placements)}) on mesh {list(mesh.shape)} at "
-                    f"{list(coord)} give {list(local_shape(ranges))} of the global {list(first.global_shape)}"
-                )
-                continue
-            _emit(builder, fqn, e, ranges, present=True)
+            _emit(builder, fqn, by_rank[rank], ranges, present=True)
         elif rank in files:
             builder.problems.append(
                 f"'{fqn}' is in {len(found)} of {len(files)} rank files but not in '{files[rank]}' (rank {rank}, "

@@ -1,0 +1,321 @@
+"""Where an output goes: which destinations may be replaced, and the one publish step of merge and live.
+
+An output is written into a staging directory beside the destination (``.NAME.ckpttool-partial-XXXXXXXX``)
+and published by renames. ``force=True`` (``--force``) replaces only an *earlier output*: a directory that
+holds nothing but what a merge writes (:func:`foreign_entries`). Never the home directory, ``/``, the current
+directory or one of its ancestors, a source, or anything holding a source.
+
+The earlier output survives until the new one is complete: it is moved aside
+(``.NAME.ckpttool-old-XXXXXXXX``), the new one is renamed into place, and only then is the old one removed.
+A run killed between those two renames leaves no output at ``NAME`` and the old one aside; the next run
+puts it back and says so. A lock file beside the destination (``.NAME.ckpttool-lock``) keeps two runs from
+writing one destination at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import DestinationError, OutputError
+from .paths import is_within
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+#: the audit report a merge writes beside the weights (transformers ignores it)
+AUDIT_FILE = "ckpttool-audit.json"
+#: files copied beside the weights when present in the config's directory or the source
+EXTRA_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+JOURNAL_GLOB = ".ckpttool-journal-*.json"
+PARTIAL, OLD, LOCK = ".ckpttool-partial-", ".ckpttool-old-", ".ckpttool-lock"
+
+#: every name an output of ``merge`` (or ``live.save_hf``) can hold
+_OURS = re.compile(
+    r"model\.safetensors|model-\d+-of-\d+\.safetensors|"
+    + "|".join(re.escape(n) for n in (INDEX, "config.json", AUDIT_FILE, *EXTRA_FILES))
+    + r"|\.ckpttool-journal-\d+\.json(\.tmp)?"
+)
+#: foreign entries named in an error, at most
+SHOWN = 10
+
+
+def journal_name(rank: int = 0) -> str:
+    """The journal file of one writing process (rank 0 when a single process merges)."""
+    return f".ckpttool-journal-{rank}.json"
+
+
+def foreign_entries(directory: Path) -> list[str]:
+    """The entries of ``directory`` that no merge writes (sorted; sub-directories end in ``/``).
+
+    Only regular files with the names of an output count as ours: weights (``model.safetensors``,
+    ``model-0000i-of-0000N.safetensors``), the index, ``config.json``, generation config and tokenizer files,
+    ``ckpttool-audit.json``, and journals. A symbolic link, a directory or any other name is foreign.
+    """
+    foreign = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                foreign.append(entry.name + "/")
+            elif not (entry.is_file(follow_symlinks=False) and _OURS.fullmatch(entry.name)):
+                foreign.append(entry.name)
+    return sorted(foreign)
+
+
+def check_destination(dest: Path, sources: Sequence[Path], force: bool) -> None:
+    """Refuse a destination whose replacement could lose data. Touches nothing.
+
+    Raises:
+        DestinationError: ``dest`` is the home directory, ``/``, the current directory or an ancestor of it;
+            lies inside a source or holds one; is a file or a symbolic link; is a non-empty directory while
+            not ``force``, or holds anything a merge does not write (named, at most :data:`SHOWN`); or its
+            parent does not exist or cannot be written.
+    """
+    protected = _protected(dest)
+    if protected:
+        raise DestinationError(f"destination '{dest}' is {protected}; ckpttool never writes there. Give a new directory")
+    for src in sources:
+        if is_within(dest, src):
+            raise DestinationError(f"destination '{dest}' lies inside the source '{src}'; ckpttool never writes there")
+        if dest.exists() and is_within(src, dest):
+            raise DestinationError(f"destination '{dest}' contains the source '{src}'; replacing it would destroy the source")
+    if dest.is_symlink():
+        raise DestinationError(f"destination '{dest}' is a symbolic link; give the directory it points to, or a new one")
+    if dest.exists():
+        if not dest.is_dir():
+            raise DestinationError(f"destination '{dest}' exists and is not a directory")
+        try:
+            not_empty = any(dest.iterdir())
+            foreign = foreign_entries(dest) if not_empty and force else []
+        except OSError as e:
+            raise DestinationError(f"destination '{dest}': cannot list it: {e.strerror or e}") from None
+        if not_empty and not force:
+            raise DestinationError(f"destination '{dest}' exists and is not empty; pass force=True to replace it")
+        if foreign:
+            shown = ", ".join(foreign[:SHOWN]) + (f", ... ({len(foreign) - SHOWN} more)" if len(foreign) > SHOWN else "")
+            raise DestinationError(
+                f"destination '{dest}' holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} that ckpttool did not "
+                f"write ({shown}); force=True replaces only an earlier output of a merge. Nothing was touched: choose "
+                "another destination, or move those entries away yourself"
+            )
+    parent = dest.parent if dest.parent != Path("") else Path(".")
+    if not parent.is_dir():
+        raise DestinationError(f"cannot create '{dest}': its parent directory '{parent}' does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DestinationError(f"cannot create '{dest}': '{parent}' is not writable")
+
+
+def _protected(dest: Path) -> str | None:
+    """What makes ``dest`` a directory never to replace, or None."""
+    target = dest.resolve()
+    if target == Path(target.anchor):
+        return "the root directory"
+    home = os.environ.get("HOME")
+    if home and target == Path(home).resolve():
+        return "your home directory"
+    cwd = Path.cwd().resolve()
+    if target == cwd:
+        return "the current directory"
+    if target in cwd.parents:
+        return "an ancestor of the current directory"
+    return None
+
+
+def siblings(dest: Path, kind: str) -> list[Path]:
+    """Directories beside ``dest`` that ckpttool made for it (``kind``: :data:`PARTIAL` or :data:`OLD`), newest
+    first. Matched by exact name, never by glob, so a destination named ``m[v2]`` or ``m*`` finds its own."""
+    pattern = re.compile(re.escape(f".{dest.name}{kind}") + "[0-9a-f]{8}")
+    parent = dest.parent
+    try:
+        found = [parent / n for n in os.listdir(parent) if pattern.fullmatch(n)]
+    except FileNotFoundError:
+        return []
+    found = [d for d in found if d.is_dir() and not d.is_symlink()]
+    return sorted(found, key=lambda d: d.stat().st_mtime, reverse=True)
+
+
+class Staging:
+    """The staging directory of one output and its publication.
+
+    Call order: :meth:`open` (lock the destination, put back an output an interrupted run left aside, check
+    the destination, clear earlier staging directories or take one up again with ``resume``), write into
+    :attr:`path`, then :meth:`publish` (sync, move the earlier output aside, rename, remove the earlier
+    output) or :meth:`abandon` (remove the staging directory; after Ctrl-C a journaled one is kept for
+    ``resume``). Both release the lock.
+    """
+
+    def __init__(self, dest: Path, *, sources: Sequence[Path] = (), force: bool = False, resume: bool = False) -> None:
+        self.dest = dest
+        self.sources = tuple(sources)
+        self.force = force
+        self.resume = resume
+        self.path = dest.parent / f".{dest.name}{PARTIAL}{uuid.uuid4().hex[:8]}"
+        self.resumed = False
+        self.restored: Path | None = None
+        self._lock: _Lock | None = None
+
+    def open(self) -> Path:
+        """Lock, repair, check and create (or take up) the staging directory; returns its path."""
+        self._lock = _Lock(self.dest.parent / f".{self.dest.name}{LOCK}", self.dest)
+        try:
+            self._restore()
+            try:
+                check_destination(self.dest, self.sources, self.force)
+            except DestinationError as e:
+                if self.restored is None:
+                    raise
+                raise DestinationError(f"{self.restoration}; {e}") from None
+            earlier = siblings(self.dest, PARTIAL)
+            if self.resume:
+                journaled = [d for d in earlier if any(d.glob(JOURNAL_GLOB))]
+                if journaled:
+                    self.path, self.resumed = journaled[0], True
+            for stale in earlier:
+                if stale != self.path:
+                    shutil.rmtree(stale, ignore_errors=True)
+            self.path.mkdir(exist_ok=self.resumed)
+        except BaseException:
+            self._release()
+            raise
+        return self.path
+
+    def abandon(self, error: BaseException | None = None) -> None:
+        """Remove the staging directory (kept after Ctrl-C when it holds a journal) and release the lock."""
+        try:
+            interrupted = isinstance(error, KeyboardInterrupt)
+            if self.path.exists() and not (interrupted and any(self.path.glob(JOURNAL_GLOB))):
+                shutil.rmtree(self.path, ignore_errors=True)
+        finally:
+            self._release()
+
+    def publish(self) -> None:
+        """Make every byte durable, then replace the destination; the earlier output goes only at the end."""
+        try:
+            for journal in self.path.glob(JOURNAL_GLOB):
+                journal.unlink()
+            sync_tree(self.path)
+            old = None
+            if self.dest.exists():
+                old = self.dest.parent / f".{self.dest.name}{OLD}{uuid.uuid4().hex[:8]}"
+                os.rename(self.dest, old)
+            try:
+                os.rename(self.path, self.dest)
+            except BaseException:
+                if old is not None:
+                    os.rename(old, self.dest)
+                raise
+            sync_directory(self.dest.parent)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            raise OutputError(f"'{self.dest}': cannot publish: {e.strerror or e}; the destination is as it was") from None
+        finally:
+            self._release()
+
+    def _restore(self) -> None:
+        """Put back an earlier output that a run killed between its two renames left aside; remove the rest."""
+        aside = siblings(self.dest, OLD)
+        if aside and not self.dest.exists() and not self.dest.is_symlink():
+            self.restored, aside = aside[0], aside[1:]
+            os.rename(self.restored, self.dest)
+            log.info("%s", self.restoration)
+            for staged in siblings(self.dest, PARTIAL):  # the killed run's new output: without a journal, no use
+                if not any(staged.glob(JOURNAL_GLOB)):
+                    shutil.rmtree(staged, ignore_errors=True)
+        for leftover in aside:  # an earlier output already replaced: the run was killed before removing it
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    @property
+    def restoration(self) -> str | None:
+        """What :meth:`open` put back, in words (None when nothing)."""
+        if self.restored is None:
+            return None
+        return (f"restored the earlier output '{self.dest}' from '{self.restored.name}', where an interrupted run had "
+                "moved it aside")
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+class _Lock:
+    """An exclusive ``flock`` on a lock file beside the destination, removed on release."""
+
+    def __init__(self, path: Path, dest: Path) -> None:
+        self.path = path
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as e:
+                raise DestinationError(f"cannot lock '{dest}' ('{path.name}'): {e.strerror or e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise DestinationError(f"cannot lock '{dest}' ('{path.name}'): {e.strerror or e}") from None
+                raise DestinationError(
+                    f"destination '{dest}' is being written by another ckpttool run (process {holder or '?'}, lock "
+                    f"'{path}'); wait for it to finish or stop it, then run again"
+                ) from None
+            try:  # the previous holder may have removed the file between our open and our lock
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        try:  # who holds the lock, for the message of a second run; a full disk only loses that
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                self.path.unlink(missing_ok=True)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+
+def sync_tree(directory: Path) -> None:
+    """``fsync`` every file in ``directory`` and the directory itself, so a rename publishes durable bytes."""
+    for entry in os.scandir(directory):
+        if entry.is_file(follow_symlinks=False):
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    sync_directory(directory)
+
+
+def sync_directory(directory: Path) -> None:
+    """``fsync`` a directory, making the names in it (a rename) durable."""
+    fd = os.open(directory if str(directory) else ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
