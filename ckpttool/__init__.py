@@ -38,10 +38,10 @@ from .plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge  # noqa: E40
 from .readers import READERS, detect_format, read_layout  # noqa: E402
 from .sidecar import PieceSpec, save_shard  # noqa: E402
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
 __all__ = [
-    "ArgumentError", "AuditError", "DiffResult", "Finding", "Report", "audit", "diff",
+    "__version__", "ArgumentError", "AuditError", "DiffResult", "Finding", "Report", "audit", "diff",
     "Box", "CkptError", "ConfigError", "Copy", "CoverageError", "DestinationError", "FormatNotDetectedError",
     "Fusion", "Layout", "MergeResult", "OutputError", "Padding", "Piece", "PieceSpec", "Plan", "READERS", "Slice", "SourceError",
     "SourceNotFoundError", "Target", "TargetSpec", "TensorLayout", "UnsafePickleError", "detect_format", "merge",

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from . import __version__
+from .version import __version__
 from .errors import CkptError
 from .writer import predict_peak_bytes
 from .findings import Report
@@ -184,7 +184,7 @@ def audit_command(
     if strict:
         report = report.strict()
     if html_path is not None:
-        from .report_html import render
+        from .audit.report_html import render
 
         try:
             with open(html_path, "w", encoding="utf-8") as f:

@@ -49,7 +49,7 @@ class Census:
 
 def census(root: Path, format: str | None = None, weights: str | None = None) -> Census | None:
     """The census of the checkpoint in ``root``, read without a model; None when it cannot be read so."""
-    from .readers import read_layout  # readers import models, which must not import readers
+    from .readers import read_layout  # the census reads the layout: readers sit below this check
 
     try:
         return Census.of(read_layout(root, format=format, weights=weights))

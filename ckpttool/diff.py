@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
+from .audit.stats import Fingerprint, blocks, fold
 from .dtypes import itemsize
 from .merge import prepare
 from .plan import Plan, Target
-from .stats import Fingerprint, blocks, fold
 from .stream import CHUNK_BYTES, Reader, buffer_sizes, build, chunks, piece_uses
 
 EQUAL, DIFFERENT, ONLY_A, ONLY_B, SHAPE, DTYPE = "equal", "different", "only-a", "only-b", "shape", "dtype"

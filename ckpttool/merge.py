@@ -16,7 +16,8 @@ from .errors import ArgumentError, AuditError, SourceError
 from .findings import Report
 from .layout import Layout
 from .config_sizes import census, check_config_sizes
-from .models import ModelInfo, find_config, hf_specs, model_info, read_config
+from .architecture import ModelInfo, find_config, model_info, read_config
+from .families import hf_specs
 from .plan import Plan, identity_specs, plan_merge
 from .readers import read_layout
 from .destination import AUDIT_FILE, Staging, check_destination

@@ -27,6 +27,7 @@ from .stream import predict_peak_bytes as stream_peak_bytes
 from .stream import write_file as stream_file
 from .plan import Plan, Target
 from .safetensors_format import encode_header, read_header
+from .version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +156,6 @@ def clean_staging(directory: Path, plan_id: str) -> None:
 def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
     """A digest of everything that decides the output bytes: ckpttool's version, the plan, the file split,
     and the size and modification time of every source file it reads."""
-    from . import __version__
-
     stats = []
     for rel in sorted({c.piece.file for t in plan.targets for c in t.copies}):
         try:

@@ -16,8 +16,9 @@ import torch
 import ckpttool
 from ckpttool.errors import SourceError
 from ckpttool.layout import Layout, LayoutBuilder, TensorLayout
-from ckpttool.models import ModelInfo
-from ckpttool.readers import deepspeed, megatron, megatron_legacy
+from ckpttool.architecture import ModelInfo
+from ckpttool.families import CONVENTIONS, megatron_core
+from ckpttool.readers import deepspeed
 from ckpttool.torch_save import scan
 from conftest import FIXTURES, assert_failed_cleanly, fixture_dir
 from test_errors import edit_metadata, storage_of
@@ -69,13 +70,13 @@ def test_a_bug_reaches_the_python_api_as_itself(copy_fixture, tmp_path, monkeypa
     assert not isinstance(caught.value, ckpttool.CkptError)
 
 
-def test_a_bug_in_a_readers_cut_into_huggingface_tensors_is_an_internal_error(cli, tmp_path, monkeypatch):
+def test_a_bug_in_a_conventions_cut_into_huggingface_tensors_is_an_internal_error(cli, tmp_path, monkeypatch):
     fixture = FIXTURES / "megatron_tp2_pp2"
 
     def cut(layout, info):
         return [][0]
 
-    monkeypatch.setattr(megatron_legacy, "to_hf", cut)
+    monkeypatch.setitem(CONVENTIONS, "megatron-legacy", cut)
     out = tmp_path / "out"
     result = cli("merge", fixture / "legacy", out, "--config", fixture / "config.json")
     assert_failed_cleanly(result, out, f"Error: {INTERNAL} (IndexError: list index out of range)")
@@ -325,7 +326,7 @@ def test_megatron_stacked_layers_and_experts_beyond_the_config_are_not_looped_ov
     layout = Layout("", "megatron-dist", {fqn: TensorLayout(fqn, shape, "F32", ())})
     config = {"num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 4, "num_hidden_layers": 2,
               "num_local_experts": 4}
-    _, _, problems = megatron.to_hf(layout, ModelInfo("mixtral", config, {}, {}))
+    _, _, problems = megatron_core.to_hf(layout, ModelInfo("mixtral", config, {}, {}))
     assert problems == [(fqn, f"'{fqn}': {says}")]
 
 

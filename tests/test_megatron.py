@@ -113,7 +113,7 @@ def test_singleton_local_shards_names_are_cut_too():
 
 @pytest.mark.parametrize(("case", "fmt"), SOURCES)
 def test_layout_records_parallel_layout_and_vocab_padding_once(case, fmt):
-    from ckpttool.models import model_info
+    from ckpttool.architecture import model_info
 
     info = model_info(json.loads((fixture(case) / "config.json").read_text()))
     layout = read_layout(fixture(case) / fmt, model=info)
@@ -299,8 +299,8 @@ def test_qkv_and_gate_up_cut_follow_megatrons_views():
     from hypothesis import strategies as st
 
     from ckpttool.layout import Layout, TensorLayout
-    from ckpttool.models import ModelInfo
-    from ckpttool.readers import megatron
+    from ckpttool.architecture import ModelInfo
+    from ckpttool.families import megatron_core as megatron
 
     @settings(max_examples=40, deadline=None)
     @given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.integers(1, 5))

@@ -171,7 +171,7 @@ def test_unknown_architecture_merges_generically(tmp_path):
 
 
 def test_model_descriptions_are_cached_by_config_and_transformers_version(tmp_path, monkeypatch):
-    import ckpttool.models as models
+    import ckpttool.architecture as models
 
     monkeypatch.setenv("CKPTTOOL_CACHE", str(tmp_path / "cache"))
     config = json.loads((Path(__file__).resolve().parent.parent / "fixtures" / "mixtral_fsdp2_dcp" / "reference" / "config.json").read_text())
@@ -188,7 +188,7 @@ def test_model_descriptions_are_cached_by_config_and_transformers_version(tmp_pa
 
 
 def test_a_damaged_or_unwritable_cache_is_ignored(tmp_path, monkeypatch):
-    import ckpttool.models as models
+    import ckpttool.architecture as models
 
     config = dict(FAMILIES["mistral"].to_dict())
     monkeypatch.setenv("CKPTTOOL_CACHE", str(tmp_path / "cache"))

@@ -1,25 +1,21 @@
 """Readers: one per on-disk format, each turning what it finds into a :class:`~ckpttool.layout.Layout`.
 
-A reader is a module with ``NAME``, ``LOOKS_FOR`` (what detection checks, for error messages),
-``matches(root) -> bool`` and ``read(root, model, **options) -> Layout``. Optionally:
+Each reader module defines ``READER``, a :class:`~.base.Reader` (``name``, ``looks_for``, ``options``,
+``matches(root)``, ``read(root, model, **options)``; the call order is in :mod:`.base`). :data:`READERS` lists
+them in detection order; :func:`detect_format` picks one (:mod:`.claims` when several claim a directory) and
+:func:`read_layout` runs it.
 
-- ``OPTIONS``: the reader options it takes (``weights``: ``"master"`` or ``"module"`` for formats that hold
-  both fp32 master weights and module weights);
-- ``to_hf(layout, info) -> (specs, notes, problems)``: the format's own cut of its tensors into HuggingFace
-  tensors (fused QKV, SwiGLU pieces per TP rank, renames), where the generic rules of
-  :mod:`ckpttool.models` cannot know it. ``problems`` are ``(source tensor, message)``.
-
-Format knowledge lives only here; the plan and executor see pieces and boxes.
+Format knowledge lives only here; the plan and executor see pieces and boxes, and what tensor names mean for a
+model family is :mod:`ckpttool.families`' business.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 
+from ..architecture import ModelInfo
 from ..errors import CkptError, FormatNotDetectedError, SourceError, SourceNotFoundError
 from ..layout import Layout
-from ..models import ModelInfo
 from . import (
     colossalai,
     dcp,
@@ -31,19 +27,13 @@ from . import (
     sidecar,
     verl,
 )
+from .base import Reader
 from .claims import claimed_format
 
 #: in detection order: the most specific first
-READERS: dict[str, ModuleType] = {
-    sidecar.NAME: sidecar,
-    deepspeed.NAME: deepspeed,
-    verl.NAME: verl,
-    colossalai.NAME: colossalai,
-    megatron_dist.NAME: megatron_dist,
-    megatron_legacy.NAME: megatron_legacy,
-    dcp.NAME: dcp,
-    hf_distributed.NAME: hf_distributed,
-    hf.NAME: hf,
+READERS: dict[str, Reader] = {
+    module.READER.name: module.READER
+    for module in (sidecar, deepspeed, verl, colossalai, megatron_dist, megatron_legacy, dcp, hf_distributed, hf)
 }
 
 
@@ -66,7 +56,7 @@ def detect_format(root: Path) -> str:
             f"'{root}': no checkpoint here, but {'these subfolders hold' if len(below) > 1 else 'this subfolder holds'} "
             f"one; give {'one of them' if len(below) > 1 else 'it'} as the source:\n{listed}"
         )
-    looked = "\n".join(f"  - {reader.LOOKS_FOR} ({name})" for name, reader in READERS.items())
+    looked = "\n".join(f"  - {reader.looks_for} ({name})" for name, reader in READERS.items())
     raise FormatNotDetectedError(
         f"'{root}': no checkpoint format recognised. Looked for:\n{looked}\nPass format='NAME' to name one."
     )
@@ -129,7 +119,7 @@ def read_layout(
         _check_directory(root)
     reader = READERS[format]
     given = {k: v for k, v in options.items() if v is not None}
-    unknown = sorted(set(given) - set(getattr(reader, "OPTIONS", ())))
+    unknown = sorted(set(given) - set(reader.options))
     if unknown:
         raise SourceError(f"'{root}': {unknown[0]}={given[unknown[0]]!r} does not apply to the {format} format")
     try:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
 
 from ..errors import SourceError
+from .base import Reader
 
 #: format -> formats whose files are part of it (a less specific reading of the same checkpoint)
 CONTAINS: dict[str, tuple[str, ...]] = {
@@ -39,7 +39,7 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
 SHOWN = 3
 
 
-def claimed_format(root: Path, readers: Mapping[str, ModuleType]) -> str | None:
+def claimed_format(root: Path, readers: Mapping[str, Reader]) -> str | None:
     """The one format ``root`` holds, None when no reader recognises it.
 
     Raises:

@@ -35,10 +35,11 @@ from ..dtypes import itemsize
 from .. import jsonfile
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
-from ..models import ModelInfo
+from ..architecture import ModelInfo
 from ..paths import JSON_LIMIT, inside, open_source, read_source
 from ..safetensors_format import read_header
 from ..torch_save import StoredTensor, scan
+from .base import FormatReader
 
 NAME = "colossalai"
 LOOKS_FOR = ("ColossalAI sharded model files (*-stage-XXXXX[-XXXXX]-shard-XXXXX.bin/.safetensors, "
@@ -337,3 +338,6 @@ def _check_experts(builder: LayoutBuilder, sources: dict[str, list[str]], model:
                     f"rank {int(e.group(1)) // per + 1}: expected experts {ep * per}..{(ep + 1) * per - 1} in that "
                     "file. Were files of different saves mixed?"
                 )
+
+
+READER = FormatReader(NAME, LOOKS_FOR, matches, read)

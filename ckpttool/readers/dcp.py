@@ -17,11 +17,12 @@ from typing import BinaryIO
 from ..dtypes import dtype_name, itemsize
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, TORCH_SAVE, Box, Layout, LayoutBuilder, Piece
-from ..models import ModelInfo
+from ..architecture import ModelInfo
 from ..paths import inside, open_source, read_source
 from ..safe_pickle import Record, load_metadata_pickle
 from ..torch_save import locate
 from ..validate import dims, expect, field, integer
+from .base import FormatReader
 
 NAME = "dcp"
 LOOKS_FOR = ".metadata with *.distcp files (PyTorch Distributed Checkpoint)"
@@ -137,3 +138,6 @@ def _as_raw(root: Path, piece: Piece, handles: dict[str, BinaryIO]) -> Piece:
     assert offset is not None  # locate returns only tensors whose bytes are in place
     nbytes = found.numel * itemsize(found.dtype)
     return replace(piece, encoding=RAW, byte_offset=piece.byte_offset + offset, byte_length=nbytes)
+
+
+READER = FormatReader(NAME, LOOKS_FOR, matches, read)

@@ -15,9 +15,10 @@ from .. import jsonfile
 from ..errors import SourceError, SourceNotFoundError
 from ..findings import Finding, finding
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
-from ..models import ModelInfo
+from ..architecture import ModelInfo
 from ..paths import JSON_LIMIT, inside, read_source
 from ..safetensors_format import Header, read_header
+from .base import FormatReader
 
 NAME = "hf"
 LOOKS_FOR = "model.safetensors or model.safetensors.index.json (HuggingFace)"
@@ -144,3 +145,6 @@ def _cross_check(root: Path, weight_map: dict[str, str], headers: dict[str, Head
         if total_size != actual:
             found.append(finding("index-total-size", f"'{INDEX}': metadata.total_size is {total_size}, but its tensors hold "
                                  f"{actual} bytes", file=INDEX))
+
+
+READER = FormatReader(NAME, LOOKS_FOR, matches, read)

@@ -15,8 +15,9 @@ from pathlib import Path
 from .. import jsonfile
 from ..errors import ConfigError, SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
-from ..models import ModelInfo
+from ..architecture import ModelInfo
 from ..safetensors_format import read_header
+from .base import FormatReader
 
 NAME = "hf-distributed"
 LOOKS_FOR = "shard-*-model-*-of-*.safetensors (transformers distributed_checkpoint=True)"
@@ -84,3 +85,6 @@ def _declare_unsaved(builder: LayoutBuilder, model: ModelInfo) -> None:
     for fqn, shape in model.memory_shapes.items():
         if fqn not in builder.declared and fqn not in model.tied:
             builder.declare(fqn, shape, common, where="the model config")
+
+
+READER = FormatReader(NAME, LOOKS_FOR, matches, read)

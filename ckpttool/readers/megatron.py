@@ -1,9 +1,8 @@
-"""What the two Megatron readers share: the iteration directory, the training ``args``, vocab padding, and the
-one cut of Megatron-Core tensors into HuggingFace Llama/Mistral/Qwen2/Mixtral tensors.
+"""What the two Megatron readers share: the iteration directory, the training ``args`` and vocab padding.
 
 Both readers (:mod:`.megatron_dist` for ``--ckpt-format torch_dist``, :mod:`.megatron_legacy` for
 ``--ckpt-format torch``) describe a checkpoint with Megatron-Core's own *global* tensors, as ``torch_dist``
-defines them, so this module cuts both the same way:
+defines them, so one source convention (:mod:`ckpttool.families.megatron_core`) names both the same way:
 
 - per-layer tensors are either stacked with a leading layer axis (``decoder.layers.mlp.linear_fc1.weight`` of
   shape ``(L, 2F, H)``, torch_dist) or named per global layer (``decoder.layers.3.mlp.linear_fc1.weight``,
@@ -30,11 +29,10 @@ from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
 from .. import torch_save
+from ..architecture import ModelInfo, config_value
 from ..errors import ConfigError, SourceError
-from ..layout import Box, Layout, Padding, TensorLayout
-from ..models import ModelInfo
+from ..layout import Layout, Padding, TensorLayout
 from ..paths import inside, read_tag
-from ..plan import Slice, TargetSpec
 from ..pickle_bounds import EnumStandIn
 from ..safe_pickle import Record
 from ..validate import integer
@@ -201,13 +199,6 @@ def parallel_of(args: Any, file: str) -> dict[str, int]:
     return parallel
 
 
-def _config_value(config: Mapping[str, object], *names: str) -> Any:
-    for name in names:
-        if config.get(name) is not None:
-            return config[name]
-    return None
-
-
 def _rope_theta(config: Mapping[str, object]) -> Any:
     rope = config.get("rope_parameters")
     if isinstance(rope, Mapping) and rope.get("rope_theta") is not None:
@@ -236,11 +227,11 @@ def check_args(args: Any, info: ModelInfo, where: str) -> None:
         ("num_layers", arg(args, "num_layers"), "num_hidden_layers", config.get("num_hidden_layers")),
         ("hidden_size", arg(args, "hidden_size"), "hidden_size", hidden),
         ("num_attention_heads", arg(args, "num_attention_heads"), "num_attention_heads", heads),
-        ("num_query_groups", groups, "num_key_value_heads", _config_value(config, "num_key_value_heads") or heads),
+        ("num_query_groups", groups, "num_key_value_heads", config_value(config, "num_key_value_heads") or heads),
         ("kv_channels", arg(args, "kv_channels"), "head_dim", head_dim),
         ("ffn_hidden_size", ffn, ffn_name, config.get(ffn_name)),
         ("num_experts", arg(args, "num_experts"), "num_local_experts",
-         _config_value(config, "num_local_experts", "num_experts")),
+         config_value(config, "num_local_experts", "num_experts")),
         ("moe_router_topk", arg(args, "moe_router_topk") if moe else None, "num_experts_per_tok",
          config.get("num_experts_per_tok")),
         ("norm_epsilon", arg(args, "norm_epsilon"), "rms_norm_eps", config.get("rms_norm_eps")),
@@ -311,190 +302,6 @@ def vocab_padding(fqn: str, rows: int, args: Any, info: ModelInfo | None, file: 
             "this model trained with, or was the vocab padded twice?"
         )
     return (Padding(0, vocab),)
-
-
-# ------------------------------------------------------------------------------------------------
-# the cut: Megatron-Core global tensors -> HuggingFace tensors
-# ------------------------------------------------------------------------------------------------
-
-_LAYER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
-#: SequentialMLP in 0.16 saves ``mlp.experts.experts.linear_fc1.weight`` (L, E, ...): its prefix plus "experts."
-_EXPERT = re.compile(r"^mlp\.experts\.(?:experts\.)?(?:(\d+)\.)?(linear_fc1|linear_fc2)\.weight(_w|_v)?$")
-_TOP = {
-    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-    "output_layer.weight": "lm_head.weight",
-    "decoder.final_layernorm.weight": "model.norm.weight",
-}
-_RENAMES = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-
-
-class _Cut:
-    """Collects target specs; each ``put`` is one box of a source tensor filling a whole target."""
-
-    def __init__(self, info: ModelInfo) -> None:
-        self.info = info
-        self.specs: dict[str, list[Slice]] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-
-    def put(self, name: str, source: str, lead: tuple[int, ...], start: int, rows: int, rest: tuple[int, ...],
-            dst_start: int = 0, total: int | None = None) -> None:
-        """Rows ``start..start+rows`` of ``source`` (after the leading indices ``lead``) fill rows
-        ``dst_start..`` of target ``name`` (``total`` rows in all)."""
-        src = Box((*lead, start, *(0 for _ in rest)), (*(1 for _ in lead), rows, *rest))
-        shape = (total if total is not None else rows, *rest)
-        dst = Box((dst_start, *(0 for _ in rest)), (rows, *rest))
-        self.shapes[name] = shape
-        self.specs.setdefault(name, []).append(Slice(source, src, dst))
-
-    def whole(self, name: str, source: str, lead: tuple[int, ...], shape: tuple[int, ...]) -> None:
-        if not shape:
-            self.shapes[name] = ()
-            self.specs.setdefault(name, []).append(Slice(source, Box((*lead,), (*(1 for _ in lead),)), Box((), ())))
-            return
-        self.put(name, source, lead, 0, shape[0], shape[1:])
-
-    def pick(self, *candidates: str) -> str:
-        """The first candidate name transformers writes on disk for this model (else the first)."""
-        return next((c for c in candidates if c in self.info.disk_shapes), candidates[0])
-
-    def result(self) -> list[TargetSpec]:
-        return [TargetSpec(name, self.shapes[name], tuple(slices)) for name, slices in self.specs.items()]
-
-
-def to_hf(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str], list[tuple[str, str]]]:
-    """Megatron-Core global tensors (either reader) -> HuggingFace on-disk tensors, as boxes.
-
-    Returns:
-        ``(specs, notes, problems)``; a problem is ``(source tensor, message)`` for a tensor with no HF place or
-        with a shape the config contradicts.
-    """
-    cut = _Cut(info)
-    problems: list[tuple[str, str]] = []
-    notes = [
-        f"stripped vocab padding: rows {t.padding[0].true_size}..{t.global_shape[0]} of '{t.fqn}'"
-        for t in layout.tensors.values() if t.padding
-    ]
-    config = info.config
-    heads = int(config.get("num_attention_heads") or 0)
-    groups = int(config.get("num_key_value_heads") or heads)
-    hidden = int(config.get("hidden_size") or 0)
-    head_dim = int(config.get("head_dim") or (hidden // heads if heads else 0))
-    # a stacked tensor holds at most every layer (expert) of the config: its leading size is not trusted to loop on
-    most = {"layers": _config_count(config, "num_hidden_layers"),
-            "experts": _config_count(config, "num_local_experts", "num_experts", "n_routed_experts")}
-    for tensor in layout.tensors.values():
-        fqn = tensor.fqn
-        shape = tensor.true_shape
-        if fqn in _TOP:
-            cut.whole(_TOP[fqn], fqn, (), shape)
-            continue
-        match = _LAYER.match(fqn)
-        if match is None:
-            problems.append(
-                (fqn, f"'{fqn}': not a Megatron-Core GPT tensor ckpttool can place in a {info.model_type} model")
-            )
-            continue
-        stacked = match.group(1) is None
-        if stacked and (not shape or shape[0] > most["layers"]):
-            problems.append((fqn, f"'{fqn}': {shape[0] if shape else 'no'} stacked layers, expected at most "
-                                  f"{most['layers']} (the config's num_hidden_layers)"))
-            continue
-        layers = range(shape[0]) if stacked else (int(match.group(1)),)
-        inner = shape[1:] if stacked else shape
-        for layer in layers:
-            lead = (layer,) if stacked else ()
-            try:
-                _cut_layer(cut, fqn, match.group(2), layer, lead, inner, heads, groups, head_dim, most["experts"])
-            except ConfigError as e:
-                problems.append((fqn, str(e)))
-                break
-    return cut.result(), notes, problems
-
-
-def _config_count(config: Mapping[str, object], *names: str) -> int:
-    """The first of ``names`` the config holds as a non-negative integer (``2**16`` when none: a bound to loop to)."""
-    value = _config_value(config, *names)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 1 << 16
-
-
-def _cut_layer(cut: _Cut, fqn: str, suffix: str, layer: int, lead: tuple[int, ...], shape: tuple[int, ...],
-               heads: int, groups: int, head_dim: int, most_experts: int) -> None:
-    h = f"model.layers.{layer}."
-    if suffix in _RENAMES:
-        cut.whole(h + _RENAMES[suffix], fqn, lead, shape)
-    elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        _cut_qkv(cut, fqn, h, suffix.rsplit(".", 1)[1], lead, shape, heads, groups, head_dim)
-    elif suffix == "mlp.linear_fc1.weight":
-        _cut_gate_up(cut, fqn, lead, shape, h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")
-    elif suffix in ("mlp.linear_fc1.weight_w", "mlp.linear_fc1.weight_v"):  # singleton shards: halves on their own
-        cut.whole(h + ("mlp.gate_proj.weight" if suffix.endswith("_w") else "mlp.up_proj.weight"), fqn, lead, shape)
-    elif suffix == "mlp.router.weight":
-        cut.whole(cut.pick(h + "block_sparse_moe.gate.weight", h + "mlp.gate.weight"), fqn, lead, shape)
-    elif (m := _EXPERT.match(suffix)) is not None:
-        if m.group(1) is None and (not shape or shape[0] > most_experts):
-            raise ConfigError(f"'{fqn}': {shape[0] if shape else 'no'} stacked experts, expected at most "
-                              f"{most_experts} (the config's number of experts)")
-        experts = range(shape[0]) if m.group(1) is None else (int(m.group(1)),)
-        inner = shape[1:] if m.group(1) is None else shape
-        for e in experts:
-            at = (*lead, e) if m.group(1) is None else lead
-            mixtral = h + f"block_sparse_moe.experts.{e}."
-            qwen = h + f"mlp.experts.{e}."
-            gate = cut.pick(mixtral + "w1.weight", qwen + "gate_proj.weight")
-            up = cut.pick(mixtral + "w3.weight", qwen + "up_proj.weight")
-            down = cut.pick(mixtral + "w2.weight", qwen + "down_proj.weight")
-            if m.group(2) == "linear_fc2":
-                cut.whole(down, fqn, at, inner)
-            elif m.group(3) is not None:  # torch_dist singleton shards: the halves under their own keys
-                cut.whole(gate if m.group(3) == "_w" else up, fqn, at, inner)
-            else:
-                _cut_gate_up(cut, fqn, at, inner, gate, up)
-    else:
-        raise ConfigError(f"'{fqn}': '{suffix}' is not a layer tensor ckpttool can place in a HuggingFace model")
-
-
-def _cut_qkv(cut: _Cut, fqn: str, h: str, kind: str, lead: tuple[int, ...], shape: tuple[int, ...],
-             heads: int, groups: int, head_dim: int) -> None:
-    """Rows per query group: ``heads/groups`` query heads, one key head, one value head."""
-    if not heads or not groups or heads % groups:
-        raise ConfigError(
-            f"'{fqn}': the config's num_attention_heads {heads} / num_key_value_heads {groups} do not group"
-        )
-    per_group = heads // groups
-    rows = groups * (per_group + 2) * head_dim
-    if not shape or shape[0] != rows:
-        raise ConfigError(
-            f"'{fqn}': {shape[0] if shape else 0} rows, expected {rows} ({groups} query groups x ({per_group} query + "
-            f"1 key + 1 value heads) x head_dim {head_dim}) from the config"
-        )
-    rest = shape[1:]
-    block = (per_group + 2) * head_dim
-    for g in range(groups):
-        base = g * block
-        cut.put(f"{h}self_attn.q_proj.{kind}", fqn, lead, base, per_group * head_dim, rest,
-                g * per_group * head_dim, heads * head_dim)
-        cut.put(f"{h}self_attn.k_proj.{kind}", fqn, lead, base + per_group * head_dim, head_dim, rest,
-                g * head_dim, groups * head_dim)
-        cut.put(f"{h}self_attn.v_proj.{kind}", fqn, lead, base + (per_group + 1) * head_dim, head_dim, rest,
-                g * head_dim, groups * head_dim)
-
-
-def _cut_gate_up(cut: _Cut, fqn: str, lead: tuple[int, ...], shape: tuple[int, ...], gate: str, up: str) -> None:
-    """A SwiGLU ``linear_fc1`` as the readers describe it globally: ``[gate; up]``."""
-    if not shape or shape[0] % 2:
-        raise ConfigError(f"'{fqn}': {shape[0] if shape else 0} rows cannot be split into gate and up halves")
-    half = shape[0] // 2
-    cut.put(gate, fqn, lead, 0, half, shape[1:])
-    cut.put(up, fqn, lead, half, half, shape[1:])
 
 
 def with_padding(layout: Layout, padding: Mapping[str, tuple[Padding, ...]]) -> Layout:

@@ -29,12 +29,12 @@ from pathlib import Path
 from .. import jsonfile
 from ..errors import SourceError
 from ..layout import Layout
-from ..models import ModelInfo
+from ..architecture import ModelInfo
 from ..paths import JSON_LIMIT, open_source, read_source
 from ..safe_pickle import Record
 from ..validate import expect
 from . import dcp, megatron
-from .megatron import to_hf  # noqa: F401 (the reader's cut)
+from .base import FormatReader
 
 NAME = "megatron-dist"
 LOOKS_FOR = "metadata.json with sharded_backend torch_dist, .metadata and *.distcp (Megatron-Core torch_dist)"
@@ -121,3 +121,6 @@ def _rebase(layout: Layout, prefix: str, root: Path) -> Layout:
     absent = {fqn: moved(pieces) for fqn, pieces in layout.absent.items()}
     missing = tuple(prefix + f for f in layout.missing)
     return replace(layout, root=str(root), tensors=tensors, absent=absent, missing=missing)
+
+
+READER = FormatReader(NAME, LOOKS_FOR, matches, read)

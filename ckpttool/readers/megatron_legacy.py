@@ -39,13 +39,13 @@ from typing import Any
 from ..dtypes import itemsize
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
-from ..models import ModelInfo
+from ..architecture import ModelInfo
 from ..paths import open_source
 from ..safe_pickle import Record
 from ..torch_save import StoredTensor
 from ..validate import expect, integer
 from . import megatron
-from .megatron import to_hf  # noqa: F401 (the reader's cut)
+from .base import FormatReader
 
 NAME = "megatron-legacy"
 LOOKS_FOR = "iter_N/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt (Megatron-LM --ckpt-format torch)"
@@ -314,3 +314,6 @@ def _layer_offset(args: Any, layers: int, stage: int, chunk: int, pp: int, vpp: 
     if last is not None:
         sizes[-1] = last
     return sum(sizes[:stage])
+
+
+READER = FormatReader(NAME, LOOKS_FOR, matches, read)

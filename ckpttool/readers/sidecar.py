@@ -6,10 +6,11 @@ from pathlib import Path
 
 from ..errors import SourceError, SourceNotFoundError
 from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
-from ..models import ModelInfo
+from ..architecture import ModelInfo
 from ..paths import JSON_LIMIT, inside, read_source
 from ..safetensors_format import read_header
 from ..sidecar import SUFFIX, parse_sidecar, shard_name
+from .base import FormatReader
 
 NAME = "sidecar"
 LOOKS_FOR = f"*{SUFFIX} sidecars beside per-rank safetensors (ckpttool sidecar)"
@@ -71,3 +72,6 @@ def _text(path: Path) -> str:
         return read_source(path, path.name, limit=JSON_LIMIT).decode("utf-8")
     except UnicodeDecodeError:
         raise SourceError(f"'{path.name}': not valid JSON (not UTF-8 text)") from None
+
+
+READER = FormatReader(NAME, LOOKS_FOR, matches, read)

@@ -13,8 +13,8 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from .audit import EXPERT_NAME, LAYER_NAME
-from .findings import ERROR, INFO, WARNING, Finding, Report, TensorStats
+from ..findings import ERROR, INFO, WARNING, Finding, Report, TensorStats
+from .shapes import EXPERT_NAME, LAYER_NAME
 
 _COLOURS = {ERROR: "#c62828", WARNING: "#ef8f00", INFO: "#1565c0"}
 

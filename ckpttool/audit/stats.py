@@ -17,9 +17,9 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from .findings import TensorStats
-from .plan import Plan, Target
-from .stream import Reader, build, buffer_sizes, chunks, piece_uses
+from ..findings import TensorStats
+from ..plan import Plan, Target
+from ..stream import Reader, build, buffer_sizes, chunks, piece_uses
 
 #: elements converted to float at once
 BLOCK_ELEMENTS = 1 << 22

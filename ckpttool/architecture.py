@@ -1,0 +1,204 @@
+"""What a model config says the model looks like, the way transformers itself builds and saves it.
+
+The expected tensors come from transformers, not from tables: the architecture is built from ``config.json``
+on the meta device (no memory), which gives the in-memory names and global shapes; transformers' own
+``revert_weight_conversion`` on those meta tensors gives the on-disk names and shapes ``save_pretrained``
+writes; tied weights are dropped as ``save_pretrained`` drops them. The answer (:class:`ModelInfo`) is plain
+data: readers use it where a format records no global shapes, the families (:mod:`ckpttool.families`) to
+name and cut tensors, the audit to check them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import jsonfile
+from .errors import ConfigError, SourceError
+from .layout import Shape
+from .paths import JSON_LIMIT, link_escapes, read_source
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What transformers says a model built from this config looks like.
+
+    Attributes:
+        model_type: ``config.model_type``.
+        config: the config as a plain dict.
+        memory_shapes: in-memory state-dict names -> global shapes (what DCP and FSDP save).
+        disk_shapes: on-disk names -> shapes (what ``save_pretrained`` writes), tied weights removed.
+        tied: tied target name -> the name it shares storage with (e.g. ``lm_head.weight``).
+        family: the family whose adapter cuts this model's tensors (:mod:`ckpttool.families`): the model type, or
+            the one transformers itself treats it as (``qwen3_moe`` is cut as ``qwen2_moe``).
+    """
+
+    model_type: str
+    config: Mapping[str, object]
+    memory_shapes: Mapping[str, Shape]
+    disk_shapes: Mapping[str, Shape]
+    tied: Mapping[str, str] = field(default_factory=dict)
+    family: str | None = None
+
+
+def find_config(source: Path, explicit: str | Path | None) -> Path | None:
+    """The ``config.json`` to use: ``explicit`` (a file or an HF directory), else in the source, in its
+    ``huggingface/`` directory (where verl writes it), or next to the source.
+
+    A ``config.json`` found in a directory must not be a symlink out of it (:func:`paths.link_escapes`).
+
+    Raises:
+        ConfigError: ``explicit`` names no config, or a ``config.json`` found is a symlink out of its directory.
+    """
+    if explicit is not None:
+        path = Path(explicit)
+        if path.is_dir():
+            path = _refuse_link_out(path / "config.json", path)
+        if not path.is_file():
+            raise ConfigError(f"config '{explicit}' not found (give a config.json file or a directory holding one)")
+        return path
+    for candidate, folder in ((source / "config.json", source), (source / "huggingface" / "config.json", source),
+                              (source.parent / "config.json", source.parent)):
+        if candidate.is_file():
+            return _refuse_link_out(candidate, folder)
+    return None
+
+
+def _refuse_link_out(path: Path, folder: Path) -> Path:
+    target = link_escapes(path, folder)
+    if target is not None:
+        raise ConfigError(f"'{path}' is a symlink to '{target}', outside '{folder}'; ckpttool follows no link out of "
+                          "the checkpoint. Copy the config in its place, or name that file itself as the config")
+    return path
+
+
+def read_config(path: Path) -> dict[str, object]:
+    try:
+        config = jsonfile.loads(read_source(path, limit=JSON_LIMIT))
+    except SourceError as e:  # not a regular file, unreadable: the message names the file
+        raise ConfigError(str(e)) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"'{path}': cannot read the config: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"'{path}': the config is not a JSON object")
+    return config
+
+
+def model_info(config: Mapping[str, object], *, label: str = "config.json") -> ModelInfo | None:
+    """Build the architecture on the meta device and read its expected tensors; None if transformers lacks it.
+
+    The answer depends only on the config and the transformers version, and importing transformers takes
+    seconds, so it is kept in a cache (``CKPTTOOL_CACHE``, default ``~/.cache/ckpttool``) keyed by both.
+
+    Raises:
+        ConfigError: transformers knows the model type but cannot build it from this config.
+    """
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"'{label}': no model_type; is it a transformers config?")
+    cache = _cache_path(config)
+    cached = _read_cache(cache, config) if cache is not None else None
+    if cached is not None:
+        return cached[0]
+    info = _build(model_type, config, label)
+    if cache is not None:
+        _write_cache(cache, info)
+    return info
+
+
+def _build(model_type: str, config: Mapping[str, object], label: str) -> ModelInfo | None:
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        log.info("transformers %s does not know model_type %r", transformers.__version__, model_type)
+        return None
+    try:
+        cfg = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
+    except Exception as e:  # transformers validates configs with several exception types
+        raise ConfigError(f"'{label}': transformers rejects this {model_type} config: {e}") from None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except ValueError:
+        return None  # a model type transformers knows, but with no causal-LM head: stay generic
+    except Exception as e:
+        raise ConfigError(f"'{label}': transformers cannot build a {model_type} model from it: {e}") from None
+    state = model.state_dict()
+    memory = {k: tuple(v.shape) for k, v in state.items()}
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        disk_state = revert_weight_conversion(model, dict(state))
+    except ImportError:  # transformers < 5: memory names are the disk names
+        disk_state = state
+    disk = {k: tuple(v.shape) for k, v in disk_state.items() if k not in tied}
+    return ModelInfo(model_type, dict(config), memory, disk, tied, _family(model_type))
+
+
+def _cache_path(config: Mapping[str, object]) -> Path | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        key = json.dumps({"transformers": version("transformers"), "config": config}, sort_keys=True, default=str)
+    except (PackageNotFoundError, TypeError, ValueError):
+        return None
+    root = Path(os.environ.get("CKPTTOOL_CACHE") or Path.home() / ".cache" / "ckpttool")
+    return root / "models" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def _read_cache(path: Path, config: Mapping[str, object]) -> tuple[ModelInfo | None] | None:
+    """``(info,)`` from the cache (``info`` may be None: no causal LM), or None when there is no usable entry."""
+    try:
+        doc = jsonfile.loads(path.read_text())
+        if doc is None or doc.get("none"):
+            return (None,) if doc is not None else None
+        shapes = lambda m: {k: tuple(int(n) for n in v) for k, v in m.items()}  # noqa: E731
+        return (ModelInfo(doc["model_type"], dict(config), shapes(doc["memory"]), shapes(doc["disk"]),
+                          dict(doc["tied"]), doc.get("family")),)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _write_cache(path: Path, info: ModelInfo | None) -> None:
+    doc = {"none": True} if info is None else {
+        "model_type": info.model_type, "memory": info.memory_shapes, "disk": info.disk_shapes, "tied": info.tied,
+        "family": info.family,
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(doc))
+        os.replace(temporary, path)
+    except OSError as e:  # a read-only home: no cache, same answers
+        log.info("cannot cache the model description in %s: %s", path.parent, e)
+
+
+def _family(model_type: str) -> str:
+    """The family that cuts this model type: transformers' own alias for its weight conversion (``qwen3_moe``
+    is converted as ``qwen2_moe``), else the model type itself."""
+    try:
+        from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN as aliases
+    except ImportError:
+        return model_type
+    alias = aliases.get(model_type)
+    return alias if isinstance(alias, str) else model_type
+
+
+def config_value(config: Mapping[str, object], *names: str) -> Any:
+    """The first of ``names`` the config sets (not None), or None: configs name one thing several ways."""
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    return None

@@ -1,0 +1,159 @@
+"""``audit``: the pre-release gate. Every problem of a checkpoint as a finding, never a first-error exit.
+
+The audit reads any source ``merge`` reads. It checks, in order: the files and index (HuggingFace
+directories); what the source recorded (coverage of every tensor, padding); names and shapes against the
+architecture transformers builds from ``config.json``, with a diagnosis of every wrong shape; the config's
+consistency with the weights (vocab, tied embeddings, dtypes, tokenizer); and, unless ``data=False``, the
+tensor data itself, one tensor at a time (NaN/Inf, zero or constant tensors, identical experts, per-layer
+RMS outliers, diverging replicas).
+
+This module holds the order of the checks (:func:`audit`, :func:`check`) and what the source recorded
+(coverage, padding); each other kind of check has its own room:
+
+- :mod:`.shapes`: names and shapes against the architecture (missing layers and experts grouped);
+- :mod:`.config`: the config's consistency with the weights (config.json, dtypes, tokenizer, tied embeddings);
+- :mod:`.stats`: tensor data streamed into fingerprints and statistics (``diff`` uses it too);
+- :mod:`.data`: the data checks on those statistics, and diverging replicas;
+- :mod:`.report_html`: the report as one self-contained HTML page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from ..config_sizes import census, check_config_sizes
+from ..errors import CoverageError
+from ..findings import Finding, Report, TensorStats, finding, sort_findings
+from ..layout import Layout
+from ..architecture import ModelInfo, find_config, model_info, read_config
+from ..families import compare_with_model, map_to_hf
+from ..plan import Plan, Target, TargetSpec, identity_specs, plan_merge
+from ..readers import detect_format, hf, read_layout
+from .config import config_findings, dtype_findings, tie_findings, tokenizer_findings, tokenizer_size
+from .data import OUTLIER_FACTOR, data_findings, replica_findings
+from .shapes import EXPERT_NAME, LAYER_NAME, shape_findings
+from .stats import Statistics, fold
+
+__all__ = [
+    "EXPERT_NAME", "LAYER_NAME", "OUTLIER_FACTOR", "audit", "check", "config_findings", "data_findings",
+    "shape_findings", "tokenizer_size",
+]
+
+
+def audit(
+    src: str | Path,
+    *,
+    config: str | Path | None = None,
+    format: str | None = None,
+    data: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> Report:
+    """Audit a checkpoint (any format ``merge`` reads) and return every finding.
+
+    Args:
+        src: the checkpoint directory.
+        config: ``config.json`` or a directory holding it; found in or next to ``src`` when None.
+        format: reader name; detected when None.
+        data: read tensor data (NaN/Inf, zeros, identical experts, outliers, replicas); False reads only
+            headers and metadata.
+        progress: called as ``progress(bytes_just_read, total_bytes)`` during the data checks.
+
+    Raises:
+        SourceError, ConfigError: the input cannot be read at all (exit 1), as opposed to findings (exit 3).
+
+    Example:
+        >>> report = audit("out/llama")  # doctest: +SKIP
+        >>> [f.code for f in report.errors]  # doctest: +SKIP
+    """
+    root = Path(src)
+    model = None
+    config_path = find_config(root, config)
+    config_dict = read_config(config_path) if config_path is not None else None
+    if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
+        check_config_sizes(config_dict, str(config_path), lambda: census(root, format))
+        model = model_info(config_dict, label=str(config_path))
+    return check(root, config_path=config_path, config=config_dict, model=model, format=format, data=data,
+                 progress=progress)
+
+
+def check(
+    root: Path,
+    *,
+    config_path: Path | None,
+    config: Mapping[str, object] | None,
+    model: ModelInfo | None,
+    format: str | None = None,
+    data: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> Report:
+    """:func:`audit` with the config already found and the architecture already built (the merge's case)."""
+    fmt = format or detect_format(root)
+    found: list[Finding] = []
+    if fmt == hf.NAME:
+        scan = hf.scan(root)
+        layout = scan.layout
+        found.extend(scan.findings)
+    else:
+        layout = read_layout(root, format=fmt, model=model)
+    found.extend(finding("source-note", note) for note in layout.notes)
+    found.extend(_padding(layout))
+
+    tied: list[TargetSpec] = []
+    if model is not None:
+        mapping = map_to_hf(layout, model)
+        specs, tied = mapping.specs, mapping.tied
+        found.extend(finding("source-note", note) for note in mapping.notes)
+        found.extend(finding("shape-mismatch", message, tensor=fqn) for fqn, message in mapping.problems)
+    else:
+        specs = identity_specs(layout)
+    found.extend(config_findings(root, fmt, config, checked=model is not None))
+    plan, coverage = _plan(layout, [*specs, *tied])
+    found.extend(coverage)
+    if not specs and not coverage:
+        found.append(finding("no-weights", f"'{root}' holds no model tensors"))
+    if model is not None:
+        found.extend(shape_findings(compare_with_model({s.name: s.shape for s in specs}, model), model))
+    found.extend(dtype_findings(plan.targets, config))
+    found.extend(tokenizer_findings(root, config_path, config))
+
+    stats: list[TensorStats] = []
+    if data:
+        total = plan.nbytes
+        stats = fold(plan, Statistics, (lambda n: progress(n, total)) if progress else (lambda n: None))
+        found.extend(data_findings(stats))
+        found.extend(replica_findings(layout))
+    if model is not None:
+        found.extend(tie_findings(tied, model, {s.name: s for s in stats}, data))
+    return Report(
+        source=str(root),
+        format=fmt,
+        config=str(config_path) if config_path else None,
+        model_type=model.model_type if model else None,
+        data_checked=data,
+        tensors=len(specs) + len(tied),
+        findings=sort_findings(found),
+        stats=tuple(stats),
+    )
+
+
+def _plan(layout: Layout, specs: Sequence[TargetSpec]) -> tuple[Plan, list[Finding]]:
+    """The plan of every tensor that is covered exactly once; a coverage finding for each one that is not."""
+    targets: list[Target] = []
+    found: list[Finding] = []
+    for spec in specs:
+        try:
+            targets.extend(plan_merge(layout, [spec]).targets)
+        except CoverageError as e:
+            files = sorted({p.file for sl in spec.slices for p in layout.absent.get(sl.source, ())})
+            for problem in e.problems:
+                found.append(finding("coverage", problem, tensor=spec.name, file=files[0] if files else None))
+    return Plan(layout.root, layout.format, tuple(targets), tuple(layout.notes)), found
+
+
+def _padding(layout: Layout) -> list[Finding]:
+    return [
+        finding("padding-recorded", f"'{t.fqn}': dim {pad.dim} padded to {t.global_shape[pad.dim]}, true size "
+                f"{pad.true_size}; a merge strips rows {pad.true_size}..{t.global_shape[pad.dim]}", tensor=t.fqn)
+        for t in layout.tensors.values() for pad in t.padding
+    ]

@@ -1,0 +1,109 @@
+"""Names and shapes against the architecture transformers builds from the config, as findings.
+
+Mismatches come from :func:`ckpttool.models.compare_with_model`, each wrong shape with its diagnosis
+(:mod:`ckpttool.diagnose`); here every layer range or expert whose tensors are all missing is grouped into one
+finding (a pipeline stage or an EP rank not merged) instead of one per tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+
+from ..findings import Finding, finding
+from ..architecture import ModelInfo
+from ..families import Mismatch
+
+LAYER_NAME = re.compile(r"^(?P<prefix>.*?\.layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
+EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+def shape_findings(mismatches: Iterable[Mismatch], model: ModelInfo) -> list[Finding]:
+    """Mismatches as findings: whole missing layers and experts grouped, wrong shapes with their diagnosis."""
+    mismatches = list(mismatches)
+    missing = {m.name for m in mismatches if m.kind == "missing"}
+    found: list[Finding] = []
+    grouped = _missing_layers(missing, model.disk_shapes, found)
+    grouped |= _missing_experts(missing - grouped, model.disk_shapes, found)
+    tie = model.config.get("tie_word_embeddings")
+    for m in mismatches:
+        if m.kind == "missing" and m.name not in grouped:
+            if m.name.endswith("lm_head.weight") and not tie:
+                found.append(finding(
+                    "tie-mismatch",
+                    f"'{m.name}' is missing, but tie_word_embeddings is {json.dumps(tie)}: transformers would "
+                    "initialise a random output layer. Restore it, or set tie_word_embeddings to true if the model "
+                    "was trained with tied embeddings",
+                    tensor=m.name,
+                ))
+            else:
+                found.append(finding("tensor-missing", m.message(), tensor=m.name))
+        elif m.kind == "unexpected":
+            found.append(finding("tensor-unexpected", m.message(), tensor=m.name))
+        elif m.kind == "shape":
+            assert m.diagnosis is not None
+            found.append(finding(m.diagnosis.code, m.message(), tensor=m.name))
+    return found
+
+
+def _missing_layers(missing: set[str], expected: Mapping[str, object], found: list[Finding]) -> set[str]:
+    grouped: set[str] = set()
+    for prefix, by_index, gone in _wholly_missing(missing, expected, LAYER_NAME):
+        for start, end in _ranges(gone):
+            names = [n for i in range(start, end + 1) for n in by_index[i]]
+            grouped.update(names)
+            span = f"{start}..{end}" if end > start else str(start)
+            present = sorted(set(by_index) - set(gone))
+            found.append(finding(
+                "layers-missing",
+                f"layers {span} of '{prefix}' are missing entirely ({len(names)} tensors; present: "
+                f"{_spans(present) or 'none'} of {len(by_index)} layers): a pipeline stage missing?",
+                tensor=f"{prefix}.{span}",
+            ))
+    return grouped
+
+
+def _missing_experts(missing: set[str], expected: Mapping[str, object], found: list[Finding]) -> set[str]:
+    grouped: set[str] = set()
+    for prefix, by_index, gone in _wholly_missing(missing, expected, EXPERT_NAME):
+        for e in gone:
+            grouped.update(by_index[e])
+            found.append(finding(
+                "expert-missing",
+                f"expert {e} of '{prefix}' is missing entirely ({len(by_index[e])} tensors; "
+                f"{len(by_index) - len(gone)} of {len(by_index)} experts present)",
+                tensor=f"{prefix}.{e}",
+            ))
+    return grouped
+
+
+def _wholly_missing(
+    missing: set[str], expected: Iterable[str], pattern: re.Pattern[str]
+) -> list[tuple[str, dict[int, list[str]], list[int]]]:
+    """Expected names grouped by ``pattern``'s prefix and index (a layer, an expert), with the sorted indices
+    whose every expected tensor is missing."""
+    groups: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for name in expected:
+        match = pattern.match(name)
+        if match:
+            groups[match["prefix"]][int(match["index"])].append(name)
+    return [
+        (prefix, by_index, sorted(i for i, names in by_index.items() if all(n in missing for n in names)))
+        for prefix, by_index in groups.items()
+    ]
+
+
+def _ranges(indices: Sequence[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][1] == i - 1:
+            out[-1] = (out[-1][0], i)
+        else:
+            out.append((i, i))
+    return out
+
+
+def _spans(indices: Sequence[int]) -> str:
+    return ", ".join(f"{a}..{b}" if b > a else str(a) for a, b in _ranges(indices))

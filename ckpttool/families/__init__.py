@@ -1,0 +1,127 @@
+"""Families: what the tensors of a model family are called, and how they are fused, stacked and cut.
+
+One small adapter per model family, declarative where it can be (:mod:`.rules`: renames and stacked experts cut
+per expert, as name templates), and one per *source convention* that names tensors its own way
+(:mod:`.megatron_core`: fused QKV with grouped-query heads, SwiGLU ``[gate; up]``, stacked layers and experts).
+A convention is chosen by the layout's format name (data the reader records), a family by the model type
+transformers resolves from the config. This layer sits above the readers and never imports them; readers never
+import it: they describe bytes and boxes, the families give them names.
+
+Entry points: :func:`map_to_hf` (a layout under on-disk HuggingFace names, unchecked) and :func:`hf_specs`
+(the same, checked against transformers' expected names and shapes, refused with every problem listed).
+Adding a family is one adapter module here and one line in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..architecture import ModelInfo
+from ..diagnose import refusal_advice
+from ..errors import ConfigError
+from ..layout import Layout
+from ..plan import TargetSpec
+from . import megatron_core, mixtral, qwen2_moe
+from .check import Mismatch, compare_with_model
+from .rules import Rules, cut
+
+__all__ = ["CONVENTIONS", "FAMILIES", "HfMapping", "Mismatch", "compare_with_model", "hf_specs", "map_to_hf"]
+
+#: model family (as :attr:`ModelInfo.family` resolves it) -> how its in-memory tensors are saved on disk
+FAMILIES: dict[str, Rules] = {mixtral.NAME: mixtral.RULES, qwen2_moe.NAME: qwen2_moe.RULES}
+
+Cut = Callable[[Layout, ModelInfo], tuple[list[TargetSpec], list[str], list[tuple[str, str]]]]
+#: layout format -> the source convention that cuts its tensors (formats not named use the family's rules)
+CONVENTIONS: dict[str, Cut] = dict.fromkeys(megatron_core.FORMATS, megatron_core.to_hf)
+
+
+@dataclass(frozen=True, slots=True)
+class HfMapping:
+    """A layout's tensors under the on-disk HuggingFace names of ``info``'s architecture, not yet checked.
+
+    Attributes:
+        specs: the targets, tied weights excluded.
+        tied: targets ``save_pretrained`` would drop because they are tied (e.g. ``lm_head.weight``).
+        notes: what was done for the user (a stripped wrapper prefix).
+        problems: ``(source tensor, message)`` for tensors the family's rules cannot cut.
+    """
+
+    specs: list[TargetSpec]
+    tied: list[TargetSpec]
+    notes: list[str]
+    problems: list[tuple[str, str]]
+
+
+def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
+    """The layout's tensors under on-disk HuggingFace names: cut by the source convention of its format when it
+    has one (:data:`CONVENTIONS`, e.g. Megatron-Core's fused QKV); else in-memory names (DCP, FSDP, transformers
+    distributed) cut by the family's rules (:data:`FAMILIES`), on-disk names passed through, and a wrapper
+    prefix (``model.``/``module.``) stripped."""
+    convention = CONVENTIONS.get(layout.format)
+    if convention is not None:
+        specs, notes, problems = convention(layout, info)
+    else:
+        specs, notes, problems = _generic_cut(layout, info)
+    tied = [s for s in specs if s.name in info.tied]
+    return HfMapping([s for s in specs if s.name not in info.tied], tied, notes, problems)
+
+
+def _generic_cut(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str], list[tuple[str, str]]]:
+    notes: list[str] = []
+    prefix = _wrapper_prefix(layout, info)
+    if prefix:
+        notes.append(f"stripped the prefix '{prefix}' the training loop put before every tensor name")
+    rules = FAMILIES.get(info.family or "", ())
+    specs: list[TargetSpec] = []
+    problems: list[tuple[str, str]] = []
+    for tensor in layout.tensors.values():
+        try:
+            specs.extend(cut(tensor, tensor.fqn[len(prefix):], rules))
+        except ConfigError as e:
+            problems.append((tensor.fqn, str(e)))
+    return specs, notes, problems
+
+
+def hf_specs(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str]]:
+    """The targets of a HuggingFace checkpoint of ``info``'s architecture made from ``layout``, checked
+    against what transformers expects on disk. Tied weights are dropped, as ``save_pretrained`` drops them.
+
+    Returns:
+        The target specs and notes for the user.
+
+    Raises:
+        ConfigError: missing, unexpected or wrongly shaped tensors, all listed, with the likely cause.
+    """
+    mapping = map_to_hf(layout, info)
+    notes = list(mapping.notes)
+    if mapping.tied:
+        dropped = [s.name for s in mapping.tied]
+        notes.append(f"dropped {', '.join(dropped)}: tied to {', '.join(info.tied[n] for n in dropped)} (as save_pretrained does)")
+    problems = [message for _, message in mapping.problems]
+    mismatches = compare_with_model({s.name: s.shape for s in mapping.specs}, info)
+    problems.extend(m.message() for m in mismatches)
+    padded = any(m.diagnosis is not None and m.diagnosis.code.startswith("vocab-padding") for m in mismatches)
+    if problems:
+        raise ConfigError(
+            f"the checkpoint in '{layout.root}' does not match its {info.model_type} config "
+            f"({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n"
+            + "\n".join(f"  - {p}" for p in problems[:40])
+            + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
+            + "\n" + refusal_advice(m.diagnosis.code for m in mismatches if m.diagnosis is not None)
+            + (" ckpttool strips padding the source recorded (sidecar 'padding') and never guesses it."
+               if padded else "")
+        )
+    return mapping.specs, notes
+
+
+def _wrapper_prefix(layout: Layout, info: ModelInfo) -> str:
+    """'' normally; 'model.' when a loop saved ``{"model": state_dict}`` and every name carries it."""
+    known = set(info.memory_shapes) | set(info.disk_shapes)
+    names = list(layout.tensors)
+    if not names or any(n in known for n in names):
+        return ""
+    for prefix in ("model.", "module."):
+        if all(n.startswith(prefix) for n in names) and any(n[len(prefix):] in known for n in names):
+            return prefix
+    return ""

@@ -1,0 +1,16 @@
+"""Qwen2-MoE and the families transformers converts the same way (Qwen3-MoE, OLMoE, DeepSeek-V2/V3 experts):
+stacked in memory (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``), per expert
+on disk (``mlp.experts.E.gate_proj``, ``up_proj``, ``down_proj``)."""
+
+from __future__ import annotations
+
+from .rules import Rules, Unstack
+
+NAME = "qwen2_moe"
+RULES: Rules = (
+    Unstack(
+        r"^(.*)\.mlp\.experts\.gate_up_proj$",
+        ("{prefix}.mlp.experts.{expert}.gate_proj.weight", "{prefix}.mlp.experts.{expert}.up_proj.weight"),
+    ),
+    Unstack(r"^(.*)\.mlp\.experts\.down_proj$", ("{prefix}.mlp.experts.{expert}.down_proj.weight",)),
+)

@@ -1,0 +1,121 @@
+"""What each rank of a live job holds, as plain data, and the plan every rank builds from everyone's pieces.
+
+A DTensor's region of the global tensor comes from its placements, by torch's own
+``compute_local_shape_and_global_offset`` (the rule torch itself places and redistributes live DTensors by; the
+same arithmetic for checkpoint files is :mod:`ckpttool.placements`, compared with torch's in its tests). A plain
+tensor's region comes from its :class:`~ckpttool.sidecar.PieceSpec`, or it is taken whole (a replica).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..dtypes import cast_dtype, dtype_name
+from ..errors import SourceError
+from ..layout import Box, Layout, LayoutBuilder, Piece
+from ..architecture import model_info
+from ..families import hf_specs
+from ..plan import Plan, identity_specs, plan_merge
+from ..sidecar import PieceSpec
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """One piece a rank holds, as exchanged between ranks (plain data)."""
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    spec: PieceSpec | None
+
+
+def _describe(state: Mapping[str, Any], specs: Mapping[str, PieceSpec]) -> tuple[list[_Held], dict[tuple[str, tuple[int, ...]], torch.Tensor], list[str]]:
+    """This rank's pieces: what to tell the others, and the local tensors by ``(fqn, offsets)``."""
+    held: list[_Held] = []
+    views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    skipped = 0
+    for fqn, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            skipped += 1
+            continue
+        spec = specs.get(fqn)
+        local, global_shape, offsets = _placement(fqn, value, spec)
+        try:
+            dtype = dtype_name(local.dtype)
+        except SourceError as e:
+            raise SourceError(f"'{fqn}': {e}") from None
+        if not len(offsets) == local.dim() == len(global_shape) or any(
+            o < 0 or o + s > n for o, s, n in zip(offsets, local.shape, global_shape)
+        ):
+            raise SourceError(
+                f"'{fqn}': the local tensor of shape {list(local.shape)} at offsets {list(offsets)} does not fit "
+                f"the global shape {list(global_shape)}"
+            )
+        if local.numel() == 0:
+            continue
+        held.append(_Held(fqn, global_shape, dtype, offsets, tuple(local.shape), spec))
+        views[(fqn, offsets)] = local.detach()
+    notes = [f"skipped {skipped} entries that are not tensors"] if skipped else []
+    return held, views, notes
+
+
+def _placement(fqn: str, value: torch.Tensor, spec: PieceSpec | None) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """The local tensor, the global shape and the local tensor's offsets in it."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor
+        DTensor = ()  # noqa: N806
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if any(p.is_partial() for p in value.placements):
+            raise SourceError(f"'{fqn}': a DTensor with a Partial placement holds unreduced sums; redistribute it first")
+
+        global_shape = tuple(value.shape)
+        _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        return value.to_local(), global_shape, tuple(int(o) for o in offsets)
+    if spec is not None:
+        return value, tuple(spec.global_shape), tuple(spec.offsets)
+    return value, tuple(value.shape), tuple(0 for _ in value.shape)
+
+
+def _plan(everyone: Sequence[list[_Held]], config: dict[str, object] | None, dtype: str | None, notes: list[str]) -> Plan:
+    """The plan every rank builds from everyone's pieces: the offline merge's, with ranks for files."""
+    builder = LayoutBuilder("", "live")
+    for rank, held in enumerate(everyone):
+        for h in held:
+            spec = h.spec
+            padding = spec.padding if spec is not None else ()
+            fusion = spec.fusion if spec is not None else None
+            if h.fqn not in builder.declared:
+                builder.declare(h.fqn, h.global_shape, h.dtype, where=f"rank {rank}", padding=padding, fusion=fusion)
+            elif not builder.declare(h.fqn, h.global_shape, h.dtype, where=f"rank {rank}", padding=padding, fusion=fusion):
+                continue
+            tags = (("rank", rank), *(spec.coordinates if spec is not None else ()))
+            builder.add(h.fqn, Piece(_rank_file(rank), h.fqn, Box(h.offsets, h.sizes), h.dtype, tags=tags))
+    layout: Layout = builder.build()
+    info = model_info(config, label="config") if config is not None else None
+    if info is None:
+        specs = identity_specs(layout)
+        notes = [*notes, "no config: tensor names kept as the model has them"]
+    else:
+        specs, found = hf_specs(layout, info)
+        notes = [*notes, *found]
+    specs = sorted(specs, key=lambda s: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s.name)])
+    return plan_merge(layout, specs, dtype=cast_dtype(dtype), notes=notes)
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank {rank}"
+
+
+def _rank_of(piece: Piece) -> int:
+    return int(piece.file.removeprefix("rank "))
+
