@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from ckpttool.errors import CoverageError, SourceError
 from ckpttool.executor import PieceLoader, assemble
-from ckpttool.layout import RAW, Box, Fusion, Layout, LayoutBuilder, Padding, Piece
+from ckpttool.layout import RAW, Box, Fusion, Layout, Padding, Piece
+from ckpttool.layout_builder import LayoutBuilder
 from ckpttool.plan import Copy, Slice, TargetSpec, check_tiling, plan_merge, uncovered
 from ckpttool.safetensors_format import read_header
 from conftest import HYPOTHESIS_EXAMPLES

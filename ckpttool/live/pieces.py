@@ -17,7 +17,8 @@ import torch
 
 from ..dtypes import cast_dtype, dtype_name
 from ..errors import SourceError
-from ..layout import Box, Layout, LayoutBuilder, Piece
+from ..layout import Box, Layout, Piece
+from ..layout_builder import LayoutBuilder
 from ..architecture import model_info
 from ..families import hf_specs
 from ..plan import Plan, identity_specs, plan_merge

@@ -34,7 +34,8 @@ from pathlib import Path
 from ..dtypes import itemsize
 from .. import jsonfile
 from ..errors import SourceError, SourceNotFoundError
-from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
+from ..layout import RAW, Box, Layout, Piece
+from ..layout_builder import LayoutBuilder
 from ..architecture import ModelInfo
 from ..paths import JSON_LIMIT, inside, open_source, read_source
 from ..safetensors_format import read_header
@@ -142,7 +143,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                 builder.declare(name, shape, dtype, where=f"'{rel}'")
     _check_experts(builder, sources, model)
     if len(stages) > 1 or eps:
-        builder.parallel = {"pp": max(stages) if stages else 1, **({"ep": max(eps)} if eps else {})}
+        builder.set_parallel(pp=max(stages) if stages else 1, **({"ep": max(eps)} if eps else {}))
     dup = sum(len(h) > 1 for h in sources.values())
     if dup:
         notes.append(f"{dup} non-expert tensors are saved by every EP rank; read each once (lowest EP rank)")
@@ -316,11 +317,11 @@ def _check_experts(builder: LayoutBuilder, sources: dict[str, list[str]], model:
         return
     if min(eps) < 1:  # ColossalAI numbers stages and EP ranks from 1 in file names
         bad = sorted(rel for rel in files if (m := _STAGE_SHARD.match(rel)) and m.group(3) and int(m.group(3)) < 1)
-        builder.problems.append(f"'{bad[0]}': EP rank number 0 in the file name; ColossalAI numbers them from 1")
+        builder.problem(f"'{bad[0]}': EP rank number 0 in the file name; ColossalAI numbers them from 1")
         return
     ep_size = max(eps)
     if experts % ep_size:
-        builder.problems.append(f"{ep_size} EP ranks cannot split the config's {experts} experts evenly")
+        builder.problem(f"{ep_size} EP ranks cannot split the config's {experts} experts evenly")
         return
     per = experts // ep_size
     for name, holders in sources.items():
@@ -333,7 +334,7 @@ def _check_experts(builder: LayoutBuilder, sources: dict[str, list[str]], model:
                 continue
             ep = int(m.group(3)) - 1
             if not ep * per <= int(e.group(1)) < (ep + 1) * per:
-                builder.problems.append(
+                builder.problem(
                     f"'{name}' is in '{rel}' (EP rank {ep + 1} of {ep_size}), but expert {e.group(1)} belongs to EP "
                     f"rank {int(e.group(1)) // per + 1}: expected experts {ep * per}..{(ep + 1) * per - 1} in that "
                     "file. Were files of different saves mixed?"

@@ -16,7 +16,8 @@ from typing import BinaryIO
 
 from ..dtypes import dtype_name, itemsize
 from ..errors import SourceError, SourceNotFoundError
-from ..layout import RAW, TORCH_SAVE, Box, Layout, LayoutBuilder, Piece
+from ..layout import RAW, TORCH_SAVE, Box, Layout, Piece
+from ..layout_builder import LayoutBuilder
 from ..architecture import ModelInfo
 from ..paths import inside, open_source, read_source
 from ..safe_pickle import Record, load_metadata_pickle

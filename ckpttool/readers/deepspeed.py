@@ -105,7 +105,7 @@ def read(root: Path, model: ModelInfo | None, weights: str = "master") -> Layout
             f"'{_rel(tag, tp_layers[0] if tp_layers else '') or root}': model-parallel ranks {mp_ranks} (tensor "
             f"parallelism): these files do not record how each tensor is split; {way_out(step)}"
         )
-    builder.parallel = {"tp": 1, "pp": len(mp_ranks) if pipeline else 1, "dp": 1}
+    builder.set_parallel(tp=1, pp=len(mp_ranks) if pipeline else 1, dp=1)
     if weights == "module":
         if zero3_models and not models:
             raise SourceError(
@@ -117,8 +117,8 @@ def read(root: Path, model: ModelInfo | None, weights: str = "master") -> Layout
         else:
             state = _model_states(root, step, tag, models, scan=_scan)
             _add_module(state, builder, names=None, why="module weights")
-            builder.notes.append(f"module weights from '{state.rel}' (not the fp32 master weights)")
-        builder.parallel["dp"] = _dp_from_optim(optims)
+            builder.note(f"module weights from '{state.rel}' (not the fp32 master weights)")
+        builder.set_parallel(dp=_dp_from_optim(optims))
         return builder.build()
     if not optims:
         raise SourceError(
@@ -137,7 +137,7 @@ def read(root: Path, model: ModelInfo | None, weights: str = "master") -> Layout
         _read_zero12(root, step, tag, state, [o for o in optims if o[0] == mp_rank], builder, strip_layer=strip,
                      scan=_scan)
     if pipeline:
-        builder.notes.append(f"pipeline of {len(mp_ranks)} stages (one mp_rank_XX file each)"
+        builder.note(f"pipeline of {len(mp_ranks)} stages (one mp_rank_XX file each)"
                              + ("; layer indices dropped from the names" if strip else ""))
     return builder.build()
 

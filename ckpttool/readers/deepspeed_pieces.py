@@ -12,7 +12,8 @@ from typing import Any
 
 from ..dtypes import itemsize
 from ..errors import SourceError
-from ..layout import RAW, Box, LayoutBuilder, Piece
+from ..layout import RAW, Box, Piece
+from ..layout_builder import LayoutBuilder
 from ..torch_save import StoredTensor
 from ..validate import expect
 from .deepspeed_files import _Loaded
@@ -75,7 +76,7 @@ def _add_shared(state: _Loaded, builder: _Builder) -> None:
         expect(owner, str, f"shared_params: the owner of '{alias}'", state.rel)
         if alias in declared or owner not in declared:
             continue
-        builder.notes.append(f"'{alias}' is shared with '{owner}' (shared_params): written with the same weights")
+        builder.note(f"'{alias}' is shared with '{owner}' (shared_params): written with the same weights")
         if builder.declare(alias, builder.shapes[owner], builder.dtype_of(owner), where=f"'{state.rel}' shared_params"):
             for piece, present in list(builder.given.get(owner, ())):
                 builder.add(alias, piece, present=present)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SourceError, SourceNotFoundError
-from ..layout import LayoutBuilder
+from ..layout_builder import LayoutBuilder
 from ..torch_save import StoredTensor
 from .deepspeed_files import Scan, _rel
 from .deepspeed_pieces import _whole_piece
@@ -39,7 +39,7 @@ def _read_layers(root: Path, step: Path, tag: str, layers: list[tuple[int, str]]
             name = key if unique else f"{index}.{key}"
             if builder.declare(name, tensor.shape, tensor.dtype, where=f"'{layer.rel}'"):
                 builder.add(name, _whole_piece(layer.rel, key, tensor))
-    builder.notes.append(f"module weights from {len(loaded)} pipeline layer files"
+    builder.note(f"module weights from {len(loaded)} pipeline layer files"
                          + ("" if unique else " (names prefixed with the layer index: they collide)"))
 
 
@@ -63,5 +63,5 @@ def _read_universal(root: Path, step: Path, tag: str, builder: LayoutBuilder, *,
             count += 1
     if not count:
         raise SourceError(f"'{_rel(tag, 'zero')}': no parameter directories")
-    builder.parallel = {"tp": 1, "pp": 1, "dp": 1}
-    builder.notes.append(f"universal checkpoint: {count} fp32 parameters from zero/<name>/fp32.pt")
+    builder.set_parallel(tp=1, pp=1, dp=1)
+    builder.note(f"universal checkpoint: {count} fp32 parameters from zero/<name>/fp32.pt")

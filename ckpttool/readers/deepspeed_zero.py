@@ -29,7 +29,8 @@ from typing import Any
 
 from ..dtypes import itemsize
 from ..errors import SourceError, SourceNotFoundError
-from ..layout import RAW, LayoutBuilder, Piece, range_boxes
+from ..layout import RAW, Piece, range_boxes
+from ..layout_builder import LayoutBuilder
 from ..torch_save import StoredTensor
 from ..validate import dims, expect, field, integer
 from .deepspeed_files import Scan, _Loaded, _names, _read_ranks, _rel, _shapes, _states
@@ -75,13 +76,12 @@ def _read_zero12(root: Path, step: Path, tag: str, state: _Loaded, group: list[t
                  builder: LayoutBuilder, strip_layer: bool, *, scan: Scan) -> None:
     shapes = _shapes(state)
     ranks, count, prefix, template = _read_ranks(root, tag, group, scan=scan)
-    builder.parallel["dp"] = count
+    builder.set_parallel(dp=count)
     some = ranks[min(ranks)][1]
     bf16_optimizer = "zero_stage" not in some
     kind = "BF16_Optimizer" if bf16_optimizer else f"ZeRO-{some.get('zero_stage')}"
     note = f"fp32 master weights of a {kind} checkpoint over {count} data-parallel rank{'s' if count > 1 else ''}"
-    if note not in builder.notes:
-        builder.notes.append(note)
+    builder.note(note)  # once, however many parameter groups tell it
     if not bf16_optimizer and some.get("zero_stage") not in (1, 2):
         raise SourceError(f"'{ranks[min(ranks)][0].rel}': zero_stage {some.get('zero_stage')!r} with "
                           "single_partition_of_fp32_groups; expected 1 or 2")
@@ -174,8 +174,8 @@ def _read_zero3(root: Path, step: Path, tag: str, mp_rank: int, group: list[tupl
     state = _states(root, _rel(tag, models[0][2]), scan=scan)
     shapes = [s for g in _shapes(state) for s in g.items()]
     ranks, count, _prefix, template = _read_ranks(root, tag, group, scan=scan)
-    builder.parallel["dp"] = count
-    builder.notes.append(f"fp32 master weights of a ZeRO-3 checkpoint over {count} data-parallel ranks")
+    builder.set_parallel(dp=count)
+    builder.note(f"fp32 master weights of a ZeRO-3 checkpoint over {count} data-parallel ranks")
     needed = sum(-(-math.prod(shape) // count) for _, shape in shapes)
     # each rank: its flat groups end to end
     flats: dict[int, _Flat] = {}

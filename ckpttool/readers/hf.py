@@ -14,7 +14,8 @@ from pathlib import Path
 from .. import jsonfile
 from ..errors import SourceError, SourceNotFoundError
 from ..findings import Finding, finding
-from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
+from ..layout import RAW, Box, Layout, Piece
+from ..layout_builder import LayoutBuilder
 from ..architecture import ModelInfo
 from ..paths import JSON_LIMIT, inside, read_source
 from ..safetensors_format import Header, read_header

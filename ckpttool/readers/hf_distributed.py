@@ -14,7 +14,8 @@ from pathlib import Path
 
 from .. import jsonfile
 from ..errors import ConfigError, SourceError, SourceNotFoundError
-from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
+from ..layout import RAW, Box, Layout, Piece
+from ..layout_builder import LayoutBuilder
 from ..architecture import ModelInfo
 from ..safetensors_format import read_header
 from .base import FormatReader
@@ -41,7 +42,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     builder = LayoutBuilder(str(root), NAME)
     ranks = sorted(int(PATTERN.match(f).group(1)) for f in files)
     gaps = sorted(set(range(1, max(ranks) + 1)) - set(ranks))
-    builder.missing.update(f"shard-{r:05d}-model-*.safetensors" for r in gaps)
+    builder.mark_missing(*(f"shard-{r:05d}-model-*.safetensors" for r in gaps))
     for name in files:
         header = read_header(root / name, name)
         info = header.metadata.get(SHARDING_KEY)

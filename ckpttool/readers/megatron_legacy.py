@@ -38,7 +38,8 @@ from typing import Any
 
 from ..dtypes import itemsize
 from ..errors import SourceError, SourceNotFoundError
-from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
+from ..layout import RAW, Box, Layout, Piece
+from ..layout_builder import LayoutBuilder
 from ..architecture import ModelInfo
 from ..paths import open_source
 from ..safe_pickle import Record
@@ -132,7 +133,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
             f"(expected {', '.join(sorted(expected)[:4])}{', ...' if len(expected) > 4 else ''})"
         )
     builder = LayoutBuilder(str(root), NAME)
-    builder.parallel = parallel
+    builder.set_parallel(**parallel)
     reader = _Placer(builder, args, model, prefix, f"{prefix}{first}/{FILE}")
     lost = []
     for name, rank in expected.items():

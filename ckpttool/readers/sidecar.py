@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SourceError, SourceNotFoundError
-from ..layout import RAW, Box, Layout, LayoutBuilder, Piece
+from ..layout import RAW, Box, Layout, Piece
+from ..layout_builder import LayoutBuilder
 from ..architecture import ModelInfo
 from ..paths import JSON_LIMIT, inside, read_source
 from ..safetensors_format import read_header
@@ -43,7 +44,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
             raise SourceError(f"'{path.name}' and '{ranks[s.rank]}' both claim rank {s.rank}")
         ranks[s.rank] = path.name
     builder = LayoutBuilder(str(root), NAME)
-    builder.missing.update(f"{shard_name(r, world)}{SUFFIX}" for r in range(world) if r not in ranks)
+    builder.mark_missing(*(f"{shard_name(r, world)}{SUFFIX}" for r in range(world) if r not in ranks))
     for path, s in zip(paths, sidecars):
         data = inside(root, s.file, named_by=path.name)
         if not data.exists():  # a FIFO or a device is there: read_header says it is not a regular file

@@ -37,7 +37,8 @@ from pathlib import Path
 from .. import jsonfile
 from ..architecture import ModelInfo
 from ..errors import SourceError, SourceNotFoundError
-from ..layout import Layout, LayoutBuilder
+from ..layout import Layout
+from ..layout_builder import LayoutBuilder
 from ..paths import JSON_LIMIT, open_source, read_source
 from ..placements import Placement, Range, local_ranges, local_shape, range_pieces
 from ..safe_pickle import Record
@@ -114,7 +115,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
         for e in found[1:]:
             builder.declare(fqn, e.global_shape, e.dtype, where=f"'{e.file}'")
             if (e.mesh is None) != (first.mesh is None) or (e.mesh and (e.mesh.shape, e.placements, e.order) != (first.mesh.shape, first.placements, first.order)):
-                builder.problems.append(
+                builder.problem(
                     f"'{fqn}': ranks disagree on the placement: {_describe(first)} in '{first.file}' but "
                     f"{_describe(e)} in '{e.file}'"
                 )
@@ -123,9 +124,9 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                 parallel = {n or f"mesh{i}": s for i, (n, s) in
                             enumerate(itertools.zip_longest(first.mesh.names, first.mesh.shape, fillvalue=""))}
             if len(set(first.mesh.ranks)) != math.prod(first.mesh.shape):
-                builder.problems.append(f"'{fqn}': the device mesh in '{first.file}' repeats ranks: {first.mesh.ranks}")
+                builder.problem(f"'{fqn}': the device mesh in '{first.file}' repeats ranks: {first.mesh.ranks}")
         _add_pieces(builder, fqn, found, world, files)
-    if builder.problems:
+    if builder.has_problems:
         return builder.build()
     meshes_seen = {e.mesh.ranks for found in entries.values() for e in found if e.mesh is not None}
     all_ranks = set().union(*meshes_seen) if meshes_seen else set(range(world))
@@ -135,7 +136,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
             f"{len(all_ranks)} ranks ({sorted(all_ranks)[:8]}{'...' if len(all_ranks) > 8 else ''}); expected "
             f"{world}. Were the files renamed, or saved by a different world size?"
         )
-    builder.parallel = parallel
+    builder.set_parallel(**parallel)
     notes = []
     skipped = sorted(p.name for p in root.iterdir() if p.name.startswith(("optim_world_size_", "extra_state_world_size_")))
     if skipped:

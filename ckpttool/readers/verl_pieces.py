@@ -9,7 +9,8 @@ rank file is missing is still recorded (absent), so the coverage error names the
 from __future__ import annotations
 
 from ..dtypes import itemsize
-from ..layout import RAW, LayoutBuilder, Piece, c_strides
+from ..layout import RAW, Piece, c_strides
+from ..layout_builder import LayoutBuilder
 from ..placements import Range, local_ranges, local_shape, range_pieces
 from .verl_entries import _Entry
 
@@ -41,7 +42,7 @@ def _add_pieces(builder: LayoutBuilder, fqn: str, found: list[_Entry], world: in
     wrong = [(rank, coord, ranges) for rank, coord, present, ranges in chosen
              if present and local_shape(ranges) != by_rank[rank].local.shape]
     for rank, coord, ranges in wrong:  # before any region is cut: a global shape the locals contradict may be absurd
-        builder.problems.append(
+        builder.problem(
             f"'{fqn}': rank {rank}'s local tensor in '{by_rank[rank].file}' has shape "
             f"{list(by_rank[rank].local.shape)}, "
             f"but the placements ({', '.join(str(p) for p in placements)}) on mesh {list(mesh.shape)} at "
@@ -53,7 +54,7 @@ def _add_pieces(builder: LayoutBuilder, fqn: str, found: list[_Entry], world: in
         if present:
             _emit(builder, fqn, by_rank[rank], ranges, present=True)
         elif rank in files:
-            builder.problems.append(
+            builder.problem(
                 f"'{fqn}' is in {len(found)} of {len(files)} rank files but not in '{files[rank]}' (rank {rank}, "
                 f"expected to hold {_region(ranges, first.global_shape)}); are files of different saves mixed?"
             )
@@ -72,7 +73,7 @@ def _emit(builder: LayoutBuilder, fqn: str, e: _Entry, ranges: list[list[Range]]
     size = itemsize(e.dtype)
     base = e.local.byte_offset() if present else 0
     if present and base is None and e.local.numel:
-        builder.problems.append(f"'{fqn}': the local tensor in '{e.file}' is not stored contiguously; "
+        builder.problem(f"'{fqn}': the local tensor in '{e.file}' is not stored contiguously; "
                                 "ckpttool cannot read it in place")
         return
     shape = local_shape(ranges)
