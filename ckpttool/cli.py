@@ -240,6 +240,7 @@ def _print_result(result: MergeResult, verbose: int) -> None:
     if result.parallel:
         click.echo(f"parallel: {' '.join(f'{k}={v}' for k, v in result.parallel.items())}")
     click.echo(f"config:   {result.config or '(none: generic merge)'}")
+    click.echo(f"family:   {result.adapter}")
     click.echo(f"coverage: ok, {len(plan.targets)} tensors each covered exactly once")
     output = shown(result.output) if result.output is not None else "(none given)"
     click.echo(f"output:   {output} ({verb} {_size(plan.nbytes)} in {len(result.files)} file{'s' if len(result.files) != 1 else ''})")
@@ -270,6 +271,8 @@ def _print_report(report: Report, quiet: bool) -> None:
             where = shown(f.tensor or f.file or "")
             click.echo(f"{f.severity:<7}  {f.code:<{width}}  {where}")
             click.echo(f"         {escaped(f.message)}")
+    if report.adapter and not quiet:
+        click.echo(f"family: {report.adapter}")
     _print_summary(report, "", err=False)
 
 

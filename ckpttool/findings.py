@@ -120,6 +120,7 @@ class Report:
         tensors: how many tensors the checkpoint holds (after mapping to HuggingFace names).
         findings: errors first, then warnings, then info.
         stats: per-tensor statistics, when data was checked.
+        adapter: the family adapter that named the tensors (:mod:`ckpttool.families`), in words.
     """
 
     source: str
@@ -130,6 +131,7 @@ class Report:
     tensors: int
     findings: tuple[Finding, ...]
     stats: tuple[TensorStats, ...] = field(default=())
+    adapter: str | None = None
 
     @property
     def errors(self) -> tuple[Finding, ...]:
@@ -151,6 +153,7 @@ class Report:
             "format": self.format,
             "config": self.config,
             "model_type": self.model_type,
+            "adapter": self.adapter,
             "data_checked": self.data_checked,
             "tensors": self.tensors,
             "errors": counts[ERROR],

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .architecture import ModelInfo, read_config
 from .audit import check
+from .destination import AUDIT_FILE, Staging, check_destination
 from .distributed import Group, share_out
 from .dtypes import cast_dtype, dtype_name, prevailing_float
 from .errors import ArgumentError, AuditError, SourceError
 from .findings import Report
-from .layout import Layout
-from .config_sizes import census, check_config_sizes
-from .architecture import ModelInfo, find_config, model_info, read_config
-from .families import hf_specs
-from .plan import Plan, identity_specs, plan_merge
-from .readers import read_layout
-from .destination import AUDIT_FILE, Staging, check_destination
+from .plan import Plan
+from .planning import Planned, plan_source
 from .writer import (
     OutputFile,
     assign_files,
@@ -35,17 +31,6 @@ from .writer import (
 )
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """Everything decided before any tensor byte is read."""
-
-    layout: Layout
-    plan: Plan
-    config_path: Path | None
-    config: dict[str, object] | None
-    model: ModelInfo | None
-
 
 @dataclass(frozen=True, slots=True)
 class MergeResult:
@@ -68,6 +53,8 @@ class MergeResult:
     restored: str | None = None
     #: no architecture was mapped (no config, or one transformers has no causal LM for): names kept as recorded
     generic: bool = False
+    #: the family adapter that named the tensors, in words (see ckpttool.families)
+    adapter: str = ""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -79,6 +66,7 @@ class MergeResult:
             "parallel": self.parallel,
             "config": self.config,
             "generic": self.generic,
+            "adapter": self.adapter,
             "coverage": "every target tensor is covered exactly once",
             "tensors": len(self.plan.targets),
             "total_bytes": self.plan.nbytes,
@@ -101,32 +89,22 @@ class MergeResult:
 def prepare(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
     weights: str | None = None,
-) -> Prepared:
+) -> Planned:
     """Read the source's layout and the config, and build the coverage-checked plan. Reads no tensor data.
 
-    With a config that transformers knows, targets get the on-disk HuggingFace names and are checked against
-    the architecture; without one (or for an unknown architecture), the merge is generic: tensor names are
-    kept as the source recorded them, and a note says so.
+    With a config that transformers knows, targets get the on-disk HuggingFace names of its family's adapter and
+    are checked against the architecture; without one (or for an unknown architecture), the merge is generic:
+    tensor names are kept as the source recorded them, and a note says so (see :mod:`ckpttool.planning`).
+
+    Raises:
+        ConfigError: tensors that do not fit the config; CoverageError: targets not covered exactly once.
     """
     root = Path(src)
     cast = cast_dtype(dtype)  # checked before anything is read
-    config_path = find_config(root, config)
-    config_dict = read_config(config_path) if config_path is not None else None
-    if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
-        check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights))
-    info = model_info(config_dict, label=str(config_path)) if config_dict is not None else None
-    layout = read_layout(root, format=format, model=info, weights=weights)
-    notes: list[str] = []
-    if info is None:
-        specs = identity_specs(layout)
-        why = "no config.json found" if config_dict is None else f"transformers has no causal LM for model_type {config_dict.get('model_type')!r}"
-        notes.append(f"generic merge ({why}): tensor names kept as the source recorded them")
-    else:
-        specs, notes = hf_specs(layout, info)
-    specs = sorted(specs, key=lambda s: _natural(s.name))
-    notes = [*notes, *find_extras(extras_search(root, config_path))[1].values()]  # files not copied, and why
-    plan = plan_merge(layout, specs, dtype=cast, notes=notes)
-    return Prepared(layout, plan, config_path, config_dict, info)
+    planned = plan_source(root, format=format, config=config, dtype=cast, weights=weights)
+    planned.refuse()
+    skipped = find_extras(extras_search(root, planned.config_path))[1].values()  # files not copied, and why
+    return replace(planned, plan=replace(planned.plan, notes=(*planned.plan.notes, *skipped)))
 
 
 def extras_search(root: Path, config_path: Path | None) -> list[Path]:
@@ -242,7 +220,8 @@ def merge(
         kept_files=kept,
         workers=workers,
         restored=restored,
-        generic=prepared.model is None,
+        generic=prepared.generic,
+        adapter=prepared.adapter,
     )
 
 
@@ -306,8 +285,3 @@ def _audit_output(staging: Path, dest: Path, has_config: bool, config_label: str
     if report.errors:
         raise AuditError(report, str(dest))
     return report
-
-
-def _natural(name: str) -> list[object]:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-

@@ -121,19 +121,33 @@ def plan_merge(
         >>> plan = plan_merge(read_layout("ckpt/"))  # doctest: +SKIP
         >>> plan.nbytes  # doctest: +SKIP
     """
+    plan, uncovered_targets = plan_covered(layout, specs, dtype=dtype, notes=notes)
+    if uncovered_targets:
+        raise CoverageError([problem for _, problems in uncovered_targets for problem in problems])
+    return plan
+
+
+def plan_covered(
+    layout: Layout,
+    specs: Sequence[TargetSpec] | None = None,
+    *,
+    dtype: str | None = None,
+    notes: Iterable[str] = (),
+) -> tuple[Plan, list[tuple[TargetSpec, list[str]]]]:
+    """:func:`plan_merge` without raising: the plan of the targets tiled exactly once, and each other target
+    with its coverage problems (the audit reports them as findings, one plan for all targets)."""
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ArgumentError(f"dtype={dtype!r}: floating-point tensors are cast only to {', '.join(sorted(FLOAT_DTYPES))}")
     specs = identity_specs(layout) if specs is None else specs
     targets: list[Target] = []
-    problems: list[str] = []
+    failed: list[tuple[TargetSpec, list[str]]] = []
     for spec in specs:
         target, found = _plan_target(layout, spec, dtype)
-        problems.extend(found)
-        if target is not None:
+        if found:
+            failed.append((spec, found))
+        elif target is not None:
             targets.append(target)
-    if problems:
-        raise CoverageError(problems)
-    return Plan(layout.root, layout.format, tuple(targets), tuple(layout.notes) + tuple(notes))
+    return Plan(layout.root, layout.format, tuple(targets), tuple(layout.notes) + tuple(notes)), failed
 
 
 def identity_specs(layout: Layout) -> list[TargetSpec]:

@@ -77,7 +77,7 @@ def test_a_bug_in_a_conventions_cut_into_huggingface_tensors_is_an_internal_erro
     def cut(layout, info):
         return [][0]
 
-    monkeypatch.setitem(CONVENTIONS, "megatron-legacy", cut)
+    monkeypatch.setitem(CONVENTIONS, "megatron-legacy", ("Megatron-Core", cut))
     out = tmp_path / "out"
     result = cli("merge", fixture / "legacy", out, "--config", fixture / "config.json")
     assert_failed_cleanly(result, out, f"Error: {INTERNAL} (IndexError: list index out of range)")

@@ -20,15 +20,15 @@ This module holds the order of the checks (:func:`audit`, :func:`check`) and wha
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from ..config_sizes import census, check_config_sizes
-from ..errors import CoverageError
 from ..findings import Finding, Report, TensorStats, finding, sort_findings
 from ..layout import Layout
 from ..architecture import ModelInfo, find_config, model_info, read_config
-from ..families import compare_with_model, map_to_hf
-from ..plan import Plan, Target, TargetSpec, identity_specs, plan_merge
+from ..plan import TargetSpec, plan_covered
+from ..planning import plan_layout
 from ..readers import detect_format, hf, read_layout
 from .config import config_findings, dtype_findings, tie_findings, tokenizer_findings, tokenizer_size
 from .data import OUTLIER_FACTOR, data_findings, replica_findings
@@ -99,21 +99,22 @@ def check(
     found.extend(finding("source-note", note) for note in layout.notes)
     found.extend(_padding(layout))
 
-    tied: list[TargetSpec] = []
+    planned = plan_layout(layout, config_path=config_path, config=dict(config) if config is not None else None,
+                          model=model)
+    tied = list(planned.tied)
     if model is not None:
-        mapping = map_to_hf(layout, model)
-        specs, tied = mapping.specs, mapping.tied
-        found.extend(finding("source-note", note) for note in mapping.notes)
-        found.extend(finding("shape-mismatch", message, tensor=fqn) for fqn, message in mapping.problems)
-    else:
-        specs = identity_specs(layout)
+        found.extend(finding("source-note", note) for note in planned.adapter_notes)
+        found.extend(finding("shape-mismatch", message, tensor=fqn) for fqn, message in planned.unplaced)
     found.extend(config_findings(root, fmt, config, checked=model is not None))
-    plan, coverage = _plan(layout, [*specs, *tied])
+    tied_plan, tied_uncovered = plan_covered(layout, tied)
+    plan = replace(planned.plan, targets=planned.plan.targets + tied_plan.targets)
+    coverage = _coverage(layout, [*planned.uncovered, *tied_uncovered])
     found.extend(coverage)
-    if not specs and not coverage:
+    tensors = len(planned.plan.targets) + len(planned.uncovered)
+    if not tensors and not coverage:
         found.append(finding("no-weights", f"'{root}' holds no model tensors"))
     if model is not None:
-        found.extend(shape_findings(compare_with_model({s.name: s.shape for s in specs}, model), model))
+        found.extend(shape_findings(list(planned.mismatches), model))
     found.extend(dtype_findings(plan.targets, config))
     found.extend(tokenizer_findings(root, config_path, config))
 
@@ -131,24 +132,20 @@ def check(
         config=str(config_path) if config_path else None,
         model_type=model.model_type if model else None,
         data_checked=data,
-        tensors=len(specs) + len(tied),
+        tensors=tensors + len(tied),
         findings=sort_findings(found),
         stats=tuple(stats),
+        adapter=planned.adapter,
     )
 
 
-def _plan(layout: Layout, specs: Sequence[TargetSpec]) -> tuple[Plan, list[Finding]]:
-    """The plan of every tensor that is covered exactly once; a coverage finding for each one that is not."""
-    targets: list[Target] = []
+def _coverage(layout: Layout, uncovered: Sequence[tuple[TargetSpec, list[str]]]) -> list[Finding]:
+    """A coverage finding for each problem of a target not covered exactly once, naming a missing file."""
     found: list[Finding] = []
-    for spec in specs:
-        try:
-            targets.extend(plan_merge(layout, [spec]).targets)
-        except CoverageError as e:
-            files = sorted({p.file for sl in spec.slices for p in layout.absent.get(sl.source, ())})
-            for problem in e.problems:
-                found.append(finding("coverage", problem, tensor=spec.name, file=files[0] if files else None))
-    return Plan(layout.root, layout.format, tuple(targets), tuple(layout.notes)), found
+    for spec, problems in uncovered:
+        files = sorted({p.file for sl in spec.slices for p in layout.absent.get(sl.source, ())})
+        found.extend(finding("coverage", problem, tensor=spec.name, file=files[0] if files else None) for problem in problems)
+    return found
 
 
 def _padding(layout: Layout) -> list[Finding]:

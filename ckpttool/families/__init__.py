@@ -7,8 +7,9 @@ A convention is chosen by the layout's format name (data the reader records), a 
 transformers resolves from the config. This layer sits above the readers and never imports them; readers never
 import it: they describe bytes and boxes, the families give them names.
 
-Entry points: :func:`map_to_hf` (a layout under on-disk HuggingFace names, unchecked) and :func:`hf_specs`
-(the same, checked against transformers' expected names and shapes, refused with every problem listed).
+Entry points: :func:`map_to_hf` (a layout under on-disk HuggingFace names, unchecked, with the adapter used),
+:func:`compare_with_model` (those names and shapes against transformers') and :func:`refusal` (the error a merge
+raises for what does not fit). Commands reach them through :mod:`ckpttool.planning`.
 Adding a family is one adapter module here and one line in :data:`FAMILIES`.
 """
 
@@ -26,14 +27,15 @@ from . import megatron_core, mixtral, qwen2_moe
 from .check import Mismatch, compare_with_model
 from .rules import Rules, cut
 
-__all__ = ["CONVENTIONS", "FAMILIES", "HfMapping", "Mismatch", "compare_with_model", "hf_specs", "map_to_hf"]
+__all__ = ["CONVENTIONS", "FAMILIES", "HfMapping", "Mismatch", "compare_with_model", "map_to_hf", "refusal"]
 
 #: model family (as :attr:`ModelInfo.family` resolves it) -> how its in-memory tensors are saved on disk
 FAMILIES: dict[str, Rules] = {mixtral.NAME: mixtral.RULES, qwen2_moe.NAME: qwen2_moe.RULES}
 
 Cut = Callable[[Layout, ModelInfo], tuple[list[TargetSpec], list[str], list[tuple[str, str]]]]
-#: layout format -> the source convention that cuts its tensors (formats not named use the family's rules)
-CONVENTIONS: dict[str, Cut] = dict.fromkeys(megatron_core.FORMATS, megatron_core.to_hf)
+#: layout format -> the source convention (its name, its cut) that names its tensors; formats not named hold
+#: transformers' in-memory or on-disk names, cut by the family's rules
+CONVENTIONS: dict[str, tuple[str, Cut]] = dict.fromkeys(megatron_core.FORMATS, (megatron_core.NAME, megatron_core.to_hf))
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +47,14 @@ class HfMapping:
         tied: targets ``save_pretrained`` would drop because they are tied (e.g. ``lm_head.weight``).
         notes: what was done for the user (a stripped wrapper prefix).
         problems: ``(source tensor, message)`` for tensors the family's rules cannot cut.
+        adapter: the adapter used, in words (``"qwen2_moe (Megatron-Core convention)"``), for dry runs and audits.
     """
 
     specs: list[TargetSpec]
     tied: list[TargetSpec]
     notes: list[str]
     problems: list[tuple[str, str]]
+    adapter: str
 
 
 def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
@@ -59,12 +63,15 @@ def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
     distributed) cut by the family's rules (:data:`FAMILIES`), on-disk names passed through, and a wrapper
     prefix (``model.``/``module.``) stripped."""
     convention = CONVENTIONS.get(layout.format)
+    family = info.family if info.family in FAMILIES else info.model_type
     if convention is not None:
-        specs, notes, problems = convention(layout, info)
+        specs, notes, problems = convention[1](layout, info)
+        adapter = f"{info.model_type} ({convention[0]} convention)"
     else:
         specs, notes, problems = _generic_cut(layout, info)
+        adapter = f"{family} ({'its rules' if family in FAMILIES else 'names as transformers saves them'})"
     tied = [s for s in specs if s.name in info.tied]
-    return HfMapping([s for s in specs if s.name not in info.tied], tied, notes, problems)
+    return HfMapping([s for s in specs if s.name not in info.tied], tied, notes, problems, adapter)
 
 
 def _generic_cut(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str], list[tuple[str, str]]]:
@@ -83,36 +90,20 @@ def _generic_cut(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], lis
     return specs, notes, problems
 
 
-def hf_specs(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str]]:
-    """The targets of a HuggingFace checkpoint of ``info``'s architecture made from ``layout``, checked
-    against what transformers expects on disk. Tied weights are dropped, as ``save_pretrained`` drops them.
-
-    Returns:
-        The target specs and notes for the user.
-
-    Raises:
-        ConfigError: missing, unexpected or wrongly shaped tensors, all listed, with the likely cause.
-    """
-    mapping = map_to_hf(layout, info)
-    notes = list(mapping.notes)
-    if mapping.tied:
-        dropped = [s.name for s in mapping.tied]
-        notes.append(f"dropped {', '.join(dropped)}: tied to {', '.join(info.tied[n] for n in dropped)} (as save_pretrained does)")
-    problems = [message for _, message in mapping.problems]
-    mismatches = compare_with_model({s.name: s.shape for s in mapping.specs}, info)
-    problems.extend(m.message() for m in mismatches)
+def refusal(layout: Layout, info: ModelInfo, problems: list[str], mismatches: list[Mismatch]) -> ConfigError:
+    """The error for a checkpoint that does not fit its config: every problem (tensors the adapter cannot
+    place, then mismatches against transformers), listed, with the likely cause."""
+    problems = [*problems, *(m.message() for m in mismatches)]
     padded = any(m.diagnosis is not None and m.diagnosis.code.startswith("vocab-padding") for m in mismatches)
-    if problems:
-        raise ConfigError(
-            f"the checkpoint in '{layout.root}' does not match its {info.model_type} config "
-            f"({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n"
-            + "\n".join(f"  - {p}" for p in problems[:40])
-            + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
-            + "\n" + refusal_advice(m.diagnosis.code for m in mismatches if m.diagnosis is not None)
-            + (" ckpttool strips padding the source recorded (sidecar 'padding') and never guesses it."
-               if padded else "")
-        )
-    return mapping.specs, notes
+    return ConfigError(
+        f"the checkpoint in '{layout.root}' does not match its {info.model_type} config "
+        f"({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n"
+        + "\n".join(f"  - {p}" for p in problems[:40])
+        + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
+        + "\n" + refusal_advice(m.diagnosis.code for m in mismatches if m.diagnosis is not None)
+        + (" ckpttool strips padding the source recorded (sidecar 'padding') and never guesses it."
+           if padded else "")
+    )
 
 
 def _wrapper_prefix(layout: Layout, info: ModelInfo) -> str:

@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..layout import Box, Layout
 from ..plan import Slice, TargetSpec
 
+NAME = "Megatron-Core"
 #: the layout formats written in this convention
 FORMATS = ("megatron-dist", "megatron-legacy")
 

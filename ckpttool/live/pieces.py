@@ -8,7 +8,6 @@ tensor's region comes from its :class:`~ckpttool.sidecar.PieceSpec`, or it is ta
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +19,8 @@ from ..errors import SourceError
 from ..layout import Box, Layout, Piece
 from ..layout_builder import LayoutBuilder
 from ..architecture import model_info
-from ..families import hf_specs
-from ..plan import Plan, identity_specs, plan_merge
+from ..plan import Plan
+from ..planning import plan_layout
 from ..sidecar import PieceSpec
 
 
@@ -103,14 +102,10 @@ def _plan(everyone: Sequence[list[_Held]], config: dict[str, object] | None, dty
             builder.add(h.fqn, Piece(_rank_file(rank), h.fqn, Box(h.offsets, h.sizes), h.dtype, tags=tags))
     layout: Layout = builder.build()
     info = model_info(config, label="config") if config is not None else None
-    if info is None:
-        specs = identity_specs(layout)
-        notes = [*notes, "no config: tensor names kept as the model has them"]
-    else:
-        specs, found = hf_specs(layout, info)
-        notes = [*notes, *found]
-    specs = sorted(specs, key=lambda s: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s.name)])
-    return plan_merge(layout, specs, dtype=cast_dtype(dtype), notes=notes)
+    planned = plan_layout(layout, config_path=None, config=config, model=info, dtype=cast_dtype(dtype), notes=notes,
+                          no_config="no config given")
+    planned.refuse()
+    return planned.plan
 
 
 def _rank_file(rank: int) -> str:

@@ -1,0 +1,127 @@
+"""The one way from a source to a plan, used by merge, audit, diff and live.
+
+source + config + options -> :class:`Planned`: the layout (what the reader found), the family's mapping of it
+to HuggingFace names (:mod:`ckpttool.families`), and the coverage-checked plan, with everything that does not
+fit kept as data: tensors the adapter cannot place, mismatches against transformers, targets not covered
+exactly once. A merge refuses on any of them (:meth:`Planned.refuse`); the audit turns each into findings.
+Reads no tensor data.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .architecture import ModelInfo, find_config, model_info, read_config
+from .config_sizes import census, check_config_sizes
+from .errors import CoverageError
+from .families import Mismatch, compare_with_model, map_to_hf, refusal
+from .layout import Layout
+from .plan import Plan, TargetSpec, identity_specs, plan_covered
+from .readers import read_layout
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A source under its family's names, planned.
+
+    Attributes:
+        layout: what the reader found.
+        config_path, config, model: the config used (None: a generic plan) and what transformers says of it.
+        plan: every target tiled exactly once (targets that are not are left out and listed in ``uncovered``).
+        tied: targets ``save_pretrained`` drops because they are tied (not in ``plan``).
+        adapter: the family adapter used, in words; ``generic (...)`` when names are kept as recorded.
+        adapter_notes: what the adapter did for the user (a stripped wrapper prefix, vocab padding stripped).
+        unplaced: ``(source tensor, message)`` for tensors the adapter cannot place.
+        mismatches: the plan's names and shapes against the architecture.
+        uncovered: ``(target, problems)`` for targets with a gap, an overlap or a piece out of bounds.
+    """
+
+    layout: Layout
+    config_path: Path | None
+    config: dict[str, object] | None
+    model: ModelInfo | None
+    plan: Plan
+    tied: tuple[TargetSpec, ...]
+    adapter: str
+    adapter_notes: tuple[str, ...] = ()
+    unplaced: tuple[tuple[str, str], ...] = ()
+    mismatches: tuple[Mismatch, ...] = ()
+    uncovered: tuple[tuple[TargetSpec, list[str]], ...] = ()
+
+    @property
+    def generic(self) -> bool:
+        """No architecture was mapped: names are kept as the source recorded them."""
+        return self.model is None
+
+    def refuse(self) -> None:
+        """Raise what a merge refuses: tensors that do not fit the config, then targets not covered exactly once.
+
+        Raises:
+            ConfigError: unplaced tensors or mismatches, all listed, with the likely cause.
+            CoverageError: every coverage problem of every target.
+        """
+        if self.model is not None and (self.unplaced or self.mismatches):
+            raise refusal(self.layout, self.model, [m for _, m in self.unplaced], list(self.mismatches))
+        if self.uncovered:
+            raise CoverageError([problem for _, problems in self.uncovered for problem in problems])
+
+
+def plan_source(
+    src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
+    weights: str | None = None,
+) -> Planned:
+    """Find and read the config, read the source's layout, and plan it (see :func:`plan_layout`).
+
+    Raises:
+        SourceError, ConfigError: the source or the config cannot be read (not what merely does not fit:
+            that is data in the result).
+    """
+    root = Path(src)
+    config_path = find_config(root, config)
+    config_dict = read_config(config_path) if config_path is not None else None
+    model = None
+    if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
+        check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights))
+        model = model_info(config_dict, label=str(config_path))
+    layout = read_layout(root, format=format, model=model, weights=weights)
+    return plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype)
+
+
+def plan_layout(
+    layout: Layout, *, config_path: Path | None, config: dict[str, object] | None, model: ModelInfo | None,
+    dtype: str | None = None, notes: Iterable[str] = (), no_config: str = "no config.json found",
+) -> Planned:
+    """Map ``layout`` to HuggingFace names with its family's adapter (``model`` given) or keep its names
+    (generic), and plan every target; ``dtype`` is a safetensors name to cast floating tensors to; ``notes``
+    follow the plan's own; ``no_config`` says why there is no config, for the generic note."""
+    if model is None:
+        specs = identity_specs(layout)
+        why = no_config if config is None else f"transformers has no causal LM for model_type {config.get('model_type')!r}"
+        adapter = f"generic ({why})"
+        own = [f"generic merge ({why}): tensor names kept as the source recorded them"]
+        adapter_notes: list[str] = []
+        unplaced: list[tuple[str, str]] = []
+        mismatches: list[Mismatch] = []
+        tied: list[TargetSpec] = []
+    else:
+        mapping = map_to_hf(layout, model)
+        specs, tied, unplaced, adapter = mapping.specs, mapping.tied, mapping.problems, mapping.adapter
+        adapter_notes = list(mapping.notes)
+        own = list(adapter_notes)
+        if tied:
+            dropped = [s.name for s in tied]
+            own.append(f"dropped {', '.join(dropped)}: tied to {', '.join(model.tied[n] for n in dropped)} "
+                         "(as save_pretrained does)")
+        mismatches = compare_with_model({s.name: s.shape for s in specs}, model)
+    specs = sorted(specs, key=lambda s: natural(s.name))
+    plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes])
+    return Planned(layout, config_path, config, model, plan, tuple(tied), adapter, tuple(adapter_notes), tuple(unplaced),
+                   tuple(mismatches), tuple(uncovered))
+
+
+def natural(name: str) -> list[object]:
+    """Sort key that puts ``layers.2`` before ``layers.10``."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
