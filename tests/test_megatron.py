@@ -19,16 +19,18 @@ from ckpttool.layout import Padding
 from ckpttool.readers import detect_format, megatron_legacy, read_layout
 from conftest import FIXTURES, assert_failed_cleanly, load_output, tree_digest
 
-CASES = ("tp2_padvocab", "tp2_pp2", "pp2_uneven", "pp2_vpp2", "ep2_moe")
+CASES = ("tp2_padvocab", "tp2_pp2", "pp2_uneven", "pp2_vpp2", "ep2_moe", "qwen2moe_tp2_ep2", "qwen2moe_pp2_ep2")
 FORMATS = {"legacy": "megatron-legacy", "torch_dist": "megatron-dist"}
 #: every (case, format) on disk; the singleton_local_shards variant is torch_dist only
 SOURCES = [(case, fmt) for case in CASES for fmt in sorted(FORMATS)] + [("ep2_moe_singleton", "torch_dist")]
 #: what each fixture's args record (tp, pp, ep) and its vocab rows as stored / true
 PARALLEL = {"tp2_padvocab": "tp=2 pp=1 ep=1 dp=1", "tp2_pp2": "tp=2 pp=2 ep=1 dp=1",
             "pp2_uneven": "tp=1 pp=2 ep=1 dp=1", "pp2_vpp2": "tp=1 pp=2 ep=1 vpp=2 dp=1",
-            "ep2_moe": "tp=1 pp=1 ep=2 dp=2", "ep2_moe_singleton": "tp=1 pp=1 ep=2 dp=2"}
+            "ep2_moe": "tp=1 pp=1 ep=2 dp=2", "ep2_moe_singleton": "tp=1 pp=1 ep=2 dp=2",
+            "qwen2moe_tp2_ep2": "tp=2 pp=1 ep=2 dp=2", "qwen2moe_pp2_ep2": "tp=1 pp=2 ep=2 dp=2"}
 VOCAB = {"tp2_padvocab": (1280, 1030), "tp2_pp2": (1024, 1000), "pp2_uneven": (1024, 1024), "pp2_vpp2": (1024, 1000),
-         "ep2_moe": (1024, 1000), "ep2_moe_singleton": (1024, 1000)}
+         "ep2_moe": (1024, 1000), "ep2_moe_singleton": (1024, 1000), "qwen2moe_tp2_ep2": (256, 250),
+         "qwen2moe_pp2_ep2": (256, 250)}
 
 
 def fixture(case: str) -> Path:

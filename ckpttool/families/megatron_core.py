@@ -26,6 +26,10 @@ FORMATS = ("megatron-dist", "megatron-legacy")
 _LAYER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
 #: SequentialMLP in 0.16 saves ``mlp.experts.experts.linear_fc1.weight`` (L, E, ...): its prefix plus "experts."
 _EXPERT = re.compile(r"^mlp\.experts\.(?:experts\.)?(?:(\d+)\.)?(linear_fc1|linear_fc2)\.weight(_w|_v)?$")
+#: SharedExpertMLP (``moe_shared_expert_intermediate_size``): a dense MLP inside the MoE layer, TP-split like the
+#: dense one (``linear_fc1`` SwiGLU ``[gate; up]``, ``linear_fc2`` row-parallel), and with ``moe_shared_expert_gate``
+#: a replicated ``gate_weight (1, H)`` whose sigmoid scales its output
+_SHARED = re.compile(r"^mlp\.shared_experts\.(linear_fc1\.weight(_w|_v)?|linear_fc2\.weight|gate_weight)$")
 _TOP = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "output_layer.weight": "lm_head.weight",
@@ -145,6 +149,8 @@ def _cut_layer(cut: _Cut, fqn: str, suffix: str, layer: int, lead: tuple[int, ..
         cut.whole(h + ("mlp.gate_proj.weight" if suffix.endswith("_w") else "mlp.up_proj.weight"), fqn, lead, shape)
     elif suffix == "mlp.router.weight":
         cut.whole(cut.pick(h + "block_sparse_moe.gate.weight", h + "mlp.gate.weight"), fqn, lead, shape)
+    elif (m := _SHARED.match(suffix)) is not None:
+        _cut_shared(cut, fqn, h, m.group(1), m.group(2), lead, shape)
     elif (m := _EXPERT.match(suffix)) is not None:
         if m.group(1) is None and (not shape or shape[0] > most_experts):
             raise ConfigError(f"'{fqn}': {shape[0] if shape else 'no'} stacked experts, expected at most "
@@ -166,6 +172,23 @@ def _cut_layer(cut: _Cut, fqn: str, suffix: str, layer: int, lead: tuple[int, ..
                 _cut_gate_up(cut, fqn, at, inner, gate, up)
     else:
         raise ConfigError(f"'{fqn}': '{suffix}' is not a layer tensor ckpttool can place in a HuggingFace model")
+
+
+def _cut_shared(cut: _Cut, fqn: str, h: str, kind: str, half: str | None, lead: tuple[int, ...],
+                shape: tuple[int, ...]) -> None:
+    """Megatron's shared expert under the names transformers writes: Qwen2-MoE's ``mlp.shared_expert.*`` and its
+    sigmoid ``mlp.shared_expert_gate``, or ``mlp.shared_experts.*`` (DeepSeek-style, no gate)."""
+    qwen, plural = h + "mlp.shared_expert.", h + "mlp.shared_experts."
+    gate = cut.pick(qwen + "gate_proj.weight", plural + "gate_proj.weight")
+    up = cut.pick(qwen + "up_proj.weight", plural + "up_proj.weight")
+    if kind == "gate_weight":
+        cut.whole(h + "mlp.shared_expert_gate.weight", fqn, lead, shape)
+    elif kind == "linear_fc2.weight":
+        cut.whole(cut.pick(qwen + "down_proj.weight", plural + "down_proj.weight"), fqn, lead, shape)
+    elif half is not None:  # torch_dist singleton shards: the SwiGLU halves under their own keys
+        cut.whole(gate if half == "_w" else up, fqn, lead, shape)
+    else:
+        _cut_gate_up(cut, fqn, lead, shape, gate, up)
 
 
 def _cut_qkv(cut: _Cut, fqn: str, h: str, kind: str, lead: tuple[int, ...], shape: tuple[int, ...],
