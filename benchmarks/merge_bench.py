@@ -188,7 +188,7 @@ def main() -> None:
             results[name].append(measure(cmd))
     baseline = measure([*ckpttool, "--dry-run"])[1]
     from ckpttool.merge import prepare
-    from ckpttool.writer import predict_peak_bytes
+    from ckpttool.writers.hf import predict_peak_bytes
 
     plan = prepare(src).plan
     largest_piece = max(math.prod(c.piece.box.sizes) * 2 for t in plan.targets for c in t.copies)

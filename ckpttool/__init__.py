@@ -32,9 +32,9 @@ from .errors import (  # noqa: E402
     UnsafePickleError,
 )
 from .findings import Finding, Report  # noqa: E402
-from .layout import Box, Fusion, Layout, Padding, Piece, TensorLayout  # noqa: E402
+from .engine.layout import Box, Fusion, Layout, Padding, Piece, TensorLayout  # noqa: E402
 from .merge import MergeResult, merge, prepare  # noqa: E402
-from .plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge  # noqa: E402
+from .engine.plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge  # noqa: E402
 from .readers import READERS, detect_format, read_layout  # noqa: E402
 from .sidecar import PieceSpec, save_shard  # noqa: E402
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from . import jsonfile
+from .engine.layout import Shape
 from .errors import ConfigError, SourceError
-from .layout import Shape
 from .paths import JSON_LIMIT, link_escapes, read_source
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,9 @@ def _family(model_type: str) -> str:
     """The family that cuts this model type: transformers' own alias for its weight conversion (``qwen3_moe``
     is converted as ``qwen2_moe``), else the model type itself."""
     try:
-        from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN as aliases
+        from transformers.conversion_mapping import (
+            _MODEL_TO_CONVERSION_PATTERN as aliases,
+        )
     except ImportError:
         return model_type
     alias = aliases.get(model_type)

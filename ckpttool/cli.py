@@ -16,13 +16,13 @@ from typing import Any
 
 import click
 
-from .version import __version__
 from .errors import CkptError
-from .writer import predict_peak_bytes
 from .findings import Report
 from .merge import MergeResult, merge
 from .readers import READERS
 from .terminal import Bar, Group, escaped, shown
+from .version import __version__
+from .writers.hf import predict_peak_bytes
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_AUDIT = 0, 1, 2, 3
 FORMATS = click.Choice(list(READERS))
@@ -89,7 +89,7 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
 
 
 def _check_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    from .writer import parse_size
+    from .writers.hf import parse_size
 
     try:
         parse_size(value)

@@ -17,9 +17,16 @@ import torch
 
 from .audit.stats import Fingerprint, blocks, fold
 from .dtypes import itemsize
+from .engine.executor import (
+    CHUNK_BYTES,
+    Reader,
+    buffer_sizes,
+    build,
+    chunks,
+    piece_uses,
+)
+from .engine.plan import Plan, Target
 from .merge import prepare
-from .plan import Plan, Target
-from .stream import CHUNK_BYTES, Reader, buffer_sizes, build, chunks, piece_uses
 
 EQUAL, DIFFERENT, ONLY_A, ONLY_B, SHAPE, DTYPE = "equal", "different", "only-a", "only-b", "shape", "dtype"
 

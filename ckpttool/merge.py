@@ -10,20 +10,20 @@ from pathlib import Path
 
 from .architecture import ModelInfo, read_config
 from .audit import check
-from .destination import AUDIT_FILE, Staging, check_destination
 from .distributed import Group, share_out
 from .dtypes import cast_dtype, dtype_name, prevailing_float
+from .engine.plan import Plan
 from .errors import ArgumentError, AuditError, SourceError
 from .findings import Report
-from .plan import Plan
 from .planning import Planned, plan_source
-from .writer import (
+from .writers.destination import AUDIT_FILE, Staging, check_destination
+from .writers.hf import (
     OutputFile,
     assign_files,
-    predict_peak_bytes,
     clean_staging,
     find_extras,
     plan_id,
+    predict_peak_bytes,
     write_extras,
     write_index,
     write_text,
@@ -49,7 +49,7 @@ class MergeResult:
     kept_files: int = 0
     workers: int = 1
     parallel: dict[str, int] = field(default_factory=dict)
-    #: an earlier output that a killed run had moved aside, put back before this merge (see ckpttool.destination)
+    #: an earlier output that a killed run had moved aside, put back before this merge (see ckpttool.writers.destination)
     restored: str | None = None
     #: no architecture was mapped (no config, or one transformers has no causal LM for): names kept as recorded
     generic: bool = False

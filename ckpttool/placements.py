@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .layout import Box
+from .engine.layout import Box
 
 #: a ``[start, stop)`` range of global indices along one tensor dim
 Range = tuple[int, int]

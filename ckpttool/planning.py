@@ -16,10 +16,10 @@ from pathlib import Path
 
 from .architecture import ModelInfo, find_config, model_info, read_config
 from .config_sizes import census, check_config_sizes
+from .engine.layout import Layout
+from .engine.plan import Plan, TargetSpec, identity_specs, plan_covered
 from .errors import CoverageError
 from .families import Mismatch, compare_with_model, map_to_hf, refusal
-from .layout import Layout
-from .plan import Plan, TargetSpec, identity_specs, plan_covered
 from .readers import read_layout
 
 

@@ -46,10 +46,10 @@ from typing import Any
 
 import torch
 
-from .dtypes import dtype_name
 from . import jsonfile
+from .dtypes import dtype_name
+from .engine.layout import Fusion, Padding
 from .errors import SourceError
-from .layout import Fusion, Padding
 
 FORMAT = "ckpttool-sidecar"
 VERSION = 1

@@ -23,8 +23,8 @@ from typing import Any, BinaryIO
 import torch
 
 from .dtypes import dtype_name, itemsize
+from .engine.layout import c_strides
 from .errors import PickleBombError, SourceError, UnsafePickleError
-from .layout import c_strides
 from .pickle_bounds import bound_graph, budget, charge, charged, enum_member, ints
 
 #: storage classes of torch.save pickles -> safetensors dtype names

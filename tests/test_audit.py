@@ -558,10 +558,10 @@ def test_every_code_is_documented_in_the_readme():
 def test_headers_only_reads_no_tensor_data(tmp_path, monkeypatch):
     tensors, config = reference("llama_fsdp2_dcp")
     hf = write_hf(tmp_path / "hf", tensors, config)
-    import ckpttool.executor
+    import ckpttool.engine.reference
 
     def refuse(*args, **kwargs):
         raise AssertionError("tensor data read with data=False")
 
-    monkeypatch.setattr(ckpttool.executor.PieceLoader, "_bytes", refuse)
+    monkeypatch.setattr(ckpttool.engine.reference.PieceLoader, "_bytes", refuse)
     assert ckpttool.audit(hf, data=False).ok

@@ -17,7 +17,7 @@ from test_deepspeed import STEP, _model_states, _write
 import ckpttool
 from ckpttool.dtypes import cast_dtype
 from ckpttool.merge import config_dtype
-from ckpttool.writer import parse_size
+from ckpttool.writers.hf import parse_size
 
 LLAMA = fixture_dir("llama_tp2_dcp") / "checkpoint"
 CHOICES = "'bfloat16', 'float16', 'float32', 'bf16', 'fp16', 'fp32'"

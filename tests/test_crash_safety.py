@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import ckpttool
-import ckpttool.stream
+import ckpttool.engine.executor
 from ckpttool.errors import OutputError
-from ckpttool.writer import journal_name
+from ckpttool.writers.hf import journal_name
 from conftest import fixture_dir, load_output
 
 FIXTURE = "llama_tp2_dcp"
@@ -163,7 +163,7 @@ def _interrupt_after(nbytes: int):
 
 def corrupting_writes(monkeypatch) -> None:
     """Each output file loses a bit after it is written, as a failing disk would do."""
-    real = ckpttool.stream.write_file
+    real = ckpttool.engine.executor.write_file
 
     def write_then_corrupt(path, *args, **kwargs):
         digest = real(path, *args, **kwargs)
@@ -174,7 +174,7 @@ def corrupting_writes(monkeypatch) -> None:
             f.write(bytes([last[0] ^ 1]))
         return digest
 
-    monkeypatch.setattr("ckpttool.writer.stream_file", write_then_corrupt)
+    monkeypatch.setattr("ckpttool.writers.hf.stream_file", write_then_corrupt)
 
 
 def test_verify_reads_back_and_catches_corruption(cli, tmp_path, monkeypatch):
@@ -197,7 +197,7 @@ def test_read_back_failure_is_an_output_error(tmp_path, monkeypatch):
     def unreadable(path, prefix_len, spans):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("ckpttool.writer.file_digest", unreadable)
+    monkeypatch.setattr("ckpttool.writers.hf.file_digest", unreadable)
     with pytest.raises(OutputError, match="'model.safetensors': cannot read it back: Permission denied; nothing was published"):
         ckpttool.merge(fixture_dir(FIXTURE) / "checkpoint", tmp_path / "hf", verify=True)
 

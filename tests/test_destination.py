@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import ckpttool
-from ckpttool.destination import check_destination, foreign_entries, siblings
+from ckpttool.writers.destination import check_destination, foreign_entries, siblings
 from ckpttool.errors import DestinationError, OutputError
 from conftest import fixture_dir, tree_digest
 
@@ -159,7 +159,7 @@ def test_an_error_while_writing_leaves_the_earlier_output(cli, tmp_path, monkeyp
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("ckpttool.writer.stream_file", full_disk)
+    monkeypatch.setattr("ckpttool.writers.hf.stream_file", full_disk)
     result = cli("merge", SRC, out, "--force")
     assert result.exit_code == 1 and "No space left on device" in result.stderr
     assert tree_digest(out) == before and litter(out) == []
@@ -328,7 +328,7 @@ def _record(monkeypatch) -> list[tuple[str, ...]]:
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "posix_fadvise", fadvise)
-    monkeypatch.setattr("ckpttool.stream.open", open_, raising=False)
+    monkeypatch.setattr("ckpttool.engine.executor.open", open_, raising=False)
     return events
 
 

@@ -656,16 +656,16 @@ def test_destination_parent_that_is_not_writable(cli, tmp_path, monkeypatch):
 
 def _wrap_write_file(monkeypatch, after) -> None:
     """Run ``after(path)`` on each output file once the executor has written it (a fault on the way to disk)."""
-    import ckpttool.writer
+    import ckpttool.writers.hf
 
-    real = ckpttool.writer.stream_file
+    real = ckpttool.writers.hf.stream_file
 
     def write_file(path, *args, **kwargs):
         digest = real(path, *args, **kwargs)
         after(path)
         return digest
 
-    monkeypatch.setattr(ckpttool.writer, "stream_file", write_file)
+    monkeypatch.setattr(ckpttool.writers.hf, "stream_file", write_file)
 
 
 def test_output_file_shorter_than_planned_is_caught(cli, tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import ckpttool
 from ckpttool import torch_save
-from ckpttool.layout import c_strides
+from ckpttool.engine.layout import c_strides
 from ckpttool.readers import colossalai, dcp, verl
 from ckpttool.safe_pickle import Record
 from ckpttool.torch_save import StoredTensor

@@ -179,7 +179,7 @@ def test_one_process_without_a_process_group(tmp_path):
 def test_buckets_bound_what_a_rank_holds(tmp_path):
     from ckpttool.distributed import Group
     from ckpttool.live import _describe, _Gather, _plan
-    from ckpttool.writer import assign_files
+    from ckpttool.writers.hf import assign_files
 
     state = reference_state()
     held, views, _ = _describe(state, {})

@@ -15,8 +15,8 @@ import torch
 
 import ckpttool
 from ckpttool.errors import SourceError
-from ckpttool.layout import Layout, TensorLayout
-from ckpttool.layout_builder import LayoutBuilder
+from ckpttool.engine.layout import Layout, TensorLayout
+from ckpttool.engine.layout_builder import LayoutBuilder
 from ckpttool.architecture import ModelInfo
 from ckpttool.families import CONVENTIONS, megatron_core
 from ckpttool.readers import deepspeed

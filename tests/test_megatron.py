@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpttool.layout import Padding
+from ckpttool.engine.layout import Padding
 from ckpttool.readers import detect_format, megatron_legacy, read_layout
 from conftest import FIXTURES, assert_failed_cleanly, load_output, tree_digest
 
@@ -300,7 +300,7 @@ def test_qkv_and_gate_up_cut_follow_megatrons_views():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from ckpttool.layout import Layout, TensorLayout
+    from ckpttool.engine.layout import Layout, TensorLayout
     from ckpttool.architecture import ModelInfo
     from ckpttool.families import megatron_core as megatron
 

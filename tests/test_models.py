@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig
 
 import ckpttool
-from ckpttool.layout import Fusion
+from ckpttool.engine.layout import Fusion
 from ckpttool.sidecar import PieceSpec, save_shard
 from conftest import load_output
 

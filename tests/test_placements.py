@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ckpttool.layout import Box
+from ckpttool.engine.layout import Box
 from ckpttool.placements import Placement, local_ranges, local_shape, range_pieces
 
 

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from ckpttool.errors import CoverageError, SourceError
-from ckpttool.executor import PieceLoader, assemble
-from ckpttool.layout import RAW, Box, Fusion, Layout, Padding, Piece
-from ckpttool.layout_builder import LayoutBuilder
-from ckpttool.plan import Copy, Slice, TargetSpec, check_tiling, plan_merge, uncovered
+from ckpttool.engine.reference import PieceLoader, assemble
+from ckpttool.engine.layout import RAW, Box, Fusion, Layout, Padding, Piece
+from ckpttool.engine.layout_builder import LayoutBuilder
+from ckpttool.engine.plan import Copy, Slice, TargetSpec, check_tiling, plan_merge, uncovered
 from ckpttool.safetensors_format import read_header
 from conftest import HYPOTHESIS_EXAMPLES
 

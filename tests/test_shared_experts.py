@@ -97,7 +97,7 @@ def test_shared_expert_cut_follows_megatrons_glu_chunk():
 
     from ckpttool.architecture import ModelInfo
     from ckpttool.families import megatron_core
-    from ckpttool.layout import Layout, TensorLayout
+    from ckpttool.engine.layout import Layout, TensorLayout
 
     @settings(max_examples=30, deadline=None)
     @given(st.integers(1, 3), st.integers(1, 6), st.integers(1, 4), st.booleans())

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import ckpttool
 from ckpttool.errors import CoverageError, SourceError, SourceNotFoundError
-from ckpttool.layout import Fusion, Padding
+from ckpttool.engine.layout import Fusion, Padding
 from ckpttool.sidecar import FORMAT, SUFFIX, VERSION, PieceSpec, parse_sidecar, save_shard, shard_name
 
 WORLD = 4

@@ -23,14 +23,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from ..config_sizes import census, check_config_sizes
-from ..findings import Finding, Report, TensorStats, finding, sort_findings
-from ..layout import Layout
 from ..architecture import ModelInfo, find_config, model_info, read_config
-from ..plan import TargetSpec, plan_covered
+from ..config_sizes import census, check_config_sizes
+from ..engine.layout import Layout
+from ..engine.plan import TargetSpec, plan_covered
+from ..findings import Finding, Report, TensorStats, finding, sort_findings
 from ..planning import plan_layout
 from ..readers import detect_format, hf, read_layout
-from .config import config_findings, dtype_findings, tie_findings, tokenizer_findings, tokenizer_size
+from .config import (
+    config_findings,
+    dtype_findings,
+    tie_findings,
+    tokenizer_findings,
+    tokenizer_size,
+)
 from .data import OUTLIER_FACTOR, data_findings, replica_findings
 from .shapes import EXPERT_NAME, LAYER_NAME, shape_findings
 from .stats import Statistics, fold

@@ -18,14 +18,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .. import jsonfile
+from ..architecture import ModelInfo
 from ..dtypes import FLOAT_DTYPES, dtype_name
+from ..engine.plan import Target, TargetSpec
 from ..errors import SourceError
 from ..findings import Finding, TensorStats, finding
-from ..architecture import ModelInfo
 from ..paths import JSON_LIMIT, read_source
-from ..plan import Target, TargetSpec
 from ..readers import hf
-from ..writer import find_extras
+from ..writers.hf import find_extras
 
 CONFIG = "config.json"
 

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..executor import PieceLoader
+from ..engine.layout import Layout
+from ..engine.reference import PieceLoader
 from ..findings import Finding, TensorStats, finding
-from ..layout import Layout
 from .shapes import EXPERT_NAME, LAYER_NAME
 
 #: a tensor's RMS this many times above or below the median of its layer group is an outlier

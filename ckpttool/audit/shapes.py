@@ -12,9 +12,9 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..findings import Finding, finding
 from ..architecture import ModelInfo
 from ..families import Mismatch
+from ..findings import Finding, finding
 
 LAYER_NAME = re.compile(r"^(?P<prefix>.*?\.layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")

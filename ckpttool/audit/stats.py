@@ -2,7 +2,7 @@
 
 A fingerprint is the sha256 of the dtype, the shape and the elements in C order of the *logical* tensor, so
 the same weights saved under any sharding (FSDP over 4 ranks, TP=2, one HF file) give the same fingerprint.
-Tensors are never held whole: they arrive in the streaming executor's row chunks (:mod:`ckpttool.stream`),
+Tensors are never held whole: they arrive in the streaming executor's row chunks (:mod:`ckpttool.engine.executor`),
 which an accumulator folds in order; statistics convert at most :data:`BLOCK_ELEMENTS` elements at once.
 """
 
@@ -17,9 +17,9 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from ..engine.executor import Reader, buffer_sizes, build, chunks, piece_uses
+from ..engine.plan import Plan, Target
 from ..findings import TensorStats
-from ..plan import Plan, Target
-from ..stream import Reader, build, buffer_sizes, chunks, piece_uses
 
 #: elements converted to float at once
 BLOCK_ELEMENTS = 1 << 22

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from ..architecture import ModelInfo
 from ..diagnose import refusal_advice
+from ..engine.layout import Layout
+from ..engine.plan import TargetSpec
 from ..errors import ConfigError
-from ..layout import Layout
-from ..plan import TargetSpec
 from . import megatron_core, mixtral, qwen2_moe
 from .check import Mismatch, compare_with_model
 from .rules import Rules, cut

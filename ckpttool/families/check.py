@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..architecture import ModelInfo
 from ..diagnose import Diagnosis, diagnose
-from ..layout import Shape
+from ..engine.layout import Shape
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,9 @@ import re
 from collections.abc import Mapping
 
 from ..architecture import ModelInfo, config_value
+from ..engine.layout import Box, Layout
+from ..engine.plan import Slice, TargetSpec
 from ..errors import ConfigError
-from ..layout import Box, Layout
-from ..plan import Slice, TargetSpec
 
 NAME = "Megatron-Core"
 #: the layout formats written in this convention

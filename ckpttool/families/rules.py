@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..engine.layout import Box, TensorLayout
+from ..engine.plan import Slice, TargetSpec, tensor_specs
 from ..errors import ConfigError
-from ..layout import Box, TensorLayout
-from ..plan import Slice, TargetSpec, tensor_specs
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
-from ..destination import Staging
+from ..architecture import model_info
 from ..distributed import Group, share_out
 from ..dtypes import cast_dtype
+from ..engine.plan import Plan
 from ..errors import ConfigError
 from ..findings import Report
 from ..merge import finish_output
-from ..architecture import model_info
-from ..plan import Plan
 from ..sidecar import PieceSpec
-from ..writer import OutputFile, assign_files
+from ..writers.destination import Staging
+from ..writers.hf import OutputFile, assign_files
 from .gather import _Gather
 from .pieces import _describe, _Held, _plan
 from .watch import WATCH_SECONDS, LiveGatherError, _collect, _Watch

@@ -20,10 +20,10 @@ import torch
 
 from ..distributed import Group
 from ..dtypes import dtype_name, itemsize, torch_dtype
-from ..layout import Box, Piece
-from ..plan import Copy, Plan, Target
-from ..stream import Reader, buffer_sizes, write_file
-from ..writer import OutputFile, check_written, file_layout
+from ..engine.executor import Reader, buffer_sizes, write_file
+from ..engine.layout import Box, Piece
+from ..engine.plan import Copy, Plan, Target
+from ..writers.hf import OutputFile, check_written, file_layout
 from .pieces import _rank_of
 from .watch import LiveGatherError
 

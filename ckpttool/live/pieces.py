@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from ..dtypes import cast_dtype, dtype_name
-from ..errors import SourceError
-from ..layout import Box, Layout, Piece
-from ..layout_builder import LayoutBuilder
 from ..architecture import model_info
-from ..plan import Plan
+from ..dtypes import cast_dtype, dtype_name
+from ..engine.layout import Box, Layout, Piece
+from ..engine.layout_builder import LayoutBuilder
+from ..engine.plan import Plan
+from ..errors import SourceError
 from ..planning import plan_layout
 from ..sidecar import PieceSpec
 
@@ -73,7 +73,9 @@ def _placement(fqn: str, value: torch.Tensor, spec: PieceSpec | None) -> tuple[t
     except ImportError:  # a torch without DTensor
         DTensor = ()  # noqa: N806
     if isinstance(value, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,
+        )
 
         if any(p.is_partial() for p in value.placements):
             raise SourceError(f"'{fqn}': a DTensor with a Partial placement holds unreduced sums; redistribute it first")

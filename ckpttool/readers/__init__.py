@@ -1,4 +1,4 @@
-"""Readers: one per on-disk format, each turning what it finds into a :class:`~ckpttool.layout.Layout`.
+"""Readers: one per on-disk format, each turning what it finds into a :class:`~ckpttool.engine.layout.Layout`.
 
 Each reader module defines ``READER``, a :class:`~.base.Reader` (``name``, ``looks_for``, ``options``,
 ``matches(root)``, ``read(root, model, **options)``; the call order is in :mod:`.base`). :data:`READERS` lists
@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..architecture import ModelInfo
+from ..engine.layout import Layout
 from ..errors import CkptError, FormatNotDetectedError, SourceError, SourceNotFoundError
-from ..layout import Layout
 from . import (
     colossalai,
     dcp,

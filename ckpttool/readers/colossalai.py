@@ -31,12 +31,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..dtypes import itemsize
 from .. import jsonfile
-from ..errors import SourceError, SourceNotFoundError
-from ..layout import RAW, Box, Layout, Piece
-from ..layout_builder import LayoutBuilder
 from ..architecture import ModelInfo
+from ..dtypes import itemsize
+from ..engine.layout import RAW, Box, Layout, Piece
+from ..engine.layout_builder import LayoutBuilder
+from ..errors import SourceError, SourceNotFoundError
 from ..paths import JSON_LIMIT, inside, open_source, read_source
 from ..safetensors_format import read_header
 from ..torch_save import StoredTensor, scan

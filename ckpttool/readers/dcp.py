@@ -14,11 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO
 
-from ..dtypes import dtype_name, itemsize
-from ..errors import SourceError, SourceNotFoundError
-from ..layout import RAW, TORCH_SAVE, Box, Layout, Piece
-from ..layout_builder import LayoutBuilder
 from ..architecture import ModelInfo
+from ..dtypes import dtype_name, itemsize
+from ..engine.layout import RAW, TORCH_SAVE, Box, Layout, Piece
+from ..engine.layout_builder import LayoutBuilder
+from ..errors import SourceError, SourceNotFoundError
 from ..paths import inside, open_source, read_source
 from ..safe_pickle import Record, load_metadata_pickle
 from ..torch_save import locate

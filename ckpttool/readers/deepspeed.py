@@ -41,9 +41,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import SourceError, SourceNotFoundError
-from ..layout import Layout
 from ..architecture import ModelInfo
+from ..engine.layout import Layout
+from ..errors import SourceError, SourceNotFoundError
+from .base import FormatReader
 from .deepspeed_files import (
     _LAYER,
     _LAYER_TP,
@@ -63,7 +64,6 @@ from .deepspeed_pieces import _add_module, _Builder, _strip
 from .deepspeed_universal import way_out
 from .deepspeed_whole import _read_layers, _read_universal
 from .deepspeed_zero import _read_zero3, _read_zero12
-from .base import FormatReader
 
 __all__ = ["ALLOW", "LOOKS_FOR", "NAME", "OPTIONS", "matches", "read"]
 

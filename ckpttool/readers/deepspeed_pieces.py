@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..dtypes import itemsize
+from ..engine.layout import RAW, Box, Piece
+from ..engine.layout_builder import LayoutBuilder
 from ..errors import SourceError
-from ..layout import RAW, Box, Piece
-from ..layout_builder import LayoutBuilder
 from ..torch_save import StoredTensor
 from ..validate import expect
 from .deepspeed_files import _Loaded

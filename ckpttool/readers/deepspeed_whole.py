@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..engine.layout_builder import LayoutBuilder
 from ..errors import SourceError, SourceNotFoundError
-from ..layout_builder import LayoutBuilder
 from ..torch_save import StoredTensor
 from .deepspeed_files import Scan, _rel
 from .deepspeed_pieces import _whole_piece

@@ -18,7 +18,7 @@ Where the fp32 master weights are, per optimizer:
 ``partition_count`` records the data-parallel world size; it must equal the number of rank files. The flat
 buffers must be consumed exactly; a missing rank file leaves its region uncovered, and the coverage check
 names the file (the set of optimizer files is checked in :mod:`.deepspeed_files`). A flat range of a parameter
-becomes RAW boxes at byte offsets inside the optimizer files (:func:`ckpttool.layout.range_boxes`).
+becomes RAW boxes at byte offsets inside the optimizer files (:func:`ckpttool.engine.layout.range_boxes`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from ..dtypes import itemsize
+from ..engine.layout import RAW, Piece, range_boxes
+from ..engine.layout_builder import LayoutBuilder
 from ..errors import SourceError, SourceNotFoundError
-from ..layout import RAW, Piece, range_boxes
-from ..layout_builder import LayoutBuilder
 from ..torch_save import StoredTensor
 from ..validate import dims, expect, field, integer
 from .deepspeed_files import Scan, _Loaded, _names, _read_ranks, _rel, _shapes, _states

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import jsonfile
+from ..architecture import ModelInfo
+from ..engine.layout import RAW, Box, Layout, Piece
+from ..engine.layout_builder import LayoutBuilder
 from ..errors import SourceError, SourceNotFoundError
 from ..findings import Finding, finding
-from ..layout import RAW, Box, Layout, Piece
-from ..layout_builder import LayoutBuilder
-from ..architecture import ModelInfo
 from ..paths import JSON_LIMIT, inside, read_source
 from ..safetensors_format import Header, read_header
 from .base import FormatReader

@@ -13,10 +13,10 @@ import re
 from pathlib import Path
 
 from .. import jsonfile
-from ..errors import ConfigError, SourceError, SourceNotFoundError
-from ..layout import RAW, Box, Layout, Piece
-from ..layout_builder import LayoutBuilder
 from ..architecture import ModelInfo
+from ..engine.layout import RAW, Box, Layout, Piece
+from ..engine.layout_builder import LayoutBuilder
+from ..errors import ConfigError, SourceError, SourceNotFoundError
 from ..safetensors_format import read_header
 from .base import FormatReader
 

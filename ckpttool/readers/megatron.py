@@ -13,7 +13,7 @@ defines them, so one source convention (:mod:`ckpttool.families.megatron_core`) 
 - a SwiGLU ``linear_fc1`` is ``[gate; up]`` over the whole FFN width (torch_dist's ShardedTensorFactory stores
   it so; the legacy reader rearranges each TP rank's local ``[gate_r; up_r]`` into it);
 - the vocab rows of ``embedding.word_embeddings.weight`` and ``output_layer.weight`` may be padded to a
-  multiple of ``make_vocab_size_divisible_by * tp``: the readers record that as :class:`~ckpttool.layout.Padding`
+  multiple of ``make_vocab_size_divisible_by * tp``: the readers record that as :class:`~ckpttool.engine.layout.Padding`
   from the config's true vocab, checked against the args, so the cut strips it once.
 
 Megatron checkpoints carry no HuggingFace config: the config comes from ``--config``; where the checkpoint has
@@ -30,8 +30,8 @@ from typing import Any, BinaryIO, ClassVar
 
 from .. import torch_save
 from ..architecture import ModelInfo, config_value
+from ..engine.layout import Layout, Padding, TensorLayout
 from ..errors import ConfigError, SourceError
-from ..layout import Layout, Padding, TensorLayout
 from ..paths import inside, read_tag
 from ..pickle_bounds import EnumStandIn
 from ..safe_pickle import Record

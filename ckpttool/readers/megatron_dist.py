@@ -27,9 +27,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import jsonfile
-from ..errors import SourceError
-from ..layout import Layout
 from ..architecture import ModelInfo
+from ..engine.layout import Layout
+from ..errors import SourceError
 from ..paths import JSON_LIMIT, open_source, read_source
 from ..safe_pickle import Record
 from ..validate import expect

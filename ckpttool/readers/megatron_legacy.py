@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..dtypes import itemsize
-from ..errors import SourceError, SourceNotFoundError
-from ..layout import RAW, Box, Layout, Piece
-from ..layout_builder import LayoutBuilder
 from ..architecture import ModelInfo
+from ..dtypes import itemsize
+from ..engine.layout import RAW, Box, Layout, Piece
+from ..engine.layout_builder import LayoutBuilder
+from ..errors import SourceError, SourceNotFoundError
 from ..paths import open_source
 from ..safe_pickle import Record
 from ..torch_save import StoredTensor

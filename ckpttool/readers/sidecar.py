@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import SourceError, SourceNotFoundError
-from ..layout import RAW, Box, Layout, Piece
-from ..layout_builder import LayoutBuilder
 from ..architecture import ModelInfo
+from ..engine.layout import RAW, Box, Layout, Piece
+from ..engine.layout_builder import LayoutBuilder
+from ..errors import SourceError, SourceNotFoundError
 from ..paths import JSON_LIMIT, inside, read_source
 from ..safetensors_format import read_header
 from ..sidecar import SUFFIX, parse_sidecar, shard_name

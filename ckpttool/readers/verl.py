@@ -36,16 +36,21 @@ from pathlib import Path
 
 from .. import jsonfile
 from ..architecture import ModelInfo
+from ..engine.layout import Layout
+from ..engine.layout_builder import LayoutBuilder
 from ..errors import SourceError, SourceNotFoundError
-from ..layout import Layout
-from ..layout_builder import LayoutBuilder
 from ..paths import JSON_LIMIT, open_source, read_source
 from ..placements import Placement, Range, local_ranges, local_shape, range_pieces
 from ..safe_pickle import Record
 from ..torch_save import StoredTensor, scan
 from .base import FormatReader
-from .verl_entries import Mesh, _describe, _entry, _Entry
-from .verl_entries import _mesh  # noqa: F401 (tests read a pickled mesh with it)
+from .verl_entries import (
+    Mesh,
+    _describe,
+    _Entry,
+    _entry,
+    _mesh,  # noqa: F401 (tests read a pickled mesh with it)
+)
 from .verl_pickle import ALLOW
 from .verl_pieces import _add_pieces
 

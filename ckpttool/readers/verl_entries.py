@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ..dtypes import dtype_name, itemsize
+from ..engine.layout import c_strides
 from ..errors import SourceError
-from ..layout import c_strides
 from ..placements import Placement
 from ..safe_pickle import Record
 from ..torch_save import StoredTensor

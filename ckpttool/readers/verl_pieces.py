@@ -9,8 +9,8 @@ rank file is missing is still recorded (absent), so the coverage error names the
 from __future__ import annotations
 
 from ..dtypes import itemsize
-from ..layout import RAW, Piece, c_strides
-from ..layout_builder import LayoutBuilder
+from ..engine.layout import RAW, Piece, c_strides
+from ..engine.layout_builder import LayoutBuilder
 from ..placements import Range, local_ranges, local_shape, range_pieces
 from .verl_entries import _Entry
 

@@ -1,6 +1,6 @@
 """The reference executor: a whole target tensor assembled in memory from its box copies.
 
-The merge writes with the streaming executor (:mod:`ckpttool.stream`), which never holds a whole tensor;
+The merge writes with the streaming executor (:mod:`ckpttool.engine.executor`), which never holds a whole tensor;
 this one is the simple oracle the tests compare it with, the way the audit and ``diff`` read tensors, and
 the loader of pieces stored as ``torch.save`` archives. Peak memory is one target tensor plus a small cache
 of pieces that later targets still need.
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from .dtypes import dtype_name, torch_dtype
-from .errors import SourceError, UnsafePickleError
+from ..dtypes import dtype_name, torch_dtype
+from ..errors import SourceError, UnsafePickleError
+from ..paths import open_source
 from .layout import RAW, Box, Piece
-from .paths import open_source
 from .plan import Target
 
 #: most bytes of pieces kept for later targets (a stacked expert piece feeds 2E targets)

@@ -1,4 +1,4 @@
-"""The one way a reader builds a :class:`~ckpttool.layout.Layout`: declare each global tensor, add its pieces,
+"""The one way a reader builds a :class:`~ckpttool.engine.layout.Layout`: declare each global tensor, add its pieces,
 record problems, notes, missing files and the parallel sizes through methods, then :meth:`LayoutBuilder.build`,
 which checks that everything agrees and raises every inconsistency at once."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .errors import SourceError
+from ..errors import SourceError
 from .layout import Fusion, Layout, Padding, Piece, Shape, TensorLayout
 
 

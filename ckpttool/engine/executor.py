@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
-from .dtypes import itemsize, torch_dtype
-from .errors import SourceError
-from .executor import CACHE_BYTES, PieceLoader
+from ..dtypes import itemsize, torch_dtype
+from ..errors import SourceError
+from ..paths import open_source, source_os_error
 from .layout import RAW, Box, Piece, c_strides
-from .paths import open_source, source_os_error
-from .plan import Target, dim_map, map_region
+from .plan import Target
+from .reference import CACHE_BYTES, PieceLoader
+from .regions import dim_map, map_region
 
 #: the most output bytes one chunk holds (a chunk is at least one row)
 CHUNK_BYTES = 32 * 2**20

@@ -1,6 +1,6 @@
 """Plans: every target tensor as a list of box copies from source pieces, checked before any byte is read.
 
-A model mapping (see :mod:`ckpttool.models`) says what each target is made of, as :class:`Slice` s of source
+A family adapter (see :mod:`ckpttool.families`) says what each target is made of, as :class:`Slice` s of source
 tensors in global coordinates. :func:`plan_merge` intersects those slices with the pieces of the layout, which
 gives :class:`Copy` s from a piece's local box to a box of the target, and then proves that the copies tile
 every target exactly once. Name mapping, padding strip, TP concatenation along any dim, uneven splits, stacked
@@ -13,10 +13,11 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .dtypes import FLOAT_DTYPES, itemsize
-from .errors import ArgumentError, CoverageError, SourceError
+from ..dtypes import FLOAT_DTYPES, itemsize
+from ..errors import ArgumentError, CoverageError, SourceError
+from . import regions
 from .layout import Box, Layout, Piece, Shape, TensorLayout
-
+from .regions import map_region, squeeze
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +33,14 @@ class Slice:
     dst: Box
 
     def __post_init__(self) -> None:
-        if _squeeze(self.src.sizes) != _squeeze(self.dst.sizes):
+        if squeeze(self.src.sizes) != squeeze(self.dst.sizes):
             raise SourceError(
                 f"slice of '{self.source}' maps sizes {list(self.src.sizes)} onto {list(self.dst.sizes)}"
             )
 
     def dim_map(self) -> tuple[int | None, ...]:
         """For each target dim, the source dim it comes from (None for an added dim of size 1)."""
-        return dim_map(self.src, self.dst)
+        return regions.dim_map(self.src, self.dst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,33 +342,3 @@ def _gap_message(
 def _source_region(sl: Slice, box: Box) -> Box | None:
     """The part of source tensor ``sl.source`` that fills ``box`` of the target, or None if ``sl`` misses it."""
     return map_region(sl.src, sl.dst, box)
-
-
-def dim_map(src: Box, dst: Box) -> tuple[int | None, ...]:
-    """For each dim of ``dst``, the dim of ``src`` it comes from, when ``src`` and ``dst`` hold the same
-    elements in the same order (their sizes agree once dims of size 1 are dropped); None for a dim of size 1
-    that ``src`` does not have."""
-    src_dims = [d for d, n in enumerate(src.sizes) if n != 1]
-    dst_dims = [d for d, n in enumerate(dst.sizes) if n != 1]
-    mapping: list[int | None] = [None] * len(dst.sizes)
-    for s, d in zip(src_dims, dst_dims):
-        mapping[d] = s
-    return tuple(mapping)
-
-
-def map_region(src: Box, dst: Box, region: Box) -> Box | None:
-    """Where ``src`` (a box of a source) fills ``dst`` (a box of a target): the part of ``src`` that fills
-    ``region`` of the target, or None when ``dst`` and ``region`` share no element."""
-    common = dst.intersect(region)
-    if common is None:
-        return None
-    offsets, sizes = list(src.offsets), list(src.sizes)
-    for d, s in enumerate(dim_map(src, dst)):
-        if s is not None:
-            offsets[s] += common.offsets[d] - dst.offsets[d]
-            sizes[s] = common.sizes[d]
-    return Box(tuple(offsets), tuple(sizes))
-
-
-def _squeeze(sizes: Shape) -> Shape:
-    return tuple(n for n in sizes if n != 1)

@@ -1,6 +1,6 @@
 """The HuggingFace output: sharded safetensors + index + config + tokenizer, published atomically.
 
-Everything is written into a staging directory beside the destination (see :mod:`ckpttool.destination`),
+Everything is written into a staging directory beside the destination (see :mod:`ckpttool.writers.destination`),
 verified, and renamed into place at the end; on an error the staging directory is removed, so the
 destination never holds a partial checkpoint. A journal in the staging directory records every output file
 finished so far with its sha256, so a merge killed after hours continues with ``--resume`` where it stopped,
@@ -19,15 +19,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine.executor import (
+    CHUNK_BYTES,
+    Chunk,
+    Reader,
+    buffer_sizes,
+    chunks,
+    file_digest,
+    piece_uses,
+)
+from ..engine.executor import predict_peak_bytes as stream_peak_bytes
+from ..engine.executor import write_file as stream_file
+from ..engine.plan import Plan, Target
+from ..errors import ArgumentError, OutputError, SourceError
+from ..paths import link_escapes
+from ..safetensors_format import encode_header, read_header
+from ..version import __version__
 from .destination import EXTRA_FILES, INDEX, JOURNAL_GLOB, journal_name
-from .errors import ArgumentError, OutputError, SourceError
-from .paths import link_escapes
-from .stream import CHUNK_BYTES, Chunk, Reader, buffer_sizes, chunks, file_digest, piece_uses
-from .stream import predict_peak_bytes as stream_peak_bytes
-from .stream import write_file as stream_file
-from .plan import Plan, Target
-from .safetensors_format import encode_header, read_header
-from .version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +98,7 @@ def assign_files(plan: Plan, max_shard_size: str | int = "5GB") -> list[OutputFi
 
 class Journal:
     """The output files finished so far, with their sizes and digests (sha256 of the header and of each
-    chunk, see :mod:`ckpttool.stream`), for one plan.
+    chunk, see :mod:`ckpttool.engine.executor`), for one plan.
 
     Each writing process keeps its own journal file, rewritten atomically after each file; all journals of
     the same plan are read together. Journals of another plan (the source, the options or ckpttool
@@ -188,7 +196,7 @@ def write_weights(
 ) -> int:
     """Write the safetensors files ``mine`` (this process's share of the output), check each, and journal it.
 
-    Tensors are streamed in row chunks by ``workers`` threads (:mod:`ckpttool.stream`). Files an interrupted
+    Tensors are streamed in row chunks by ``workers`` threads (:mod:`ckpttool.engine.executor`). Files an interrupted
     run of the same plan (``identity``, see :func:`plan_id`) finished are kept after their digest is checked
     again (see :class:`Journal`). With ``verify``, each file written is read back from disk and its digest
     compared with the bytes written. The staging directory must have been cleaned once (:func:`clean_staging`)
@@ -240,7 +248,7 @@ def file_layout(out: OutputFile) -> tuple[bytes, list[Chunk]]:
 
 
 def predict_peak_bytes(plan: Plan, workers: int = 1) -> int:
-    """The most memory the writer holds at once (see :func:`ckpttool.stream.predict_peak_bytes`)."""
+    """The most memory the writer holds at once (see :func:`ckpttool.engine.executor.predict_peak_bytes`)."""
     chunk_list = [c for t in plan.targets for c in chunks(t, 0)]
     return stream_peak_bytes(chunk_list, workers)
 
@@ -290,7 +298,7 @@ def write_extras(directory: Path, config: Mapping[str, object] | None, search: S
     if config is not None:
         config = dict(config)
         if dtype is not None:
-            from .dtypes import torch_dtype
+            from ..dtypes import torch_dtype
 
             name = str(torch_dtype(dtype)).removeprefix("torch.")
             keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]

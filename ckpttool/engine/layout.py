@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .errors import SourceError
+from ..errors import SourceError
 
 Shape = tuple[int, ...]
 

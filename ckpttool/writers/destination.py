@@ -24,8 +24,8 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import DestinationError, OutputError
-from .paths import is_within
+from ..errors import DestinationError, OutputError
+from ..paths import is_within
 
 log = logging.getLogger(__name__)
 

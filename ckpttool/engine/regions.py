@@ -1,0 +1,40 @@
+"""Where a region of one box lands in another: the arithmetic every copy of a plan rests on.
+
+A slice or copy maps a source box onto a destination box of the same elements, possibly with dims of size 1
+dropped or added (a stacked expert ``(1, n, h)`` onto a per-expert ``(n, h)``). These functions map a region
+of the destination back to the source, dim by dim.
+"""
+
+from __future__ import annotations
+
+from .layout import Box, Shape
+
+
+def dim_map(src: Box, dst: Box) -> tuple[int | None, ...]:
+    """For each dim of ``dst``, the dim of ``src`` it comes from, when ``src`` and ``dst`` hold the same
+    elements in the same order (their sizes agree once dims of size 1 are dropped); None for a dim of size 1
+    that ``src`` does not have."""
+    src_dims = [d for d, n in enumerate(src.sizes) if n != 1]
+    dst_dims = [d for d, n in enumerate(dst.sizes) if n != 1]
+    mapping: list[int | None] = [None] * len(dst.sizes)
+    for s, d in zip(src_dims, dst_dims):
+        mapping[d] = s
+    return tuple(mapping)
+
+
+def map_region(src: Box, dst: Box, region: Box) -> Box | None:
+    """Where ``src`` (a box of a source) fills ``dst`` (a box of a target): the part of ``src`` that fills
+    ``region`` of the target, or None when ``dst`` and ``region`` share no element."""
+    common = dst.intersect(region)
+    if common is None:
+        return None
+    offsets, sizes = list(src.offsets), list(src.sizes)
+    for d, s in enumerate(dim_map(src, dst)):
+        if s is not None:
+            offsets[s] += common.offsets[d] - dst.offsets[d]
+            sizes[s] = common.sizes[d]
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def squeeze(sizes: Shape) -> Shape:
+    return tuple(n for n in sizes if n != 1)
