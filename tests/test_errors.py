@@ -516,7 +516,7 @@ def test_sidecar_of_binary_garbage_is_not_valid_json(cli, tmp_path):
     not_unexpected(result)
 
 
-# --------------------------------------------------------------------------------------------- models.py
+# --------------------------------------------------------------------------------------------- architecture and families
 
 
 def test_config_that_is_not_json(cli, tmp_path):

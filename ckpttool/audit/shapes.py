@@ -1,6 +1,6 @@
 """Names and shapes against the architecture transformers builds from the config, as findings.
 
-Mismatches come from :func:`ckpttool.models.compare_with_model`, each wrong shape with its diagnosis
+Mismatches come from :func:`ckpttool.families.compare_with_model`, each wrong shape with its diagnosis
 (:mod:`ckpttool.diagnose`); here every layer range or expert whose tensors are all missing is grouped into one
 finding (a pipeline stage or an EP rank not merged) instead of one per tensor.
 """
