@@ -43,6 +43,15 @@ def load_output(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def apply_spec(spec, sources: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A target spec carried out on whole source tensors (NaN where no slice writes), to check a cut by value."""
+    out = torch.full(spec.shape, float("nan"))
+    for sl in spec.slices:
+        src = sources[sl.source][tuple(slice(o, o + n) for o, n in zip(sl.src.offsets, sl.src.sizes))]
+        out[tuple(slice(o, o + n) for o, n in zip(sl.dst.offsets, sl.dst.sizes))] = src.reshape(sl.dst.sizes)
+    return out
+
+
 def tree_digest(directory: Path) -> dict[str, str]:
     """sha256 of every file under a directory, to prove a source was not modified."""
     return {

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from ckpttool.engine.layout import Padding
 from ckpttool.readers import detect_format, megatron_legacy, read_layout
-from conftest import FIXTURES, assert_failed_cleanly, load_output, tree_digest
+from conftest import FIXTURES, apply_spec, assert_failed_cleanly, load_output, tree_digest
 
 CASES = ("tp2_padvocab", "tp2_pp2", "pp2_uneven", "pp2_vpp2", "ep2_moe", "qwen2moe_tp2_ep2", "qwen2moe_pp2_ep2")
 FORMATS = {"legacy": "megatron-legacy", "torch_dist": "megatron-dist"}
@@ -287,14 +287,6 @@ def test_torch_dist_without_dcp_metadata_is_named(cli, tmp_path):
     assert_failed_cleanly(result, out, "iter_0000010", "no .metadata file")
 
 
-def _apply(spec, sources: dict[str, torch.Tensor]) -> torch.Tensor:
-    out = torch.full(spec.shape, float("nan"))
-    for sl in spec.slices:
-        src = sources[sl.source][tuple(slice(o, o + n) for o, n in zip(sl.src.offsets, sl.src.sizes))]
-        out[tuple(slice(o, o + n) for o, n in zip(sl.dst.offsets, sl.dst.sizes))] = src.reshape(sl.dst.sizes)
-    return out
-
-
 def test_qkv_and_gate_up_cut_follow_megatrons_views():
     """Property: for any grouping, the cut equals Megatron's own view of the fused rows (stacked layers)."""
     from hypothesis import given, settings
@@ -321,7 +313,7 @@ def test_qkv_and_gate_up_cut_follow_megatrons_views():
                   "hidden_size": hidden}
         specs, _, problems = megatron.to_hf(layout, ModelInfo("llama", config, {}, {}))
         assert problems == []
-        got = {s.name: _apply(s, names) for s in specs}
+        got = {s.name: apply_spec(s, names) for s in specs}
         for layer in range(layers):
             view = qkv[layer].view(groups, per_group + 2, head_dim, hidden)
             h = f"model.layers.{layer}."

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import FIXTURES, assert_failed_cleanly
+from conftest import FIXTURES, apply_spec, assert_failed_cleanly
 
 CASE = FIXTURES / "megatron_qwen2moe_tp2_ep2"
 
@@ -82,14 +82,6 @@ def test_a_checkpoint_without_the_shared_expert_gate_is_refused_for_qwen2_moe(cl
                           "'model.layers.1.mlp.shared_expert_gate.weight': expected by the config but not in the checkpoint")
 
 
-def _apply(spec, sources: dict[str, torch.Tensor]) -> torch.Tensor:
-    out = torch.full(spec.shape, float("nan"))
-    for sl in spec.slices:
-        src = sources[sl.source][tuple(slice(o, o + n) for o, n in zip(sl.src.offsets, sl.src.sizes))]
-        out[tuple(slice(o, o + n) for o, n in zip(sl.dst.offsets, sl.dst.sizes))] = src.reshape(sl.dst.sizes)
-    return out
-
-
 def test_shared_expert_cut_follows_megatrons_glu_chunk():
     """Property: stacked, per-layer and singleton (``_w``/``_v``) shared experts cut like ``chunk(2)`` of fc1."""
     from hypothesis import given, settings
@@ -115,7 +107,7 @@ def test_shared_expert_cut_follows_megatrons_glu_chunk():
         disk = {f"model.layers.{i}.mlp.{word}.{p}_proj.weight": () for i in range(layers + 1) for p in ("gate", "up", "down")}
         specs, _, problems = megatron_core.to_hf(layout, ModelInfo("qwen2_moe", {"hidden_size": hidden}, {}, disk))
         assert problems == []
-        got = {s.name: _apply(s, names) for s in specs}
+        got = {s.name: apply_spec(s, names) for s in specs}
         for i in range(layers):
             h = f"model.layers.{i}.mlp."
             g, u = fc1[i].chunk(2)
