@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .engine.layout import Layout
 from .errors import CkptError, ConfigError
+from .readers import read_layout
 
 #: config keys that give the number of layers, and the number of routed experts
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers")
@@ -49,10 +50,6 @@ class Census:
 
 def census(root: Path, format: str | None = None, weights: str | None = None) -> Census | None:
     """The census of the checkpoint in ``root``, read without a model; None when it cannot be read so."""
-    from .readers import (
-        read_layout,  # the census reads the layout: readers sit below this check
-    )
-
     try:
         return Census.of(read_layout(root, format=format, weights=weights))
     except CkptError:  # no global shapes without the model, or a broken source: the real read says why
