@@ -32,6 +32,7 @@ from .writers.hf import (
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, slots=True)
 class MergeResult:
     """What :func:`merge` did (or, with ``dry_run``, would do)."""

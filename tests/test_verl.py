@@ -23,7 +23,10 @@ from hypothesis import strategies as st
 
 import ckpttool
 from ckpttool.readers import detect_format, verl
-from ckpttool.readers.verl import Placement, local_ranges
+from ckpttool.placements import Placement, local_ranges
+from ckpttool.readers.verl_entries import _mesh
+from ckpttool.safe_pickle import Record
+from ckpttool.torch_save import StoredTensor
 
 MODELS = ("verl_llama_fsdp4", "verl_llama_dp2_tp2")
 INPUT_IDS = torch.tensor([[1, 5, 9, 42, 100, 999, 1000, 7]])
@@ -211,24 +214,24 @@ def test_not_detected_on_other_formats():
     assert not verl.matches(fixture_dir("colossalai_llama_pp2_bin") / "checkpoint")
 
 
-def _ints(values: list[int]) -> tuple[io.BytesIO, verl.StoredTensor]:
+def _ints(values: list[int]) -> tuple[io.BytesIO, StoredTensor]:
     data = b"".join(v.to_bytes(4, "little", signed=True) for v in values)
-    return io.BytesIO(data), verl.StoredTensor("I32", (len(values),), (1,), "0", 0, 0, len(values))
+    return io.BytesIO(data), StoredTensor("I32", (len(values),), (1,), "0", 0, 0, len(values))
 
 
 def test_sub_mesh_is_the_cell_of_the_root_rank_map_holding_the_rank():
     f, rank_map = _ints([0, 1, 2, 3])
-    axis = verl.Record(shape=(2,), stride=(2,))  # mesh["dp"] of a (dp=2, tp=2) mesh
-    raw = verl.Record(_rank_map=rank_map, _layout=verl.Record(axes=(axis,)), _mesh_dim_names=("dp",))
-    mesh = verl._mesh(raw, 3, f, "x.pt")
+    axis = Record(shape=(2,), stride=(2,))  # mesh["dp"] of a (dp=2, tp=2) mesh
+    raw = Record(_rank_map=rank_map, _layout=Record(axes=(axis,)), _mesh_dim_names=("dp",))
+    mesh = _mesh(raw, 3, f, "x.pt")
     assert (mesh.shape, mesh.ranks, mesh.names, mesh.coordinate(3)) == ((2,), (1, 3), ("dp",), (1,))
-    assert verl._mesh(raw, 2, f, "x.pt").ranks == (0, 2)
+    assert _mesh(raw, 2, f, "x.pt").ranks == (0, 2)
 
 
 def test_mesh_pickled_as_its_rank_tensor_by_older_torch():
     f, ranks = _ints([0, 1, 2, 3])
-    ranks = verl.StoredTensor("I32", (2, 2), (2, 1), "0", 0, 0, 4)
-    mesh = verl._mesh(verl.Record(mesh=ranks, mesh_dim_names=("dp", "tp")), 2, f, "x.pt")
+    ranks = StoredTensor("I32", (2, 2), (2, 1), "0", 0, 0, 4)
+    mesh = _mesh(Record(mesh=ranks, mesh_dim_names=("dp", "tp")), 2, f, "x.pt")
     assert (mesh.shape, mesh.coordinate(2), mesh.coordinate(1)) == ((2, 2), (1, 0), (0, 1))
 
 

@@ -40,22 +40,18 @@ from ..engine.layout import Layout
 from ..engine.layout_builder import LayoutBuilder
 from ..errors import SourceError, SourceNotFoundError
 from ..paths import JSON_LIMIT, open_source, read_source
-from ..placements import Placement, Range, local_ranges, local_shape, range_pieces
-from ..safe_pickle import Record
-from ..torch_save import StoredTensor, scan
+from ..torch_save import scan
 from .base import FormatReader
 from .verl_entries import (
     Mesh,
     _describe,
     _Entry,
     _entry,
-    _mesh,  # noqa: F401 (tests read a pickled mesh with it)
 )
 from .verl_pickle import ALLOW
 from .verl_pieces import _add_pieces
 
-__all__ = ["ALLOW", "FSDP_CONFIG", "LOOKS_FOR", "NAME", "RANK_FILE", "Mesh", "Placement", "Range", "Record",
-           "StoredTensor", "READER", "local_ranges", "local_shape", "matches", "range_pieces", "rank_files", "read"]
+__all__ = ["ALLOW", "FSDP_CONFIG", "LOOKS_FOR", "NAME", "RANK_FILE", "READER", "matches", "rank_files", "read"]
 
 NAME = "verl"
 LOOKS_FOR = "model_world_size_W_rank_R.pt files (FSDP/verl per-rank DTensor state dicts)"
