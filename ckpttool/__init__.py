@@ -6,6 +6,7 @@ Python API (mirrors the CLI)::
     layout = ckpttool.read_layout("ckpt/")           # metadata only: global shapes, pieces, files
     plan = ckpttool.plan_merge(layout)               # coverage-checked before any byte is read
     result = ckpttool.merge("ckpt/", "out/", config="config.json", dtype="bfloat16")
+    ckpttool.split("out/", "dcp/", to="dcp", fsdp=2, tp=2)  # the way back: one DCP file per rank of a mesh
     report = ckpttool.audit("out/")                  # findings with stable codes; report.ok, report.to_json()
     same = ckpttool.diff("ckpt/", "out/").equal      # layout-independent fingerprints
 """
@@ -37,6 +38,7 @@ from .merge import MergeResult, merge, prepare  # noqa: E402
 from .engine.plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge  # noqa: E402
 from .readers import READERS, detect_format, read_layout  # noqa: E402
 from .sidecar import PieceSpec, save_shard  # noqa: E402
+from .split import SplitResult, split  # noqa: E402
 
 from .version import __version__  # noqa: E402
 
@@ -45,5 +47,5 @@ __all__ = [
     "Box", "CkptError", "ConfigError", "Copy", "CoverageError", "DestinationError", "FormatNotDetectedError",
     "Fusion", "Layout", "MergeResult", "OutputError", "Padding", "Piece", "PieceSpec", "Plan", "READERS", "Slice", "SourceError",
     "SourceNotFoundError", "Target", "TargetSpec", "TensorLayout", "UnsafePickleError", "detect_format", "merge",
-    "plan_merge", "prepare", "read_layout", "save_shard",
+    "plan_merge", "prepare", "read_layout", "save_shard", "split", "SplitResult",
 ]

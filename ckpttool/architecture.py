@@ -39,6 +39,11 @@ class ModelInfo:
         tied: tied target name -> the name it shares storage with (e.g. ``lm_head.weight``).
         family: the family whose adapter cuts this model's tensors (:mod:`ckpttool.families`): the model type, or
             the one transformers itself treats it as (``qwen3_moe`` is cut as ``qwen2_moe``).
+        mtp_shapes: the multi-token-prediction layers the config declares, as transformers' ``MtpModel`` builds
+            them (``layers.0.eh_proj.weight``, ``layers.0.post_norm.weight``, ``embed_tokens.weight``,
+            ``shared_head.weight``), each decoder block under its on-disk names (``layers.0.mtp_block.mlp.experts.0
+            .gate_proj.weight``); empty when the config declares none. Where a release stores them is
+            :mod:`ckpttool.families.mtp`'s to say.
     """
 
     model_type: str
@@ -47,6 +52,7 @@ class ModelInfo:
     disk_shapes: Mapping[str, Shape]
     tied: Mapping[str, str] = field(default_factory=dict)
     family: str | None = None
+    mtp_shapes: Mapping[str, Shape] = field(default_factory=dict)
 
 
 def find_config(source: Path, explicit: str | Path | None) -> Path | None:
@@ -144,14 +150,49 @@ def _build(model_type: str, config: Mapping[str, object], label: str) -> ModelIn
     except ImportError:  # transformers < 5: memory names are the disk names
         disk_state = state
     disk = {k: tuple(v.shape) for k, v in disk_state.items() if k not in tied}
-    return ModelInfo(model_type, dict(config), memory, disk, tied, _family(model_type))
+    return ModelInfo(model_type, dict(config), memory, disk, tied, _family(model_type), _mtp_shapes(model, cfg))
+
+
+def _mtp_shapes(model: Any, cfg: Any) -> dict[str, Shape]:
+    """The MTP layers transformers (5.23+) builds for a config that declares them (``num_mtp_layers``, alias
+    ``num_nextn_predict_layers``), on the meta device; each decoder block's tensors reverted to on-disk names the
+    way the main model's layers are (stacked experts saved per expert). Empty when there are none to build."""
+    layers = getattr(cfg, "num_mtp_layers", None)
+    if not isinstance(layers, int) or layers <= 0:
+        return {}
+    try:
+        import torch
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_layers import MtpModel
+
+        with torch.device("meta"):
+            state = MtpModel(model, layers).state_dict()
+        blocks = {}
+        for name, tensor in state.items():
+            head, sep, rest = name.partition(".mtp_block.")
+            if sep:  # through the main model's conversions, as if it were one of its layers
+                blocks[f"{head}.{rest}"] = tensor
+        reverted = revert_weight_conversion(model, {f"model.{k}": v for k, v in blocks.items()})
+    except Exception as e:  # an older transformers, or a model its MTP class cannot build: no MTP expectations
+        log.info("transformers builds no MTP layers for %s: %s", type(model).__name__, e)
+        return {}
+    shapes = {k: tuple(v.shape) for k, v in state.items() if ".mtp_block." not in k}
+    for name, tensor in reverted.items():
+        index, _, rest = name.removeprefix("model.layers.").partition(".")
+        shapes[f"layers.{index}.mtp_block.{rest}"] = tuple(tensor.shape)
+    return shapes
+
+
+#: bumped whenever :class:`ModelInfo` gains a field, so that no older entry (which lacks it) is read
+_CACHE_FORMAT = 2
 
 
 def _cache_path(config: Mapping[str, object]) -> Path | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        key = json.dumps({"transformers": version("transformers"), "config": config}, sort_keys=True, default=str)
+        key = json.dumps({"transformers": version("transformers"), "config": config, "format": _CACHE_FORMAT},
+                         sort_keys=True, default=str)
     except (PackageNotFoundError, TypeError, ValueError):
         return None
     root = Path(os.environ.get("CKPTTOOL_CACHE") or Path.home() / ".cache" / "ckpttool")
@@ -166,7 +207,7 @@ def _read_cache(path: Path, config: Mapping[str, object]) -> tuple[ModelInfo | N
             return (None,) if doc is not None else None
         shapes = lambda m: {k: tuple(int(n) for n in v) for k, v in m.items()}  # noqa: E731
         return (ModelInfo(doc["model_type"], dict(config), shapes(doc["memory"]), shapes(doc["disk"]),
-                          dict(doc["tied"]), doc.get("family")),)
+                          dict(doc["tied"]), doc.get("family"), shapes(doc["mtp"])),)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -174,7 +215,7 @@ def _read_cache(path: Path, config: Mapping[str, object]) -> tuple[ModelInfo | N
 def _write_cache(path: Path, info: ModelInfo | None) -> None:
     doc = {"none": True} if info is None else {
         "model_type": info.model_type, "memory": info.memory_shapes, "disk": info.disk_shapes, "tied": info.tied,
-        "family": info.family,
+        "family": info.family, "mtp": info.mtp_shapes,
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

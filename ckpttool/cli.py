@@ -20,7 +20,9 @@ from .errors import CkptError
 from .findings import Report
 from .merge import MergeResult, merge
 from .readers import READERS
+from .split import TARGETS, SplitResult, split
 from .terminal import Bar, Group, escaped, shown
+from .terminal import size_text as _size
 from .version import __version__
 from .writers.hf import predict_peak_bytes
 
@@ -48,7 +50,8 @@ def _fail(message: str, as_json: bool) -> None:
 #: the API's arguments, as library errors name them, and the options that set them on the command line
 _FLAGS = {
     "force=True": "--force", "audit=False": "--no-audit", "weights='master'": "--weights master",
-    "weights='module'": "--weights module", "format='NAME'": "--format NAME",
+    "weights='module'": "--weights module", "format='NAME'": "--format NAME", "dtype= asks": "--dtype asks",
+    "config='PATH'": "--config PATH",
 }
 
 
@@ -109,7 +112,8 @@ def main() -> None:
 @click.argument("out", type=click.Path(path_type=str), required=False)
 @click.option("--format", "fmt", type=FORMATS, help="Source format (detected by default).")
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
-@click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast); config.json follows.")
+@click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast); config.json follows. "
+              "On an FP8 or MXFP4 checkpoint: dequantize its weights (without --dtype they stay quantized).")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size, help="Largest output file: 5GB, 500MB (decimal), 5GiB, 500MiB (binary), or bytes.")
 @click.option("--weights", type=click.Choice(["master", "module"]), help="Where both are saved (DeepSpeed): fp32 master weights (default) or the module's weights.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
@@ -233,6 +237,54 @@ def diff_command(
     sys.exit(EXIT_OK if result.equal else EXIT_AUDIT)
 
 
+@main.command("split")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("out", type=click.Path(path_type=str), required=False)
+@click.option("--to", "to", type=click.Choice(TARGETS), required=True, help="Format to write: dcp (PyTorch Distributed Checkpoint).")
+@click.option("--fsdp", type=click.IntRange(1), default=1, show_default=True, help="Ranks FSDP2 shards every tensor over (Shard(0)).")
+@click.option("--tp", type=click.IntRange(1), default=1, show_default=True, help="Tensor-parallel ranks (torch's Llama/Mixtral plans).")
+@click.option("--ep", type=click.IntRange(1), default=1, show_default=True, help="Expert-parallel ranks: Shard(0) of stacked experts; divides fsdp x tp.")
+@click.option("--format", "fmt", type=FORMATS, help="Source format (detected by default).")
+@click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
+@click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast).")
+@click.option("--dry-run", is_flag=True, help="Print the plan, placements and local shapes; read no tensor data, write nothing.")
+@click.option("--force", is_flag=True, help="Replace OUT if it holds only an earlier output of a split.")
+@click.option("--workers", type=click.IntRange(1, 256), default=DEFAULT_WORKERS, show_default=True, help="Threads reading and writing at once.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
+@click.option("-v", "--verbose", count=True, help="More logging; with -v or --dry-run, every tensor's placements.")
+def split_command(
+    src: str, out: str | None, to: str, fsdp: int, tp: int, ep: int, fmt: str | None, config: str | None,
+    dtype: str | None, dry_run: bool, force: bool, workers: int, as_json: bool, quiet: bool, verbose: int,
+) -> None:
+    """Write the checkpoint in SRC sharded for a device mesh into OUT (--to dcp: one file per rank).
+
+    With --dry-run, OUT may be left out: the plan is printed and nothing is written.
+    """
+    if out is None and not dry_run:
+        raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
+    quiet = quiet or not _speaks()
+    _setup_logging(verbose, quiet or as_json)
+    bar = Bar("split") if not (as_json or quiet or dry_run) else None
+    try:
+        result: SplitResult = _run(as_json, lambda: split(
+            src, out, to=to, fsdp=fsdp, tp=tp, ep=ep, format=fmt, config=config, dtype=dtype, dry_run=dry_run,
+            force=force, workers=workers, progress=bar,
+        ), bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    if not _speaks():
+        return
+    if result.restored:
+        click.echo(f"note: {result.restored}", err=True)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+        return
+    for line in result.lines(verbose=bool(verbose)):
+        click.echo(line)
+
+
 def _print_result(result: MergeResult, verbose: int) -> None:
     plan = result.plan
     verb = "would write" if result.dry_run else "wrote"
@@ -295,15 +347,6 @@ def _print_summary(report: Report, suffix: str, err: bool = True) -> None:
         f"({report.tensors} tensors, {checked}){suffix}",
         err=err,
     )
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # power-of-two scales (OCP MX E8M0; 0xFF is NaN)
 }
 _NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
@@ -34,6 +35,7 @@ _ALIASES = {
     "bfloat16": "BF16", "bf16": "BF16",
     "int64": "I64", "long": "I64", "int32": "I32", "int": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
     "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
 }
 
 

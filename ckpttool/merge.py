@@ -14,6 +14,7 @@ from .distributed import Group, share_out
 from .dtypes import cast_dtype, dtype_name, prevailing_float
 from .engine.plan import Plan
 from .errors import ArgumentError, AuditError, SourceError
+from .families.quantized import output_config, scale_names
 from .findings import Report
 from .planning import Planned, plan_source
 from .writers.destination import AUDIT_FILE, Staging, check_destination
@@ -242,7 +243,9 @@ def finish_output(
     what was written, then the rename into place. Returns the extra files written and the audit report."""
     path = staging.path
     write_index(plan, files, path)
-    written = write_extras(path, config, search, config_dtype(config, plan, cast=dtype is not None))
+    dequantizing = any(t.dequant is not None for t in plan.targets)
+    dtype_written = config_dtype(config, plan, cast=dtype is not None)
+    written = write_extras(path, output_config(config, dequantizing), search, dtype_written)
     found = None
     if audit:
         found = _audit_output(path, staging.dest, config is not None, config_label, model)
@@ -258,7 +261,8 @@ def config_dtype(config: dict[str, object] | None, plan: Plan, *, cast: bool) ->
     after a cast, and whenever the source's config says another (DeepSpeed's module weights are bf16 under a
     config saying float32). ``"auto"`` and non-string values (per-module dtypes) are left alone.
     """
-    written = prevailing_float(t.dtype for t in plan.targets)
+    scales = scale_names([t.name for t in plan.targets])  # float32 scales of FP8 weights are no model dtype
+    written = prevailing_float(t.dtype for t in plan.targets if t.name not in scales)
     if config is None or written is None:
         return None
     stated = [config[key] for key in ("dtype", "torch_dtype") if config.get(key) is not None]

@@ -19,7 +19,20 @@ from .config_sizes import census, check_config_sizes
 from .engine.layout import Layout
 from .engine.plan import Plan, TargetSpec, identity_specs, plan_covered
 from .errors import CoverageError
-from .families import Mismatch, compare_with_model, map_to_hf, refusal
+from .families import (
+    Mismatch,
+    compare_with_model,
+    keeps_dtype,
+    map_to_hf,
+    mtp_absent,
+    mtp_missing_note,
+    refusal,
+)
+from .families.quantized import dequantized, with_quantized
+from .families.quantized import problems as quantization_problems
+from .families.quantized import refusal as quantization_refusal
+from .quant.checks import Problem
+from .quant.formats import read_quantization
 from .readers import read_layout
 
 
@@ -37,6 +50,9 @@ class Planned:
         unplaced: ``(source tensor, message)`` for tensors the adapter cannot place.
         mismatches: the plan's names and shapes against the architecture.
         uncovered: ``(target, problems)`` for targets with a gap, an overlap or a piece out of bounds.
+        quantization: what is wrong with a quantized checkpoint (scales, block size, quantization_config).
+        mtp_missing: the MTP layers the config declares that the source does not hold at all (indices of
+            ``model.layers``): not a refusal, a note on the plan and an ``mtp-missing`` warning in an audit.
     """
 
     layout: Layout
@@ -50,6 +66,8 @@ class Planned:
     unplaced: tuple[tuple[str, str], ...] = ()
     mismatches: tuple[Mismatch, ...] = ()
     uncovered: tuple[tuple[TargetSpec, list[str]], ...] = ()
+    mtp_missing: tuple[int, ...] = ()
+    quantization: tuple[Problem, ...] = ()
 
     @property
     def generic(self) -> bool:
@@ -65,6 +83,8 @@ class Planned:
         """
         if self.model is not None and (self.unplaced or self.mismatches):
             raise refusal(self.layout, self.model, [m for _, m in self.unplaced], list(self.mismatches))
+        if self.quantization:
+            raise quantization_refusal(self.layout, self.quantization)
         if self.uncovered:
             raise CoverageError([problem for _, problems in self.uncovered for problem in problems])
 
@@ -95,8 +115,11 @@ def plan_layout(
     dtype: str | None = None, notes: Iterable[str] = (), no_config: str = "no config.json found",
 ) -> Planned:
     """Map ``layout`` to HuggingFace names with its family's adapter (``model`` given) or keep its names
-    (generic), and plan every target; ``dtype`` is a safetensors name to cast floating tensors to; ``notes``
-    follow the plan's own; ``no_config`` says why there is no config, for the generic note."""
+    (generic), and plan every target; ``dtype`` is a safetensors name to cast floating tensors to (except the
+    tensors the families keep, :func:`~ckpttool.families.keeps_dtype`); ``notes`` follow the plan's own;
+    ``no_config`` says why there is no config, for the generic note. A quantized source is kept quantized, or
+    dequantized to ``dtype`` when one is given (:mod:`ckpttool.families.quantized`)."""
+    quant = read_quantization(config, str(config_path or "config.json")) if config is not None else None
     if model is None:
         specs = identity_specs(layout)
         why = no_config if config is None else f"transformers has no causal LM for model_type {config.get('model_type')!r}"
@@ -106,6 +129,7 @@ def plan_layout(
         unplaced: list[tuple[str, str]] = []
         mismatches: list[Mismatch] = []
         tied: list[TargetSpec] = []
+        mtp_missing: list[int] = []
     else:
         mapping = map_to_hf(layout, model)
         specs, tied, unplaced, adapter = mapping.specs, mapping.tied, mapping.problems, mapping.adapter
@@ -115,11 +139,20 @@ def plan_layout(
             dropped = [s.name for s in tied]
             own.append(f"dropped {', '.join(dropped)}: tied to {', '.join(model.tied[n] for n in dropped)} "
                          "(as save_pretrained does)")
-        mismatches = compare_with_model({s.name: s.shape for s in specs}, model)
+        mismatches = compare_with_model({s.name: s.shape for s in specs}, with_quantized(model, specs, quant))
+        mtp_missing = mtp_absent([s.name for s in specs], model)
+        if mtp_missing:
+            own.append(mtp_missing_note(mtp_missing, model))
+    quant_problems = quantization_problems(specs, layout, quant, has_config=config is not None, dequantize=dtype is not None)
+    if dtype is not None and quant is not None and not quant_problems:
+        specs = dequantized(specs, layout, quant)
+        own.append(f"dequantized the {quant.describe()} weights to {dtype}; no scale and no quantization_config "
+                   "are written")
     specs = sorted(specs, key=lambda s: natural(s.name))
-    plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes])
+    keep = {s.name for s in specs if keeps_dtype(s.name)} if dtype is not None else set()
+    plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes], keep_dtype=keep)
     return Planned(layout, config_path, config, model, plan, tuple(tied), adapter, tuple(adapter_notes), tuple(unplaced),
-                   tuple(mismatches), tuple(uncovered))
+                   tuple(mismatches), tuple(uncovered), tuple(mtp_missing), quantization=tuple(quant_problems))
 
 
 def natural(name: str) -> list[object]:

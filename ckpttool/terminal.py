@@ -33,6 +33,16 @@ def escaped(text: str, *, lines: bool = False) -> str:
     return "".join(c if c.isprintable() or (lines and c == "\n") else repr(c)[1:-1] for c in text)
 
 
+def size_text(n: int) -> str:
+    """A size as summaries and plans show it, in binary units: ``512 B``, ``1.5 KiB``, ``2.0 GiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
 #: tqdm's default format without units on the counts; here "12.3MB/45.6MB" (decimal, as the rate)
 _BAR_FORMAT = "{l_bar}{bar}| {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}, {rate_fmt}]"
 

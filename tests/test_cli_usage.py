@@ -195,29 +195,39 @@ def test_two_deepspeed_steps_without_latest_are_named(cli, tmp_path):
     assert f"2 checkpoints ({STEP}, {STEP}_universal) and no 'latest' file; give the directory" in result.stderr
 
 
-def tensor_parallel_deepspeed(tmp_path: Path, tag_file: bool) -> Path:
+def tensor_parallel_deepspeed(tmp_path: Path, tag_file: bool, of_the_step: bool = False) -> Path:
     src = tmp_path / "ds"
     shutil.copytree(FIXTURES / "deepspeed_zero2" / "checkpoint", src)
     shutil.copy(src / STEP / "mp_rank_00_model_states.pt", src / STEP / "mp_rank_01_model_states.pt")
     shutil.copytree(FIXTURES / "deepspeed_universal" / "checkpoint" / f"{STEP}_universal", src / f"{STEP}_universal")
+    if of_the_step:  # ds_to_universal copies every model states file of the step it converts
+        shutil.copy(src / STEP / "mp_rank_01_model_states.pt", src / f"{STEP}_universal")
     if tag_file:
         (src / "latest_universal").write_text(f"{STEP}_universal")
     return src
 
 
 @pytest.mark.parametrize("tag_file", [True, False])
-def test_a_tensor_parallel_step_names_its_universal_checkpoint(cli, tmp_path, tag_file):
-    src = tensor_parallel_deepspeed(tmp_path, tag_file)
-    result = cli("merge", src, tmp_path / "hf")
-    assert result.exit_code == 1 and "Traceback" not in result.output
+def test_a_tensor_parallel_step_is_merged_from_its_universal_checkpoint(cli, tmp_path, tag_file):
+    src = tensor_parallel_deepspeed(tmp_path, tag_file, of_the_step=True)
     universal = src / f"{STEP}_universal"
-    assert (f"'{STEP}/': model-parallel ranks [0, 1] (tensor parallelism): these files do not record how each tensor "
-            f"is split; its universal checkpoint '{universal}' (ds_to_universal's output) lies beside it: merge that "
-            "instead") in result.stderr
-    assert "convert the checkpoint" not in result.stderr
+    for source in (src, src / STEP):
+        result = cli("merge", source, "--dry-run")
+        assert result.exit_code == 0, result.output
+        assert f"read the universal checkpoint '{universal}' (ds_to_universal's output of '{STEP}'" in result.stdout
+
+
+def test_a_tensor_parallel_step_names_the_universal_checkpoint_beside_it(cli, tmp_path):
+    src = tensor_parallel_deepspeed(tmp_path, tag_file=False)  # its model states are not all the step's
+    universal = src / f"{STEP}_universal"
+    for source in (src, src / STEP):
+        result = cli("merge", source, tmp_path / "hf")
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        assert ("': model-parallel ranks [0, 1] (tensor parallelism): these files do not record how each "
+                "tensor is split; beside it, universal checkpoints (ds_to_universal's output) not known to be of this "
+                f"step: '{universal}' (converted from another step: its model states differ from this step's); merge "
+                "the one of this step, or convert the step again") in result.stderr
     assert cli("merge", universal, "--dry-run").exit_code == 0  # the advice works
-    given_the_step = cli("merge", src / STEP, tmp_path / "hf")
-    assert given_the_step.exit_code == 1 and f"its universal checkpoint '{universal}'" in given_the_step.stderr
 
 
 def test_an_moe_step_names_its_universal_checkpoint(cli, tmp_path):
@@ -229,9 +239,10 @@ def test_an_moe_step_names_its_universal_checkpoint(cli, tmp_path):
     shutil.copytree(FIXTURES / "deepspeed_universal" / "checkpoint" / f"{STEP}_universal", src / f"{STEP}_universal")
     result = cli("merge", src, tmp_path / "hf")
     assert result.exit_code == 1
-    assert ("(expert data parallelism); ckpttool does not read MoE ZeRO checkpoints yet; its universal checkpoint "
-            f"'{src / (STEP + '_universal')}' (ds_to_universal's output) lies beside it: merge that instead"
-            ) in result.stderr
+    assert "partition_count [2, 1] differs between param groups" in result.stderr
+    assert ("; beside it, universal checkpoints (ds_to_universal's output) not known to be of this step: "
+            f"'{src / (STEP + '_universal')}' (converted from another step: its model states differ from this "
+            "step's)") in result.stderr
 
 
 # -------------------------------------------------------------------------------------------- help, naming

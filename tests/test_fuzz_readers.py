@@ -40,6 +40,7 @@ FUZZ = settings(max_examples=HYPOTHESIS_EXAMPLES, deadline=None, suppress_health
 SOURCES: dict[str, tuple[Path, Path | None]] = {
     **{name: (FIXTURES / name / "checkpoint", None) for name in (
         "deepspeed_zero2", "deepspeed_zero3", "deepspeed_bf16_zero1", "deepspeed_pipe", "deepspeed_universal",
+        "deepspeed_autotp_zero2", "deepspeed_moe_zero2_w4_ep2",
         "verl_llama_dp2_tp2", "verl_dtensor_strided", "colossalai_mixtral_pp2_ep2", "colossalai_llama_pp2_bin")},
     **{f"{name}_{kind}": (FIXTURES / name / kind, FIXTURES / name / "config.json")
        for name in ("megatron_tp2_pp2", "megatron_ep2_moe", "megatron_pp2_vpp2") for kind in ("legacy", "torch_dist")},
@@ -60,6 +61,10 @@ HOT = {
     "split_factor", "shape", "stride", "_rank_map", "_layout", "axes", "tensor_meta", "shard_order", "tensor_dim",
     "mesh_dims", "_coordinate_on_dim", "_mesh_dim_names", "state_dict_metadata", "storage_data", "properties",
     "dtype", "size", "chunks", "offsets", "sizes", "relative_path", "offset", "length", "fqn",
+    "universal_checkpoint_info", "affine_map", "params", "logical_shape", "ranks", "shard_shape", "pieces", "source",
+    "dest", "locations", "scale", "tp_degree", "checkpoint_parallel_dimensions", "parameter_with_row_parallelism_patterns",
+    "tp_replicated_parameter_patterns", "autotp_unsupported_parameter_patterns", "ds_config", "autotp_size",
+    "base_optimizer_state", "param_groups", "moe", "name", "use_data_before_expert_parallelism",
 }
 
 

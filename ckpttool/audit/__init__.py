@@ -14,6 +14,7 @@ This module holds the order of the checks (:func:`audit`, :func:`check`) and wha
 - :mod:`.config`: the config's consistency with the weights (config.json, dtypes, tokenizer, tied embeddings);
 - :mod:`.stats`: tensor data streamed into fingerprints and statistics (``diff`` uses it too);
 - :mod:`.data`: the data checks on those statistics, and diverging replicas;
+- :mod:`.quantized`: FP8 and MXFP4 scales against their weights and the config, and the scales' data;
 - :mod:`.report_html`: the report as one self-contained HTML page.
 """
 
@@ -27,6 +28,8 @@ from ..architecture import ModelInfo, find_config, model_info, read_config
 from ..config_sizes import census, check_config_sizes
 from ..engine.layout import Layout
 from ..engine.plan import TargetSpec, plan_covered
+from ..families import mtp_missing_note
+from ..families.quantized import scale_names
 from ..findings import Finding, Report, TensorStats, finding, sort_findings
 from ..planning import plan_layout
 from ..readers import detect_format, hf, read_layout
@@ -38,6 +41,7 @@ from .config import (
     tokenizer_size,
 )
 from .data import OUTLIER_FACTOR, data_findings, replica_findings
+from .quantized import quantization_findings, scale_findings
 from .shapes import EXPERT_NAME, LAYER_NAME, shape_findings
 from .stats import Statistics, fold
 
@@ -121,7 +125,13 @@ def check(
         found.append(finding("no-weights", f"'{root}' holds no model tensors"))
     if model is not None:
         found.extend(shape_findings(list(planned.mismatches), model))
-    found.extend(dtype_findings(plan.targets, config))
+        if planned.mtp_missing:
+            first, last = planned.mtp_missing[0], planned.mtp_missing[-1]
+            found.append(finding("mtp-missing", mtp_missing_note(planned.mtp_missing, model),
+                                 tensor=f"model.layers.{first}" + (f"..{last}" if last > first else "")))
+    scales = scale_names([t.name for t in plan.targets])
+    found.extend(quantization_findings(planned.quantization))
+    found.extend(dtype_findings([t for t in plan.targets if t.name not in scales], config))
     found.extend(tokenizer_findings(root, config_path, config))
 
     stats: list[TensorStats] = []
@@ -129,6 +139,7 @@ def check(
         total = plan.nbytes
         stats = fold(plan, Statistics, (lambda n: progress(n, total)) if progress else (lambda n: None))
         found.extend(data_findings(stats))
+        found.extend(scale_findings(plan, scales))
         found.extend(replica_findings(layout))
     if model is not None:
         found.extend(tie_findings(tied, model, {s.name: s for s in stats}, data))

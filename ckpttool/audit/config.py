@@ -22,6 +22,7 @@ from ..architecture import ModelInfo
 from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..engine.plan import Target, TargetSpec
 from ..errors import SourceError
+from ..families import keeps_dtype
 from ..findings import Finding, TensorStats, finding
 from ..paths import JSON_LIMIT, read_source
 from ..readers import hf
@@ -62,6 +63,9 @@ def config_findings(root: Path, fmt: str, config: Mapping[str, object] | None, c
 
 
 def dtype_findings(targets: Sequence[Target], config: Mapping[str, object] | None) -> list[Finding]:
+    """``dtype-mix`` and ``config-dtype``; tensors a family keeps in their own dtype (an FP32 router bias in a
+    bfloat16 model, :func:`~ckpttool.families.keeps_dtype`) are no mix."""
+    targets = [t for t in targets if not keeps_dtype(t.name)]
     floats = Counter(t.dtype for t in targets if t.dtype in FLOAT_DTYPES)
     if not floats:
         return []

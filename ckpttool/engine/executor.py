@@ -8,6 +8,10 @@ chunk's rows of that piece: again one run), laid into the chunk as a strided vie
 with one ``pwrite`` at its offset in the output file. A chunk covered by one contiguous region is written from
 the read buffer itself. Memory is a few chunks per thread, whatever the size of the tensors.
 
+A dequantized target (:class:`~ckpttool.engine.plan.Dequantize`) is computed, not copied: for each chunk the
+stored rows and the scale rows its decoder names are gathered the same way, and the decoder
+(:mod:`ckpttool.quant.decode`) writes the chunk's values, with its temporaries on the thread's buffers too.
+
 Each chunk's sha256 is taken as it is written; a file's digest is the sha256 of its header's sha256 followed
 by its chunks' sha256 in file order, so it can be computed again from the file alone (:func:`file_digest`).
 """
@@ -30,8 +34,9 @@ import torch
 from ..dtypes import itemsize, torch_dtype
 from ..errors import SourceError
 from ..paths import open_source, source_os_error
+from ..quant.decode import decoder
 from .layout import RAW, Box, Piece, c_strides
-from .plan import Target
+from .plan import Copy, Target
 from .reference import CACHE_BYTES, PieceLoader
 from .regions import dim_map, map_region
 
@@ -152,39 +157,73 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
     """How many chunks read each piece (a piece of ``torch.save`` bytes is kept loaded until its last one)."""
     uses: Counter[Piece] = Counter()
     for chunk in chunk_list:
-        rows = _rows(chunk)
-        uses.update(c.piece for c in chunk.target.copies if c.dst.intersect(rows) is not None)
+        for copies, rows in _inputs(chunk):
+            uses.update(c.piece for c in copies if c.dst.intersect(rows) is not None)
     return uses
 
 
 def build(chunk: Chunk, reader: Reader) -> torch.Tensor:
     """The chunk's elements in the output dtype, C order (a view of the read buffer when one region fills it)."""
     target = chunk.target
-    rows = _rows(chunk)
+    if target.dequant is not None:
+        return _dequantize(chunk, reader)
+    out = _gather(target.copies, _rows(chunk), target.source_dtype, reader, "chunk")
+    if target.dtype != target.source_dtype:
+        out = reader.scratch("cast", tuple(out.shape), target.dtype).copy_(out)
+    return out
+
+
+def _gather(copies: Sequence[Copy], rows: Box, dtype: str, reader: Reader, buffer: str, view: bool = True) -> torch.Tensor:
+    """``rows`` of the tensor ``copies`` fill, on the thread's buffer ``buffer`` (or, with ``view``, a view of the
+    read buffer when one region fills them)."""
     parts = []
-    for copy in target.copies:
+    for copy in copies:
         part = copy.dst.intersect(rows)
         if part is not None and part.numel:
             parts.append((copy, part))
     if len(parts) == 1 and parts[0][1] == rows:
         copy, part = parts[0]
         region = reader.region(copy.piece, map_region(copy.src, copy.dst, part), part.sizes, dim_map(copy.src, copy.dst))
-        out = region if region.is_contiguous() else reader.scratch("chunk", rows.sizes, target.source_dtype).copy_(region)
-    else:
-        out = reader.scratch("chunk", rows.sizes, target.source_dtype)
-        for copy, part in parts:
-            region = reader.region(copy.piece, map_region(copy.src, copy.dst, part), part.sizes, dim_map(copy.src, copy.dst))
-            out[tuple(slice(o - r, o - r + s) for o, r, s in zip(part.offsets, rows.offsets, part.sizes))] = region
-    if target.dtype != target.source_dtype:
-        out = reader.scratch("cast", rows.sizes, target.dtype).copy_(out)
+        return region if view and region.is_contiguous() else reader.scratch(buffer, rows.sizes, dtype).copy_(region)
+    out = reader.scratch(buffer, rows.sizes, dtype)
+    for copy, part in parts:
+        region = reader.region(copy.piece, map_region(copy.src, copy.dst, part), part.sizes, dim_map(copy.src, copy.dst))
+        out[tuple(slice(o - r, o - r + s) for o, r, s in zip(part.offsets, rows.offsets, part.sizes))] = region
+    return out
+
+
+def _dequantize(chunk: Chunk, reader: Reader) -> torch.Tensor:
+    """A dequantized target's rows: the scale rows its decoder names (copied out of the read buffer first), the
+    stored rows, and the decoder's arithmetic into the ``cast`` buffer."""
+    target, dq, scale = chunk.target, chunk.target.dequant, chunk.target.scale
+    assert dq is not None and scale is not None
+    decode = decoder(dq.method, dq.params)
+    lo, hi = decode.scale_rows(chunk.start, chunk.stop)
+    scales = _gather(scale.copies, _row_box(scale.shape, lo, hi), scale.source_dtype, reader, "scale", view=False)
+    stored = _gather(target.copies, _row_box(dq.stored, chunk.start, chunk.stop), target.source_dtype, reader, "chunk")
+    out = reader.scratch("cast", _rows(chunk).sizes, target.dtype)
+    decode.decode(stored, scales, chunk.start, out, reader.scratch)
     return out
 
 
 def _rows(chunk: Chunk) -> Box:
-    shape = chunk.target.shape
+    return _row_box(chunk.target.shape, chunk.start, chunk.stop)
+
+
+def _row_box(shape: tuple[int, ...], start: int, stop: int) -> Box:
     if not shape:
         return Box((), ())
-    return Box((chunk.start, *(0 for _ in shape[1:])), (chunk.stop - chunk.start, *shape[1:]))
+    return Box((start, *(0 for _ in shape[1:])), (stop - start, *shape[1:]))
+
+
+def _inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
+    """The copies a chunk reads and the box of their tensor it needs: the target's rows, or for a dequantized
+    target the stored rows and the scale rows."""
+    target, dq, scale = chunk.target, chunk.target.dequant, chunk.target.scale
+    if dq is None or scale is None:
+        return [(target.copies, _rows(chunk))]
+    lo, hi = decoder(dq.method, dq.params).scale_rows(chunk.start, chunk.stop)
+    return [(target.copies, _row_box(dq.stored, chunk.start, chunk.stop)), (scale.copies, _row_box(scale.shape, lo, hi))]
 
 
 def write_file(
@@ -194,10 +233,12 @@ def write_file(
     reader: Reader,
     workers: int = 1,
     on_bytes: Callable[[int], None] = lambda n: None,
+    on_chunk: Callable[[Chunk, memoryview], None] | None = None,
 ) -> str:
     """Write one safetensors file (header ``prefix``, then every chunk at its offset) and return its digest.
 
-    The file is allocated at its full size first, so a full disk shows before any tensor is read.
+    The file is allocated at its full size first, so a full disk shows before any tensor is read. ``on_chunk``
+    sees each chunk's bytes as they are written, on the thread that wrote them (a DCP item's CRC-32).
     """
     size = len(prefix) + sum(c.nbytes for c in chunk_list)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -214,6 +255,8 @@ def write_file(
             data = build(chunk, reader)
             view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
             _write_all(fd, view, len(prefix) + chunk.offset)
+            if on_chunk is not None:
+                on_chunk(chunk, view)
             return hashlib.sha256(view).digest()
 
         digest = hashlib.sha256(hashlib.sha256(prefix).digest())
@@ -241,23 +284,32 @@ def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 def buffer_sizes(chunk_list: Sequence[Chunk]) -> dict[str, int]:
     """The largest each per-thread buffer gets over ``chunk_list``: ``read`` (one region of a piece),
-    ``chunk`` (a chunk in the source dtype) and ``cast`` (a chunk in the output dtype)."""
+    ``chunk`` (a chunk in the source dtype) and ``cast`` (a chunk in the output dtype); for a dequantized
+    target also ``scale`` (its scale rows) and the decoder's own (:meth:`scratch_bytes`)."""
     sizes = {"read": 0, "chunk": 0, "cast": 0}
     for chunk in chunk_list:
-        target, rows = chunk.target, _rows(chunk)
-        sizes["chunk"] = max(sizes["chunk"], chunk.nbytes // itemsize(target.dtype) * itemsize(target.source_dtype))
+        target = chunk.target
         if target.dtype != target.source_dtype:
             sizes["cast"] = max(sizes["cast"], chunk.nbytes)
-        for copy in target.copies:
-            part = copy.dst.intersect(rows)
-            if part is None or copy.piece.encoding != RAW:
-                continue
-            box = map_region(copy.src, copy.dst, part)
-            assert box is not None
-            shape = copy.piece.box.sizes
-            strides = c_strides(shape)
-            span = sum((s - 1) * st for s, st in zip(box.sizes, strides)) + 1
-            sizes["read"] = max(sizes["read"], span * itemsize(copy.piece.dtype))
+        inputs = _inputs(chunk)
+        for (copies, rows), buffer in zip(inputs, ("chunk", "scale")):
+            dtype = target.source_dtype if buffer == "chunk" else target.scale.source_dtype  # type: ignore[union-attr]
+            sizes[buffer] = max(sizes.get(buffer, 0), rows.numel * itemsize(dtype))
+            for copy in copies:
+                part = copy.dst.intersect(rows)
+                if part is None or copy.piece.encoding != RAW:
+                    continue
+                box = map_region(copy.src, copy.dst, part)
+                assert box is not None
+                shape = copy.piece.box.sizes
+                strides = c_strides(shape)
+                span = sum((s - 1) * st for s, st in zip(box.sizes, strides)) + 1
+                sizes["read"] = max(sizes["read"], span * itemsize(copy.piece.dtype))
+        if target.dequant is not None:
+            extra = decoder(target.dequant.method, target.dequant.params).scratch_bytes(
+                inputs[0][1].sizes, inputs[1][1].sizes, target.dtype)
+            for name, n in extra.items():
+                sizes[name] = max(sizes.get(name, 0), n)
     return sizes
 
 
@@ -266,6 +318,6 @@ def predict_peak_bytes(chunk_list: Sequence[Chunk], workers: int = 1) -> int:
     (allocated once, at that size); plus whole ``torch.save`` pieces kept for later chunks (at most the
     loader's cache and one piece per thread)."""
     archives = {c.piece: math.prod(c.piece.box.sizes) * itemsize(c.piece.dtype)
-                for chunk in chunk_list for c in chunk.target.copies if c.piece.encoding != RAW}
+                for chunk in chunk_list for copies, _ in _inputs(chunk) for c in copies if c.piece.encoding != RAW}
     kept = min(sum(archives.values()), CACHE_BYTES) + workers * max(archives.values(), default=0)
     return workers * sum(buffer_sizes(chunk_list).values()) + kept + OVERHEAD_BYTES

@@ -10,14 +10,14 @@ experts to per-expert tensors and fused gate/up splits are all just slices.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..dtypes import FLOAT_DTYPES, itemsize
 from ..errors import ArgumentError, CoverageError, SourceError
 from . import regions
 from .layout import Box, Layout, Piece, Shape, TensorLayout
-from .regions import map_region, squeeze
+from .regions import map_region, squeeze, uncovered
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,19 @@ class TargetSpec:
     name: str
     shape: Shape
     slices: tuple[Slice, ...]
+    dequant: Dequantize | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Dequantize:
+    """A target computed rather than copied: its slices tile ``stored`` quantized elements (dim 0 row for row the
+    target's), ``scale`` says what their scales are made of, and the decoder ``method`` of
+    :mod:`ckpttool.quant.decode` (with ``params``, e.g. the block size) turns rows of both into the target's rows."""
+
+    method: str
+    params: tuple[tuple[str, object], ...]
+    stored: Shape
+    scale: TargetSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +84,9 @@ class Target:
     source_dtype: str
     copies: tuple[Copy, ...]
     sources: tuple[str, ...]
+    #: a dequantized target: its copies fill ``dequant.stored`` in ``source_dtype``, ``scale``'s fill the scales
+    dequant: Dequantize | None = None
+    scale: Target | None = None
 
     @property
     def nbytes(self) -> int:
@@ -134,16 +150,18 @@ def plan_covered(
     *,
     dtype: str | None = None,
     notes: Iterable[str] = (),
+    keep_dtype: Collection[str] = (),
 ) -> tuple[Plan, list[tuple[TargetSpec, list[str]]]]:
     """:func:`plan_merge` without raising: the plan of the targets tiled exactly once, and each other target
-    with its coverage problems (the audit reports them as findings, one plan for all targets)."""
+    with its coverage problems (the audit reports them as findings, one plan for all targets). Targets named in
+    ``keep_dtype`` keep their source's dtype whatever ``dtype`` says (a family's rule, e.g. an FP32 router bias)."""
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ArgumentError(f"dtype={dtype!r}: floating-point tensors are cast only to {', '.join(sorted(FLOAT_DTYPES))}")
     specs = identity_specs(layout) if specs is None else specs
     targets: list[Target] = []
     failed: list[tuple[TargetSpec, list[str]]] = []
     for spec in specs:
-        target, found = _plan_target(layout, spec, dtype)
+        target, found = _plan_target(layout, spec, None if spec.name in keep_dtype else dtype)
         if found:
             failed.append((spec, found))
         elif target is not None:
@@ -198,11 +216,26 @@ def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[T
         problems.append(f"'{spec.name}': the whole tensor covered by no piece (the mapping names no source for it)")
     if problems:
         return None, problems
+    if spec.dequant is not None:
+        return _plan_dequantized(layout, spec, spec.dequant, copies, source_dtypes.pop(), dtype)
     problems = check_tiling(spec.name, spec.shape, copies, layout, spec.slices)
     source_dtype = source_dtypes.pop()
     out_dtype = dtype if (dtype is not None and source_dtype in FLOAT_DTYPES) else source_dtype
     sources = tuple(dict.fromkeys(sl.source for sl in spec.slices))
     return Target(spec.name, spec.shape, out_dtype, source_dtype, tuple(copies), sources), problems
+
+
+def _plan_dequantized(layout: Layout, spec: TargetSpec, dq: Dequantize, copies: list[Copy], stored_dtype: str,
+                      dtype: str | None) -> tuple[Target | None, list[str]]:
+    """A dequantized target: its copies tile the stored elements, its scale is a target of its own."""
+    scale, problems = _plan_target(layout, dq.scale, None)
+    problems = check_tiling(spec.name, dq.stored, copies, layout, spec.slices) + problems
+    if dtype is None:
+        problems.append(f"'{spec.name}': a dequantized target needs an output dtype")
+    if problems or scale is None or dtype is None:
+        return None, problems
+    sources = tuple(dict.fromkeys([*(sl.source for sl in spec.slices), *scale.sources]))
+    return Target(spec.name, spec.shape, dtype, stored_dtype, tuple(copies), sources, dq, scale), []
 
 
 def _unique_pieces(tensor: TensorLayout) -> list[Piece]:
@@ -280,34 +313,6 @@ def _overlaps(name: str, shape: Shape, copies: Sequence[Copy]) -> list[str]:
                     return found
         active.append(c)
     return found
-
-
-def uncovered(shape: Shape, boxes: Sequence[Box]) -> list[Box]:
-    """The regions of a tensor of ``shape`` that no box covers, as few boxes as a sweep finds."""
-    if math.prod(shape) == 0:
-        return []
-    return [Box(o, s) for o, s in _uncovered(shape, list(boxes), 0)]
-
-
-def _uncovered(shape: Shape, boxes: list[Box], dim: int) -> list[tuple[Shape, Shape]]:
-    if dim == len(shape):
-        return [] if boxes else [((), ())]
-    n = shape[dim]
-    cuts = sorted({0, n} | {min(max(b.offsets[dim], 0), n) for b in boxes} | {min(max(b.ends[dim], 0), n) for b in boxes})
-    out: list[tuple[Shape, Shape]] = []
-    pending: tuple[int, int, list[tuple[Shape, Shape]]] | None = None
-    for lo, hi in zip(cuts, cuts[1:]):
-        covering = [b for b in boxes if b.offsets[dim] <= lo and b.ends[dim] >= hi]
-        rest = _uncovered(shape, covering, dim + 1)
-        if pending is not None and pending[2] == rest:
-            pending = (pending[0], hi, rest)
-            continue
-        if pending is not None:
-            out.extend(((pending[0], *o), (pending[1] - pending[0], *s)) for o, s in pending[2])
-        pending = (lo, hi, rest)
-    if pending is not None:
-        out.extend(((pending[0], *o), (pending[1] - pending[0], *s)) for o, s in pending[2])
-    return out
 
 
 def _gap_message(

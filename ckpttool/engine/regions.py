@@ -2,10 +2,13 @@
 
 A slice or copy maps a source box onto a destination box of the same elements, possibly with dims of size 1
 dropped or added (a stacked expert ``(1, n, h)`` onto a per-expert ``(n, h)``). These functions map a region
-of the destination back to the source, dim by dim.
+of the destination back to the source, dim by dim; :func:`uncovered` finds what a set of boxes leaves out.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 from .layout import Box, Shape
 
@@ -38,3 +41,31 @@ def map_region(src: Box, dst: Box, region: Box) -> Box | None:
 
 def squeeze(sizes: Shape) -> Shape:
     return tuple(n for n in sizes if n != 1)
+
+
+def uncovered(shape: Shape, boxes: Sequence[Box]) -> list[Box]:
+    """The regions of a tensor of ``shape`` that no box covers, as few boxes as a sweep finds."""
+    if math.prod(shape) == 0:
+        return []
+    return [Box(o, s) for o, s in _uncovered(shape, list(boxes), 0)]
+
+
+def _uncovered(shape: Shape, boxes: list[Box], dim: int) -> list[tuple[Shape, Shape]]:
+    if dim == len(shape):
+        return [] if boxes else [((), ())]
+    n = shape[dim]
+    cuts = sorted({0, n} | {min(max(b.offsets[dim], 0), n) for b in boxes} | {min(max(b.ends[dim], 0), n) for b in boxes})
+    out: list[tuple[Shape, Shape]] = []
+    pending: tuple[int, int, list[tuple[Shape, Shape]]] | None = None
+    for lo, hi in zip(cuts, cuts[1:]):
+        covering = [b for b in boxes if b.offsets[dim] <= lo and b.ends[dim] >= hi]
+        rest = _uncovered(shape, covering, dim + 1)
+        if pending is not None and pending[2] == rest:
+            pending = (pending[0], hi, rest)
+            continue
+        if pending is not None:
+            out.extend(((pending[0], *o), (pending[1] - pending[0], *s)) for o, s in pending[2])
+        pending = (lo, hi, rest)
+    if pending is not None:
+        out.extend(((pending[0], *o), (pending[1] - pending[0], *s)) for o, s in pending[2])
+    return out

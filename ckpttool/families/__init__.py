@@ -8,26 +8,35 @@ transformers resolves from the config. This layer sits above the readers and nev
 import it: they describe bytes and boxes, the families give them names.
 
 Entry points: :func:`map_to_hf` (a layout under on-disk HuggingFace names, unchecked, with the adapter used),
-:func:`compare_with_model` (those names and shapes against transformers') and :func:`refusal` (the error a merge
-raises for what does not fit). Commands reach them through :mod:`ckpttool.planning`.
+:func:`map_from_hf` (the way back, for split: every in-memory tensor as slices of the on-disk ones),
+:func:`compare_with_model` (those names and shapes against transformers'), :func:`mtp_absent` and
+:func:`mtp_missing_note` (declared MTP layers a source does not hold, :mod:`.mtp`), :func:`keeps_dtype` (targets a
+cast leaves alone) and :func:`refusal` (the error a merge raises for what does not fit). Commands reach them through
+:mod:`ckpttool.planning`.
 Adding a family is one adapter module here and one line in :data:`FAMILIES`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..architecture import ModelInfo
 from ..diagnose import refusal_advice
-from ..engine.layout import Layout
-from ..engine.plan import TargetSpec
+from ..engine.layout import Layout, Shape
+from ..engine.plan import Slice, TargetSpec
 from ..errors import ConfigError
-from . import megatron_core, mixtral, qwen2_moe
+from . import deepspeed_moe, megatron_core, mixtral, qwen2_moe
 from .check import Mismatch, compare_with_model
-from .rules import Rules, cut
+from .mtp import absent as mtp_absent
+from .mtp import missing_note as mtp_missing_note
+from .rules import Rules, cut, keeps_dtype, memory_slices, stacks_experts
 
-__all__ = ["CONVENTIONS", "FAMILIES", "HfMapping", "Mismatch", "compare_with_model", "map_to_hf", "refusal"]
+__all__ = [
+    "CONVENTIONS", "FAMILIES", "HfMapping", "MemoryTensor", "Mismatch", "compare_with_model", "keeps_dtype",
+    "map_from_hf", "map_to_hf", "mtp_absent",
+    "mtp_missing_note", "refusal",
+]
 
 #: model family (as :attr:`ModelInfo.family` resolves it) -> how its in-memory tensors are saved on disk
 FAMILIES: dict[str, Rules] = {mixtral.NAME: mixtral.RULES, qwen2_moe.NAME: qwen2_moe.RULES}
@@ -36,6 +45,7 @@ Cut = Callable[[Layout, ModelInfo], tuple[list[TargetSpec], list[str], list[tupl
 #: layout format -> the source convention (its name, its cut) that names its tensors; formats not named hold
 #: transformers' in-memory or on-disk names, cut by the family's rules
 CONVENTIONS: dict[str, tuple[str, Cut]] = dict.fromkeys(megatron_core.FORMATS, (megatron_core.NAME, megatron_core.to_hf))
+CONVENTIONS.update(dict.fromkeys(deepspeed_moe.FORMATS, (deepspeed_moe.NAME, deepspeed_moe.to_hf)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +79,38 @@ def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
         adapter = f"{info.model_type} ({convention[0]} convention)"
     else:
         specs, notes, problems = _generic_cut(layout, info)
-        adapter = f"{family} ({'its rules' if family in FAMILIES else 'names as transformers saves them'})"
+        rules = "its rules" if family in FAMILIES else "names as transformers saves them"
+        adapter = f"{family} ({rules})" if family == info.model_type else f"{info.model_type} as {family} ({rules})"
     tied = [s for s in specs if s.name in info.tied]
     return HfMapping([s for s in specs if s.name not in info.tied], tied, notes, problems, adapter)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTensor:
+    """A tensor of the model's in-memory state dict (what FSDP, DTensor TP and DCP hold) and the on-disk
+    HuggingFace tensors it is made of: each :attr:`Slice.source` is an on-disk name (a tied tensor names the
+    one it shares, e.g. ``lm_head.weight`` is ``model.embed_tokens.weight``). ``stacked``: experts stacked on
+    dim 0 (an ``Unstack`` rule of the family cuts it per expert)."""
+
+    name: str
+    shape: Shape
+    slices: tuple[Slice, ...]
+    stacked: bool = False
+
+
+def map_from_hf(info: ModelInfo) -> list[MemoryTensor]:
+    """Every tensor of ``info``'s in-memory state dict, in its order, as slices of the on-disk tensors: the
+    family's rules run backwards (:func:`.rules.memory_slices`), not a second table.
+
+    Raises:
+        ConfigError: a stacked tensor the family's rules cannot cut (its shape does not split into the parts).
+    """
+    rules = FAMILIES.get(info.family or "", ())
+    tensors = []
+    for name, shape in info.memory_shapes.items():
+        slices = [replace(sl, source=info.tied.get(sl.source, sl.source)) for sl in memory_slices(name, shape, rules)]
+        tensors.append(MemoryTensor(name, tuple(shape), tuple(slices), stacks_experts(name, rules)))
+    return tensors
 
 
 def _generic_cut(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str], list[tuple[str, str]]]:

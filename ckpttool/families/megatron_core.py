@@ -1,5 +1,5 @@
-"""The Megatron-Core source convention: its global GPT tensors cut into HuggingFace Llama, Mistral, Qwen2 and
-Mixtral/Qwen2-MoE tensors, as boxes.
+"""The Megatron-Core source convention: its global GPT tensors cut into HuggingFace Llama, Mistral, Qwen2,
+Mixtral/Qwen2-MoE and DeepSeek-V3 tensors, as boxes.
 
 Both Megatron readers describe a checkpoint with Megatron-Core's own *global* tensors (see
 :mod:`ckpttool.readers.megatron`): per-layer tensors stacked with a leading layer axis or named per global
@@ -7,6 +7,7 @@ layer, experts stacked or per global expert; ``linear_qkv`` rows grouped by quer
 heads, one key head, one value head per group); a SwiGLU ``linear_fc1`` as ``[gate; up]``; vocab padding
 recorded by the reader, stripped here once. Which HuggingFace name a tensor gets is taken from the names
 transformers writes for the configured model (Mixtral's ``block_sparse_moe`` or Qwen's ``mlp.experts``).
+Multi-latent attention, the router's expert bias and MTP layers (DeepSeek-V3) are :mod:`.megatron_mla`'s tables.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from ..architecture import ModelInfo, config_value
 from ..engine.layout import Box, Layout
 from ..engine.plan import Slice, TargetSpec
 from ..errors import ConfigError
+from . import megatron_mla as mla
+from . import mtp
 
 NAME = "Megatron-Core"
 #: the layout formats written in this convention
@@ -52,6 +55,8 @@ class _Cut:
 
     def __init__(self, info: ModelInfo) -> None:
         self.info = info
+        # the MTP layers' names too: pick() chooses among names transformers writes for the model
+        self.known = {*info.disk_shapes, *(n for layer in mtp.expected(info).values() for n in layer)}
         self.specs: dict[str, list[Slice]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
 
@@ -74,7 +79,7 @@ class _Cut:
 
     def pick(self, *candidates: str) -> str:
         """The first candidate name transformers writes on disk for this model (else the first)."""
-        return next((c for c in candidates if c in self.info.disk_shapes), candidates[0])
+        return next((c for c in candidates if c in self.known), candidates[0])
 
     def result(self) -> list[TargetSpec]:
         return [TargetSpec(name, self.shapes[name], tuple(slices)) for name, slices in self.specs.items()]
@@ -101,11 +106,25 @@ def to_hf(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str],
     # a stacked tensor holds at most every layer (expert) of the config: its leading size is not trusted to loop on
     most = {"layers": _config_count(config, "num_hidden_layers"),
             "experts": _config_count(config, "num_local_experts", "num_experts", "n_routed_experts")}
+    dims = (heads, groups, head_dim, most["experts"])
+    mtp_layers: dict[int, int] = {}  # MTP layer -> its model.layers index
+    undeclared: dict[int, list[str]] = {}  # MTP layers the config does not declare -> their tensors
     for tensor in layout.tensors.values():
         fqn = tensor.fqn
         shape = tensor.true_shape
         if fqn in _TOP:
             cut.whole(_TOP[fqn], fqn, (), shape)
+            continue
+        if (m := mla.MTP_LAYER.match(fqn)) is not None:
+            layer = mla.mtp_layer(int(m[1]), config)
+            if layer is None:
+                undeclared.setdefault(int(m[1]), []).append(fqn)
+                continue
+            try:
+                _cut_mtp(cut, fqn, m[2], layer, shape, dims)
+                mtp_layers[int(m[1])] = layer
+            except ConfigError as e:
+                problems.append((fqn, str(e)))
             continue
         match = _LAYER.match(fqn)
         if match is None:
@@ -123,11 +142,30 @@ def to_hf(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str],
         for layer in layers:
             lead = (layer,) if stacked else ()
             try:
-                _cut_layer(cut, fqn, match.group(2), layer, lead, inner, heads, groups, head_dim, most["experts"])
+                _cut_layer(cut, fqn, match.group(2), layer, lead, inner, *dims)
             except ConfigError as e:
                 problems.append((fqn, str(e)))
                 break
+    problems += [(names[0], mla.undeclared(i, names, config, info.model_type))
+                 for i, names in sorted(undeclared.items())]
+    for index, layer in sorted(mtp_layers.items()):  # Megatron shares these with its MTP layers; a release keeps copies
+        for src, part in mla.MTP_SHARED.items():
+            if src in layout.tensors:
+                cut.whole(f"model.layers.{layer}.{part}", src, (), layout.tensors[src].true_shape)
+        notes.append(f"MTP layer mtp.layers.{index} -> model.layers.{layer}, with copies of the embedding and output "
+                     "layer it shares (embed_tokens, shared_head.head)")
     return cut.result(), notes, problems
+
+
+def _cut_mtp(cut: _Cut, fqn: str, part: str, layer: int, shape: tuple[int, ...],
+             dims: tuple[int, int, int, int]) -> None:
+    """One tensor of an MTP layer at ``model.layers.{layer}``: its decoder layer like a main one, or its own part."""
+    if part.startswith(mla.INNER):
+        _cut_layer(cut, fqn, part[len(mla.INNER):], layer, (), shape, *dims)
+    elif part in mla.MTP_PARTS:
+        cut.whole(f"model.layers.{layer}.{mla.MTP_PARTS[part]}", fqn, (), shape)
+    else:
+        raise ConfigError(f"'{fqn}': '{part}' is not a part of an MTP layer ckpttool can place")
 
 
 def _config_count(config: Mapping[str, object], *names: str) -> int:
@@ -139,7 +177,11 @@ def _config_count(config: Mapping[str, object], *names: str) -> int:
 def _cut_layer(cut: _Cut, fqn: str, suffix: str, layer: int, lead: tuple[int, ...], shape: tuple[int, ...],
                heads: int, groups: int, head_dim: int, most_experts: int) -> None:
     h = f"model.layers.{layer}."
-    if suffix in _RENAMES:
+    if suffix in mla.RENAMES:  # Megatron names MLA's query norm and qk-norm's alike (q_layernorm): the model says which
+        mla.check_rows(fqn, suffix, shape, cut.info.config)
+        plain = (h + _RENAMES[suffix],) if suffix in _RENAMES else ()
+        cut.whole(cut.pick(h + mla.RENAMES[suffix], *plain), fqn, lead, shape)
+    elif suffix in _RENAMES:
         cut.whole(h + _RENAMES[suffix], fqn, lead, shape)
     elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         _cut_qkv(cut, fqn, h, suffix.rsplit(".", 1)[1], lead, shape, heads, groups, head_dim)

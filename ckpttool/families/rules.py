@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..engine.layout import Box, TensorLayout
+from ..engine.layout import Box, Shape, TensorLayout
 from ..engine.plan import Slice, TargetSpec, tensor_specs
 from ..errors import ConfigError
 
@@ -39,6 +39,17 @@ class Unstack:
 #: the transforms of one family, tried in order; the first whose pattern matches a name applies
 Rules = tuple[Rename | Unstack, ...]
 
+#: on-disk names of tensors never cast, whatever ``--dtype`` says: the router bias of DeepSeek-V3 and GLM-4.5
+#: (``mlp.gate.e_score_correction_bias``) is FP32 in their releases, in transformers (its
+#: ``_keep_in_fp32_modules_strict``) and in Megatron-Core (``router.expert_bias``), and its small corrections to the
+#: routing scores do not survive bfloat16
+KEEP_DTYPE: tuple[str, ...] = (r"(^|\.)e_score_correction_bias$",)
+
+
+def keeps_dtype(name: str) -> bool:
+    """Whether the target ``name`` (on-disk) keeps its source's dtype when a merge casts (:data:`KEEP_DTYPE`)."""
+    return any(re.search(pattern, name) for pattern in KEEP_DTYPE)
+
 
 def cut(tensor: TensorLayout, name: str, rules: Rules) -> list[TargetSpec]:
     """The on-disk targets of ``tensor`` (called ``name`` once a wrapper prefix is stripped) under ``rules``.
@@ -54,6 +65,26 @@ def cut(tensor: TensorLayout, name: str, rules: Rules) -> list[TargetSpec]:
             return tensor_specs(tensor, match.expand(rule.replacement))
         return _unstack(tensor, match.group(1), rule)
     return tensor_specs(tensor, name)
+
+
+def memory_slices(name: str, shape: Shape, rules: Rules) -> list[Slice]:
+    """The way back (split): in-memory tensor ``name`` of ``shape`` as slices of the on-disk tensors
+    ``save_pretrained`` writes for it (each :attr:`Slice.source` an on-disk name). It is :func:`cut` run on the
+    name and shape with every slice turned around, so the two directions cannot disagree.
+
+    Example:
+        >>> from ckpttool.families import mixtral
+        >>> [(s.source, s.dst.offsets) for s in memory_slices("m.mlp.experts.down_proj", (2, 8, 4), mixtral.RULES)]
+        [('m.block_sparse_moe.experts.0.w2.weight', (0, 0, 0)), ('m.block_sparse_moe.experts.1.w2.weight', (1, 0, 0))]
+    """
+    tensor = TensorLayout(name, tuple(shape), "", ())
+    return [Slice(spec.name, sl.dst, sl.src) for spec in cut(tensor, name, rules) for sl in spec.slices]
+
+
+def stacks_experts(name: str, rules: Rules) -> bool:
+    """Whether in-memory tensor ``name`` holds stacked experts (dim 0 counts them): an :class:`Unstack` cuts it."""
+    rule = next((r for r in rules if re.match(r.pattern, name)), None)
+    return isinstance(rule, Unstack)
 
 
 def _unstack(tensor: TensorLayout, prefix: str, rule: Unstack) -> list[TargetSpec]:

@@ -17,6 +17,9 @@ On disk, under ``SAVE_DIR/<tag>/`` (``SAVE_DIR/latest`` names the tag, e.g. ``gl
                                                   param_shapes and optimizer files
     zero/<param name>/fp32.pt                     universal checkpoint (ds_to_universal, tag in
                                                   'latest_universal'): {'param': the whole fp32 tensor}
+    layer_L_expert_E_mp_rank_00_model_states.pt   MoE (deepspeed.moe.layer.MoE): expert E's module weights;
+                                                  experts have param groups and partition counts of their
+                                                  own, read by :mod:`.deepspeed_moe` (format 'deepspeed-moe')
 
 Pipeline parameters are named ``<layer index>.<name in the layer>``; the index is dropped when the layers'
 names do not collide (layers that wrap HF modules then keep the HF names), as in the layer files.
@@ -25,6 +28,11 @@ The fp32 master weights lie in the optimizer files as flat partitions, laid out 
 BF16_Optimizer, ZeRO-3) as :mod:`.deepspeed_zero` describes and reassembles; ``partition_count`` records the
 data-parallel world size, and a missing rank file leaves its region uncovered, named by the coverage check.
 Every tensor is described as RAW boxes at byte offsets inside the ``.pt`` files; nothing is loaded here.
+
+Tensor parallelism: ``mp_rank_TT`` is TP rank TT. AutoTP (``tensor_parallel.autotp_size``) records each
+parameter's split in the model states, read by :mod:`.deepspeed_autotp`; Megatron-style ranks record none and are
+refused (so is a step whose recorded ``tp_degree`` exceeds its ranks). With ``weights="master"``, a universal
+checkpoint converted from the step and lying beside it is read instead, with a note (:mod:`.deepspeed_universal`).
 
 ``weights="module"`` takes the module's own weights (the bf16 ones under bf16) from the model states
 instead; ZeRO-3 saves placeholders there, so it is refused. Pickles are read with stand-ins for the few
@@ -45,6 +53,7 @@ from ..architecture import ModelInfo
 from ..engine.layout import Layout
 from ..errors import SourceError, SourceNotFoundError
 from .base import FormatReader
+from .deepspeed_autotp import is_autotp, read_autotp, recorded_tp
 from .deepspeed_files import (
     _LAYER,
     _LAYER_TP,
@@ -60,8 +69,9 @@ from .deepspeed_files import (
     _shapes,
     _step_dir,
 )
+from .deepspeed_moe import is_moe, read_moe
 from .deepspeed_pieces import _add_module, _Builder, _strip
-from .deepspeed_universal import way_out
+from .deepspeed_universal import choose, way_out
 from .deepspeed_whole import _read_layers, _read_universal
 from .deepspeed_zero import _read_zero3, _read_zero12
 
@@ -89,8 +99,17 @@ def read(root: Path, model: ModelInfo | None, weights: str = "master") -> Layout
     tag = step.relative_to(root).as_posix() if step != root else ""
     files = sorted(p.name for p in step.iterdir() if p.is_file())
     builder = _Builder(str(root), NAME)
-    if (step / "zero").is_dir() and not any(n.endswith("_optim_states.pt") for n in files):
-        _read_universal(root, step, tag, builder, scan=_scan)
+    universal = step if (step / "zero").is_dir() and not any(n.endswith("_optim_states.pt") for n in files) else None
+    if universal is None and weights == "master" and not any(_LAYER.match(n) for n in files):
+        choice = choose(step, via_latest=step != root)  # a universal checkpoint of this step beside it
+        if choice.path is not None:  # read from the folder holding both: the step's may be the source itself
+            universal, root = choice.path, root if choice.path.is_relative_to(root) else choice.path.parent
+            builder = _Builder(str(root), NAME)
+        for note in choice.notes:
+            builder.note(note)
+    if universal is not None:
+        _read_universal(root, universal, universal.relative_to(root).as_posix() if universal != root else "", builder,
+                        scan=_scan)
         return builder.build()
     layers = sorted((int(m.group(1)), n) for n in files if (m := _LAYER.match(n)))
     zero3_models = sorted((int(m.group(1)), int(m.group(2)), n) for n in files if (m := _ZERO3_MODEL.match(n)))
@@ -100,11 +119,19 @@ def read(root: Path, model: ModelInfo | None, weights: str = "master") -> Layout
     pipeline = bool(layers)
     tp_layers = [n for n in files if _LAYER_TP.match(n)]
     tp = 1 if pipeline else max(len(mp_ranks), 1)
-    if tp > 1 or tp_layers:
+    first = None if pipeline or tp_layers or not models else _model_states(root, step, tag, models, scan=_scan)
+    recorded = recorded_tp(first) if first is not None else 1  # a rank missing altogether is still tensor parallel
+    if max(tp, recorded) > 1 and first is not None and is_autotp(first):  # AutoTP records each tensor's split
+        read_autotp(root, step, tag, models, optims, first, builder, weights=weights, scan=_scan)
+        return builder.build()
+    if tp > 1 or tp_layers or recorded > 1:
         raise SourceError(
             f"'{_rel(tag, tp_layers[0] if tp_layers else '') or root}': model-parallel ranks {mp_ranks} (tensor "
-            f"parallelism): these files do not record how each tensor is split; {way_out(step)}"
+            f"parallelism{f', of {recorded} recorded' if recorded > len(mp_ranks) else ''}): these files do not "
+            f"record how each tensor is split; {way_out(step)}"
         )
+    if is_moe(files):  # expert parallelism: its own param groups and per-expert files (.deepspeed_moe)
+        return read_moe(root, step, tag, files, weights, scan=_scan)
     builder.set_parallel(tp=1, pp=len(mp_ranks) if pipeline else 1, dp=1)
     if weights == "module":
         if zero3_models and not models:

@@ -182,7 +182,8 @@ def _read_ranks(root: Path, tag: str, group: list[tuple[int, int, str, str]], *,
             values = dims(count, "partition_count", loaded.rel)
             if len(set(values)) > 1:
                 raise SourceError(f"'{loaded.rel}': partition_count {count} differs between param groups "
-                                  "(expert data parallelism); ckpttool does not read MoE ZeRO checkpoints yet"
+                                  "(expert data parallelism: a DeepSpeed MoE checkpoint), but no per-expert files "
+                                  "(layer_*_expert_*_mp_rank_*_model_states.pt) lie beside it; is it complete?"
                                   + universal_instead(root / tag if tag else root))
             count = values[0] if values else count
         if not isinstance(count, int) or count < 1:

@@ -24,6 +24,7 @@ becomes RAW boxes at byte offsets inside the optimizer files (:func:`ckpttool.en
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,49 +103,72 @@ def _read_zero12(root: Path, step: Path, tag: str, state: _Loaded, group: list[t
              integer(p, f"group_paddings[{i}]", loaded.rel))
             for i, (g, p) in enumerate(zip(groups, paddings))
         ]
-    aligns = some.get("param_alignment_paddings")
     for g, group_shapes in enumerate(shapes):
-        pads = aligns[g] if isinstance(aligns, list) and g < len(aligns) else [0] * len(group_shapes)
-        pads = dims(pads, f"param_alignment_paddings[{g}]", ranks[min(ranks)][0].rel)
-        if len(pads) != len(group_shapes):
-            raise SourceError(f"'{ranks[min(ranks)][0].rel}': param_alignment_paddings[{g}] has {len(pads)} entries "
-                              f"for {len(group_shapes)} parameters")
-        needed = sum(math.prod(s) for s in group_shapes.values()) + sum(pads)
-        # every rank's whole slice has the same length; a missing rank's region follows from a present one
-        full = {r: s[g][0].numel + (0 if bf16_optimizer else s[g][1]) for r, s in slices.items()}
-        if len(set(full.values())) != 1:
-            listed = ", ".join(f"{n} in '{ranks[r][0].rel}'" for r, n in sorted(full.items()))
-            raise SourceError(f"param group {g}: the ranks' fp32 partitions differ in size: {listed}")
-        size = next(iter(full.values()))
-        flat, missing, found = _Flat(), set(), 0
-        for rank in range(count):
-            if rank in slices:
-                tensor, padding = slices[rank][g]
-                saved = tensor.numel - (padding if bf16_optimizer else 0)
-                flat.add(rank * size, max(saved, 0), ranks[rank][0].rel, tensor.byte_offset() or 0, rank)
-                found += tensor.numel
-            else:  # its region: what a whole slice would hold of the parameters
-                rel = _rel(tag, template.format(rank=rank))
-                flat.add(rank * size, max(0, min(size, needed - rank * size)), rel, 0, rank)
-                missing.add(rel)
-        if not missing:
-            trailing = slices[count - 1][g][1] if bf16_optimizer else 0
-            if found - trailing != needed:
-                what = "short" if found - trailing < needed else "longer than the parameters"
-                raise SourceError(
-                    f"param group {g}: the flat fp32 buffers are {what}: the parameters in param_shapes of "
-                    f"'{state.rel}' need {needed} elements (with {sum(pads)} alignment padding), the {count} "
-                    f"'{prefix}zero_pp_rank_*' files hold {found - trailing}"
-                    + (f" after {trailing} padding" if trailing else "")
-                )
-        offset = 0
-        for (name, shape), pad in zip(group_shapes.items(), pads):
-            target = _strip(name) if strip_layer else name
-            numel = math.prod(shape)
-            if builder.declare(target, shape, "F32", where=f"'{state.rel}' param_shapes"):
-                flat.cut(builder, target, shape, offset, 0, numel, missing)
-            offset += numel + int(pad)
+        pads = _alignment_pads(some, g, group_shapes, ranks[min(ranks)][0].rel)
+        parts = [_Part(rank, ranks[rank][0].rel, *slices[rank][g]) if rank in slices
+                 else _Part(rank, _rel(tag, template.format(rank=rank)), None, 0) for rank in range(count)]
+        _cut_group(builder, f"param group {g}", {(_strip(n) if strip_layer else n): s for n, s in group_shapes.items()},
+                   pads, parts, bf16_optimizer=bf16_optimizer, state=state, files=f"'{prefix}zero_pp_rank_*' files")
     _add_extras(state, builder, strip_layer)
+
+
+def _alignment_pads(osd: dict, g: int, group_shapes: dict[str, tuple[int, ...]], rel: str) -> list[int]:
+    """``param_alignment_paddings[g]`` of an optimizer state (zeros when not recorded), one per parameter."""
+    aligns = osd.get("param_alignment_paddings")
+    pads = aligns[g] if isinstance(aligns, list) and g < len(aligns) else [0] * len(group_shapes)
+    pads = dims(pads, f"param_alignment_paddings[{g}]", rel)
+    if len(pads) != len(group_shapes):
+        raise SourceError(f"'{rel}': param_alignment_paddings[{g}] has {len(pads)} entries "
+                          f"for {len(group_shapes)} parameters")
+    return pads
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One partition of a param group's flat buffer: the rank that saved it, its file, the saved slice (None:
+    the file is missing) and the padding stripped from it before saving (``group_paddings``)."""
+
+    rank: int
+    rel: str
+    tensor: StoredTensor | None
+    padding: int
+
+
+def _cut_group(builder: LayoutBuilder, label: str, group_shapes: dict[str, tuple[int, ...]], pads: list[int],
+               parts: list[_Part], *, bf16_optimizer: bool, state: _Loaded, files: str) -> None:
+    """A ZeRO-1/2 (or BF16_Optimizer) param group's flat fp32 buffer, its ``parts`` laid end to end in
+    partition order, cut into pieces of the parameters ``group_shapes`` (target names, in buffer order)."""
+    needed = sum(math.prod(s) for s in group_shapes.values()) + sum(pads)
+    # every partition's whole slice has the same length; a missing one's region follows from a present one
+    full = {p.rel: p.tensor.numel + (0 if bf16_optimizer else p.padding) for p in parts if p.tensor is not None}
+    if len(set(full.values())) > 1:
+        listed = ", ".join(f"{n} in '{rel}'" for rel, n in full.items())
+        raise SourceError(f"{label}: the ranks' fp32 partitions differ in size: {listed}")
+    size = next(iter(full.values())) if full else -(-needed // len(parts))
+    flat, missing, found = _Flat(), set(), 0
+    for i, part in enumerate(parts):
+        if part.tensor is not None:
+            saved = part.tensor.numel - (part.padding if bf16_optimizer else 0)
+            flat.add(i * size, max(saved, 0), part.rel, part.tensor.byte_offset() or 0, part.rank)
+            found += part.tensor.numel
+        else:  # its region: what a whole slice would hold of the parameters
+            flat.add(i * size, max(0, min(size, needed - i * size)), part.rel, 0, part.rank)
+            missing.add(part.rel)
+    if not missing:
+        trailing = parts[-1].padding if bf16_optimizer else 0
+        if found - trailing != needed:
+            what = "short" if found - trailing < needed else "longer than the parameters"
+            raise SourceError(
+                f"{label}: the flat fp32 buffers are {what}: the parameters in param_shapes of "
+                f"'{state.rel}' need {needed} elements (with {sum(pads)} alignment padding), the {len(parts)} "
+                f"{files} hold {found - trailing}" + (f" after {trailing} padding" if trailing else "")
+            )
+    offset = 0
+    for (target, shape), pad in zip(group_shapes.items(), pads):
+        numel = math.prod(shape)
+        if builder.declare(target, shape, "F32", where=f"'{state.rel}' param_shapes"):
+            flat.cut(builder, target, shape, offset, 0, numel, missing)
+        offset += numel + int(pad)
 
 
 def _add_extras(state: _Loaded, builder: LayoutBuilder, strip_layer: bool) -> None:

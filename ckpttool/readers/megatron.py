@@ -17,21 +17,20 @@ defines them, so one source convention (:mod:`ckpttool.families.megatron_core`) 
   from the config's true vocab, checked against the args, so the cut strips it once.
 
 Megatron checkpoints carry no HuggingFace config: the config comes from ``--config``; where the checkpoint has
-``args``, :func:`check_args` compares them with it.
+``args``, :func:`.megatron_args.check_args` compares them with it.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
 from .. import torch_save
-from ..architecture import ModelInfo, config_value
+from ..architecture import ModelInfo
 from ..engine.layout import Layout, Padding, TensorLayout
-from ..errors import ConfigError, SourceError
+from ..errors import SourceError
 from ..paths import inside, read_tag
 from ..pickle_bounds import EnumStandIn
 from ..safe_pickle import Record
@@ -197,73 +196,6 @@ def parallel_of(args: Any, file: str) -> dict[str, int]:
     if isinstance(dp, int) and not isinstance(dp, bool) and dp > 0:
         parallel["dp"] = dp
     return parallel
-
-
-def _rope_theta(config: Mapping[str, object]) -> Any:
-    rope = config.get("rope_parameters")
-    if isinstance(rope, Mapping) and rope.get("rope_theta") is not None:
-        return rope["rope_theta"]
-    return config.get("rope_theta")
-
-
-def check_args(args: Any, info: ModelInfo, where: str) -> None:
-    """Compare the checkpoint's training args with the config; every disagreement, expected vs found.
-
-    Raises:
-        ConfigError: listing each argument, what the config says and what the args say.
-    """
-    if args is None:
-        return
-    config = info.config
-    moe = bool(arg(args, "num_experts"))
-    heads = config.get("num_attention_heads")
-    groups = arg(args, "num_query_groups") if arg(args, "group_query_attention") else arg(args, "num_attention_heads")
-    ffn = (arg(args, "moe_ffn_hidden_size") or arg(args, "ffn_hidden_size")) if moe else arg(args, "ffn_hidden_size")
-    ffn_name = "moe_intermediate_size" if moe and "moe_intermediate_size" in config else "intermediate_size"
-    hidden = config.get("hidden_size")
-    head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
-                                          and heads else None)
-    pairs: list[tuple[str, Any, str, Any]] = [
-        ("num_layers", arg(args, "num_layers"), "num_hidden_layers", config.get("num_hidden_layers")),
-        ("hidden_size", arg(args, "hidden_size"), "hidden_size", hidden),
-        ("num_attention_heads", arg(args, "num_attention_heads"), "num_attention_heads", heads),
-        ("num_query_groups", groups, "num_key_value_heads", config_value(config, "num_key_value_heads") or heads),
-        ("kv_channels", arg(args, "kv_channels"), "head_dim", head_dim),
-        ("ffn_hidden_size", ffn, ffn_name, config.get(ffn_name)),
-        ("num_experts", arg(args, "num_experts"), "num_local_experts",
-         config_value(config, "num_local_experts", "num_experts")),
-        ("moe_router_topk", arg(args, "moe_router_topk") if moe else None, "num_experts_per_tok",
-         config.get("num_experts_per_tok")),
-        ("norm_epsilon", arg(args, "norm_epsilon"), "rms_norm_eps", config.get("rms_norm_eps")),
-        ("rotary_base", arg(args, "rotary_base"), "rope_theta", _rope_theta(config)),
-    ]
-    untie = arg(args, "untie_embeddings_and_output_weights")
-    if untie is not None and config.get("tie_word_embeddings") is not None:
-        pairs.append(("not untie_embeddings_and_output_weights", not untie, "tie_word_embeddings",
-                      bool(config["tie_word_embeddings"])))
-    found = []
-    for arg_name, got, config_name, expected in pairs:
-        if got is None or expected is None:
-            continue
-        if not _same(got, expected):
-            found.append(f"{arg_name}: config.json {config_name} = {expected!r} expected, found {got!r} in the args")
-    if found:
-        raise ConfigError(
-            f"'{where}': the checkpoint's training args disagree with the config ({len(found)}):\n"
-            + "\n".join(f"  - {f}" for f in found)
-            + "\nPass the config of the model this checkpoint trained (--config)."
-        )
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return bool(a) == bool(b)
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        try:
-            return math.isclose(a, b, rel_tol=1e-9)
-        except OverflowError:  # an integer beyond any float
-            return a == b
-    return a == b
 
 
 def vocab_padding(fqn: str, rows: int, args: Any, info: ModelInfo | None, file: str) -> tuple[Padding, ...]:

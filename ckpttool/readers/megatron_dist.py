@@ -33,7 +33,7 @@ from ..errors import SourceError
 from ..paths import JSON_LIMIT, open_source, read_source
 from ..safe_pickle import Record
 from ..validate import expect
-from . import dcp, megatron
+from . import dcp, megatron, megatron_args
 from .base import FormatReader
 
 NAME = "megatron-dist"
@@ -81,7 +81,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     prefix = "" if directory == root else f"{directory.relative_to(root)}/"
     where = f"{prefix}{COMMON}"
     if model is not None:
-        megatron.check_args(args, model, f"{prefix}{COMMON}")
+        megatron_args.check_args(args, model, f"{prefix}{COMMON}")
     padding = {}
     for fqn in megatron.VOCAB_TENSORS:
         tensor = layout.tensors.get(fqn)

@@ -16,13 +16,14 @@ imported or run) and tensors are read in place.
 
 Each local tensor becomes pieces of Megatron-Core's *global* tensor, the one ``torch_dist`` would save:
 
-- column-parallel tensors (``linear_qkv``, ``linear_fc1``, ``word_embeddings``, ``output_layer``) are split on
-  dim 0 across TP ranks, row-parallel ones (``linear_proj``, ``linear_fc2``) on dim 1, the rest replicated;
+- column-parallel tensors (``linear_qkv``, ``linear_fc1``, ``word_embeddings``, ``output_layer``, MLA's up
+  projections, ``eh_proj``) are split on dim 0 across TP ranks, row-parallel ones (``linear_proj``, ``linear_fc2``)
+  on dim 1, MLA's down projections either way (:meth:`_Placer._down_dim`), the rest replicated;
 - a SwiGLU ``linear_fc1`` holds ``[gate_r; up_r]`` on each TP rank: the two halves are placed as
   ``gate[r]`` and ``up[r]`` of the global ``[gate; up]`` (a plain concatenation would interleave them);
 - layers are renumbered across pipeline stages (global = stage offset + local index; uneven first/last stages
   and virtual stages from the args); experts are renumbered across EP ranks (global = ep_rank x local count +
-  local index) and named ``decoder.layers.L.mlp.experts.E.*``;
+  local index) and named ``decoder.layers.L.mlp.experts.E.*`` (``mtp.layers.K.transformer_layer.mlp.experts.E.*``);
 - vocab rows padded to a multiple of ``make_vocab_size_divisible_by x tp`` are recorded as padding.
 
 A missing rank file is named in coverage errors with the regions it should hold (its pieces are mirrored from
@@ -45,7 +46,7 @@ from ..paths import open_source
 from ..safe_pickle import Record
 from ..torch_save import StoredTensor
 from ..validate import expect, integer
-from . import megatron
+from . import megatron, megatron_args
 from .base import FormatReader
 
 NAME = "megatron-legacy"
@@ -54,8 +55,12 @@ FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.(\d+)\.transformer_layer\.)(.+)$")
 _COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-           "word_embeddings.weight", "output_layer.weight")
+           "word_embeddings.weight", "output_layer.weight", "linear_q_proj.weight", "linear_q_up_proj.weight",
+           "linear_kv_up_proj.weight", "eh_proj.weight")
+#: MLA's down projections, split on rows or whole on every TP rank (see :meth:`_Placer._down_dim`)
+_MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
@@ -116,7 +121,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                 "Are two checkpoints mixed in one directory?"
             )
     if model is not None:
-        megatron.check_args(args, model, f"{prefix}{first}/{FILE}")
+        megatron_args.check_args(args, model, f"{prefix}{first}/{FILE}")
     tp, pp, ep = parallel["tp"], parallel["pp"], parallel["ep"]
     if tp > 99 or pp > 999 or ep > 999 or tp * pp * ep > 64 * len(dirs):
         raise SourceError(
@@ -166,7 +171,9 @@ def _lost_stage(file: str, rank: _Rank, args: Any, parallel: dict[str, int]) -> 
     if rank.pp == 0:
         parts.insert(0, "embedding.word_embeddings.weight")
     if rank.pp == pp - 1:
-        parts.append("decoder.final_layernorm.weight and output_layer.weight")
+        mtp = megatron.int_arg(args, "mtp_num_layers", file)  # MTP layers sit on the last stage
+        parts.append("decoder.final_layernorm.weight and output_layer.weight"
+                     + (f", mtp.layers.0..{mtp - 1}" if mtp else ""))
     return f"'{file}' (pipeline stage {rank.pp}, tp rank {rank.tp}, ep rank {rank.ep}): {', '.join(parts)}"
 
 
@@ -195,6 +202,13 @@ class _Placer:
         arg = megatron.arg
         self.layers = megatron.int_arg(args, "num_layers", args_file)
         self.experts = megatron.int_arg(args, "num_experts", args_file)
+        self.mtp_layers = megatron.int_arg(args, "mtp_num_layers", args_file)
+        rope = megatron.int_arg(args, "qk_pos_emb_head_dim", args_file)
+        self.down_rows = {  # the full rows of MLA's down projections, and what they are
+            _MLA_DOWN[0]: (megatron.int_arg(args, "q_lora_rank", args_file), "q_lora_rank"),
+            _MLA_DOWN[1]: (megatron.int_arg(args, "kv_lora_rank", args_file) + rope,
+                           "kv_lora_rank + qk_pos_emb_head_dim"),
+        }
         self.gated = bool(arg(args, "swiglu", True))
         etp = arg(args, "expert_tensor_parallel_size")
         self.expert_tp = int(etp) if isinstance(etp, int) and etp > 0 else self.parallel["tp"]
@@ -229,6 +243,7 @@ class _Placer:
         split = self.expert_tp if expert else self.parallel["tp"]
         tp_rank = rank.tp if split > 1 else 0
         dim = 0 if name.endswith(_COLUMN) else 1 if name.endswith(_ROW) else None
+        dim = self._down_dim(file, key, name, t.shape, split) if dim is None else dim
         if split == 1:
             dim = None
         if dim is not None and len(t.shape) <= dim:
@@ -262,21 +277,41 @@ class _Placer:
         piece = Piece(file, key, Box(tuple(offsets), t.shape), t.dtype, RAW, base, t.numel * itemsize(t.dtype), tags)
         self.builder.add(fqn, piece, present=present)
 
+    def _down_dim(self, file: str, key: str, name: str, shape: tuple[int, ...], split: int) -> int | None:
+        """MLA's down projections: split on rows (the local spec's ``ColumnParallelLinear``) when a rank holds
+        ``1/tp`` of the rows the args give, whole on every rank (TE's ``duplicated`` linear) when it holds them all."""
+        suffix = next((s for s in _MLA_DOWN if name.endswith(s)), None)
+        if suffix is None or split == 1:
+            return None
+        (full, what), rows = self.down_rows[suffix], shape[0] if shape else 0
+        if full and rows in (full, full / split):
+            return None if rows == full else 0
+        why = (f"neither the {full} rows of the args' {what} nor a 1/{split} tensor-parallel share of them" if full
+               else f"the args record no {what} to tell whether tensor-parallel ranks split it")
+        raise SourceError(f"'{file}': '{key}' has {rows} rows: {why}")
+
     def _global_name(self, name: str, rank: _Rank, offset: int, file: str) -> tuple[str, bool]:
         """``decoder.layers.<global>.`` and ``mlp.experts.<global expert>.``; whether it is an expert tensor."""
+        mtp = _MTP_LAYER.match(name)
         match = _LAYER.match(name)
-        if match is None:
+        if mtp is not None:
+            if self.mtp_layers and int(mtp.group(2)) >= self.mtp_layers:
+                raise SourceError(f"'{file}': '{name}' is MTP layer {mtp.group(2)}, but the args say mtp_num_layers "
+                                  f"{self.mtp_layers}")
+            prefix, rest = mtp.group(1), mtp.group(3)
+        elif match is not None:
+            layer = offset + int(match.group(1))
+            if self.layers and layer >= self.layers:
+                raise SourceError(
+                    f"'{file}': '{name}' is layer {layer} globally (stage offset {offset}), but the args say "
+                    f"num_layers {self.layers}"
+                )
+            prefix, rest = f"decoder.layers.{layer}.", match.group(2)
+        else:
             return name, False
-        layer = offset + int(match.group(1))
-        if self.layers and layer >= self.layers:
-            raise SourceError(
-                f"'{file}': '{name}' is layer {layer} globally (stage offset {offset}), but the args say "
-                f"num_layers {self.layers}"
-            )
-        rest = match.group(2)
         expert = _LOCAL_EXPERT.match(rest)
         if expert is None:
-            return f"decoder.layers.{layer}.{rest}", False
+            return prefix + rest, False
         local = self.experts // self.parallel["ep"] if self.experts else 0
         number = rank.ep * local + int(expert.group(1))
         if local and int(expert.group(1)) >= local:
@@ -284,7 +319,7 @@ class _Placer:
                 f"'{file}': '{name}' is local expert {expert.group(1)}, but num_experts {self.experts} over "
                 f"ep {self.parallel['ep']} gives {local} per rank"
             )
-        return f"decoder.layers.{layer}.mlp.experts.{number}.{expert.group(2)}", True
+        return f"{prefix}mlp.experts.{number}.{expert.group(2)}", True
 
 
 def _layer_offset(args: Any, layers: int, stage: int, chunk: int, pp: int, vpp: int, file: str) -> int:

@@ -22,6 +22,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DestinationError, OutputError
@@ -58,13 +59,26 @@ _OURS = re.compile(
 SHOWN = 10
 
 
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What one command writes into a destination: ``--force`` replaces a directory holding nothing else.
+    ``command`` names it in messages ("an earlier output of a merge")."""
+
+    command: str
+    names: re.Pattern[str]
+
+
+MERGE_OUTPUT = Output("merge", _OURS)
+
+
 def journal_name(rank: int = 0) -> str:
     """The journal file of one writing process (rank 0 when a single process merges)."""
     return f".ckpttool-journal-{rank}.json"
 
 
-def foreign_entries(directory: Path) -> list[str]:
-    """The entries of ``directory`` that no merge writes (sorted; sub-directories end in ``/``).
+def foreign_entries(directory: Path, output: Output = MERGE_OUTPUT) -> list[str]:
+    """The entries of ``directory`` that no merge writes, or no ``output`` of another command (sorted;
+    sub-directories end in ``/``).
 
     Only regular files with the names of an output count as ours: weights (``model.safetensors``,
     ``model-0000i-of-0000N.safetensors``), the index, ``config.json``, generation config and tokenizer files,
@@ -75,12 +89,12 @@ def foreign_entries(directory: Path) -> list[str]:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
                 foreign.append(entry.name + "/")
-            elif not (entry.is_file(follow_symlinks=False) and _OURS.fullmatch(entry.name)):
+            elif not (entry.is_file(follow_symlinks=False) and output.names.fullmatch(entry.name)):
                 foreign.append(entry.name)
     return sorted(foreign)
 
 
-def check_destination(dest: Path, sources: Sequence[Path], force: bool) -> None:
+def check_destination(dest: Path, sources: Sequence[Path], force: bool, output: Output = MERGE_OUTPUT) -> None:
     """Refuse a destination whose replacement could lose data. Touches nothing.
 
     Raises:
@@ -104,7 +118,7 @@ def check_destination(dest: Path, sources: Sequence[Path], force: bool) -> None:
             raise DestinationError(f"destination '{dest}' exists and is not a directory")
         try:
             not_empty = any(dest.iterdir())
-            foreign = foreign_entries(dest) if not_empty and force else []
+            foreign = foreign_entries(dest, output) if not_empty and force else []
         except OSError as e:
             raise DestinationError(f"destination '{dest}': cannot list it: {e.strerror or e}") from None
         if not_empty and not force:
@@ -113,7 +127,7 @@ def check_destination(dest: Path, sources: Sequence[Path], force: bool) -> None:
             shown = ", ".join(foreign[:SHOWN]) + (f", ... ({len(foreign) - SHOWN} more)" if len(foreign) > SHOWN else "")
             raise DestinationError(
                 f"destination '{dest}' holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} that ckpttool did not "
-                f"write ({shown}); force=True replaces only an earlier output of a merge. Nothing was touched: choose "
+                f"write ({shown}); force=True replaces only an earlier output of a {output.command}. Nothing was touched: choose "
                 "another destination, or move those entries away yourself"
             )
     parent = dest.parent if dest.parent != Path("") else Path(".")
@@ -162,8 +176,10 @@ class Staging:
     ``resume``). Both release the lock.
     """
 
-    def __init__(self, dest: Path, *, sources: Sequence[Path] = (), force: bool = False, resume: bool = False) -> None:
+    def __init__(self, dest: Path, *, sources: Sequence[Path] = (), force: bool = False, resume: bool = False,
+                 output: Output = MERGE_OUTPUT) -> None:
         self.dest = dest
+        self.output = output
         self.sources = tuple(sources)
         self.force = force
         self.resume = resume
@@ -178,7 +194,7 @@ class Staging:
         try:
             self._restore()
             try:
-                check_destination(self.dest, self.sources, self.force)
+                check_destination(self.dest, self.sources, self.force, self.output)
             except DestinationError as e:
                 if self.restored is None:
                     raise

@@ -165,7 +165,8 @@ def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
     """A digest of everything that decides the output bytes: ckpttool's version, the plan, the file split,
     and the size and modification time of every source file it reads."""
     stats = []
-    for rel in sorted({c.piece.file for t in plan.targets for c in t.copies}):
+    every = [*plan.targets, *(t.scale for t in plan.targets if t.scale is not None)]  # a scale's files too
+    for rel in sorted({c.piece.file for t in every for c in t.copies}):
         try:
             st = (Path(plan.root) / rel).stat()
         except OSError as e:
@@ -174,8 +175,10 @@ def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
     layout = [
         [out.name, [[t.name, t.dtype, list(t.shape), [[c.piece.file, c.piece.key, c.piece.byte_offset,
                                                        c.piece.byte_length, list(c.src.offsets), list(c.src.sizes),
-                                                       list(c.dst.offsets), list(c.dst.sizes)] for c in t.copies]]
-                     for t in out.targets]]
+                                                       list(c.dst.offsets), list(c.dst.sizes)] for c in t.copies],
+                     repr(t.dequant), [[c.piece.file, c.piece.key, c.piece.byte_offset]
+                                       for c in (t.scale.copies if t.scale is not None else ())]]
+                    for t in out.targets]]
         for out in files
     ]
     text = json.dumps({"ckpttool": __version__, "chunk": CHUNK_BYTES, "root": str(Path(plan.root).resolve()),

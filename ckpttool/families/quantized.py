@@ -1,0 +1,149 @@
+"""Quantized checkpoints in the family layer: which targets travel with a scale, what the architecture expects
+of them, and the targets of a dequantizing merge.
+
+The formats' facts live in :mod:`ckpttool.quant`; here they meet the plan. Kept quantized, every stored tensor
+and every scale is a target of its own (byte copies): the model check accepts the scales of the architecture's
+weights, and :mod:`ckpttool.quant.checks` that each has the shape the config's block size gives. Dequantized (``dtype`` given), a weight and its scale become one
+:class:`~ckpttool.engine.plan.Dequantize` target under the weight's (FP8) or the tensor's (MXFP4) name, and the
+scales are not written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from ..architecture import ModelInfo
+from ..engine.layout import Layout
+from ..engine.plan import Dequantize, TargetSpec
+from ..errors import ConfigError
+from . import mtp
+from ..quant.checks import Problem, check_tensors, tensors_quantized
+from ..quant.decode import FP8_BLOCKS, MXFP4_GROUPS
+from ..quant.formats import (
+    FP8,
+    Quantization,
+    expected_shapes,
+    links,
+    mxfp4_logical_shape,
+)
+
+#: the key of config.json a dequantizing merge removes
+CONFIG_KEY = "quantization_config"
+
+
+def with_quantized(model: ModelInfo, specs: Sequence[TargetSpec], quant: Quantization | None) -> ModelInfo:
+    """``model`` expecting the quantized tensors ``specs`` hold (the scales of its weights, MXFP4 tensors as
+    ``_blocks`` and ``_scales``), for :func:`~ckpttool.families.compare_with_model`."""
+    present = {s.name: s.shape for s in specs}
+    layers = mtp.expected(model)  # the MTP layers the source holds carry scales like the main ones
+    held = {name: shape for n in mtp.held(present, layers) for name, shape in layers[n].items()}
+    expected = expected_shapes({**model.disk_shapes, **held}, present, quant)
+    if quant is None or expected == {**model.disk_shapes, **held}:
+        return model
+    return replace(model, disk_shapes=expected)
+
+
+def problems(specs: Sequence[TargetSpec], layout: Layout, quant: Quantization | None, *, has_config: bool,
+             dequantize: bool = False) -> list[Problem]:
+    """Every quantization problem of the targets ``specs`` (see :func:`ckpttool.quant.checks.check_tensors`); with
+    ``dequantize`` (a merge given a dtype), also quantized tensors without a config that says how to dequantize
+    them (a plain cast would turn float32 scales into bfloat16 and leave FP8 values unscaled)."""
+    dtypes = {s.name: _dtype(s, layout) for s in specs}
+    tensors = {s.name: (dtype, s.shape) for s in specs if (dtype := dtypes[s.name]) is not None}
+    found = check_tensors(tensors, quant, has_config=has_config)
+    found += _split_problems(specs, layout, quant)
+    quantized = sorted(tensors_quantized(tensors))
+    if dequantize and not has_config and quantized:
+        found.append(Problem(
+            "quant-config-missing", None,
+            f"dtype= asks to dequantize, but there is no config.json to say how: {len(quantized)} tensors are "
+            f"quantized ('{quantized[0]}', ...) and only the config's quantization_config gives their block size. Give "
+            "the release's config.json, or merge without a dtype to keep the checkpoint quantized",
+        ))
+    return found
+
+
+def _split_problems(specs: Sequence[TargetSpec], layout: Layout, quant: Quantization | None) -> list[Problem]:
+    """FP8 weights whose pieces (TP, FSDP ranks) are cut off their block boundaries: a piece's rows or columns
+    that start inside a block share that block's scale with another piece, so which rows it was computed for
+    cannot be told (a rank that quantized its own piece has blocks starting at its own row 0). Never guessed."""
+    if quant is None or quant.method != FP8:
+        return []
+    by_name = {s.name: s for s in specs}
+    found = []
+    for link in links(by_name)[0]:
+        spec = by_name[link.weight]
+        tensor = layout.tensors.get(spec.slices[0].source) if spec.slices else None
+        if tensor is None or len(tensor.global_shape) < 2 or len(tensor.pieces) < 2:
+            continue
+        for dim, block, word in ((-2, quant.block[0], "row"), (-1, quant.block[1], "column")):
+            size = tensor.global_shape[dim]
+            cuts = sorted({p.box.offsets[dim] for p in tensor.pieces} - {0, size})
+            bad = [c for c in cuts if c % block]
+            if bad:
+                files = sorted({p.file for p in tensor.pieces if p.box.offsets[dim] in bad or p.box.ends[dim] in bad})
+                found.append(Problem(
+                    "quant-split", link.weight,
+                    f"'{link.weight}' {list(tensor.global_shape)} is split at {word} {bad[0]} (pieces in "
+                    f"{', '.join(repr(f) for f in files[:4])}), not on a {block}-{word} block boundary (weight_block_size "
+                    f"{list(quant.block)} in '{quant.label}'): the scale of the block holding {word}s "
+                    f"{bad[0] // block * block}..{bad[0] // block * block + block} would serve two pieces, quantized "
+                    f"apart or not. ckpttool does not guess; split on multiples of {block}, or dequantize each piece "
+                    "where it was quantized",
+                ))
+    return found
+
+
+def scale_names(names: Sequence[str]) -> set[str]:
+    """The scales among ``names`` whose weights are there too (not model weights: they have no dtype of their own
+    for ``config.json`` nor for the audit's dtype checks)."""
+    return {link.scale for link in links(names)[0]}
+
+
+def dequantized(specs: Sequence[TargetSpec], layout: Layout, quant: Quantization) -> list[TargetSpec]:
+    """The targets of a dequantizing merge: each linked weight and scale as one computed target, others as they are.
+
+    Call only once :func:`problems` found nothing: the pairs, dtypes and shapes are then consistent.
+    """
+    by_name = {s.name: s for s in specs}
+    found = [link for link in links(by_name)[0] if link.method == quant.method]
+    used = {n for link in found for n in (link.weight, link.scale)}
+    out = [s for s in specs if s.name not in used]
+    for link in found:
+        weight, scale = by_name[link.weight], by_name[link.scale]
+        if len(weight.shape) not in ((2, 3) if quant.method == FP8 else (4,)):
+            raise ConfigError(f"'{link.weight}' has shape {list(weight.shape)}; ckpttool dequantizes FP8 matrices "
+                              "[O, I] or stacked [E, O, I] and MXFP4 stacked experts [E, R, G, 16] only")
+        if quant.method == FP8:
+            params: tuple[tuple[str, object], ...] = (
+                ("block", quant.block), ("ndim", len(weight.shape)), ("ue8m0_bytes", _dtype(scale, layout) == "U8"))
+            spec = TargetSpec(link.logical, weight.shape, weight.slices, Dequantize(FP8_BLOCKS, params, weight.shape, scale))
+        else:
+            spec = TargetSpec(link.logical, mxfp4_logical_shape(weight.shape), weight.slices,
+                              Dequantize(MXFP4_GROUPS, (("transpose", True),), weight.shape, scale))
+        out.append(spec)
+    return out
+
+
+def refusal(layout: Layout, found: Sequence[Problem]) -> ConfigError:
+    """The error a merge raises for a quantized checkpoint whose tensors or config do not agree."""
+    count = len(found)
+    return ConfigError(
+        f"the quantized checkpoint in '{layout.root}' is inconsistent ({count} problem{'s' if count != 1 else ''}):\n"
+        + "\n".join(f"  - {p.message}" for p in found[:40])
+        + (f"\n  ... and {count - 40} more" if count > 40 else "")
+        + "\nckpttool never guesses a missing scale or a block size; `ckpttool audit` lists the same problems."
+    )
+
+
+def output_config(config: Mapping[str, object] | None, dequantizing: bool) -> Mapping[str, object] | None:
+    """``config.json`` for the output: without ``quantization_config`` once the weights are dequantized."""
+    if config is None or not dequantizing or CONFIG_KEY not in config:
+        return config
+    return {k: v for k, v in config.items() if k != CONFIG_KEY}
+
+
+def _dtype(spec: TargetSpec, layout: Layout) -> str | None:
+    tensor = layout.tensors.get(spec.slices[0].source) if spec.slices else None
+    return tensor.dtype if tensor is not None else None

@@ -1,0 +1,9 @@
+"""Quantized checkpoints: FP8 block-scaled (the DeepSeek convention) and MXFP4 (gpt-oss), as facts.
+
+- :mod:`.formats`: what a ``quantization_config`` says, which tensors travel together (``X.weight`` with
+  ``X.weight_scale_inv``; ``X_blocks`` with ``X_scales``), and the shapes one gives the other. No torch.
+- :mod:`.decode`: dequantization of a range of rows of a weight from the matching rows of its scales, the pure
+  functions the streaming executor calls (:mod:`ckpttool.engine.executor`).
+
+This package sits below the engine and the families: it imports neither.
+"""

@@ -1,0 +1,233 @@
+"""The quantized formats as facts: the config that declares them, the tensors that travel together, their shapes.
+
+**FP8 block-scaled** (DeepSeek-V3's convention, which transformers' ``finegrained_fp8`` integration and torch's
+``QuantizedHuggingFaceStorageReader`` follow): a weight ``X.weight`` of shape ``[O, I]`` is stored as
+``float8_e4m3fn`` and travels with ``X.weight_scale_inv`` of shape ``[ceil(O/B0), ceil(I/B1)]``, one scale per
+``B0 x B1`` block, edge blocks cropped (not padded). A value is ``float32(fp8) * scale``. ``B0 x B1`` is the
+config's ``weight_block_size``; it is never inferred from shapes (a ``[5, 3]`` scale fits blocks of 16 and of
+13 rows alike). Scales are float32, or with ``scale_fmt: "ue8m0"`` powers of two, held as float32, as E8M0
+(``F8_E8M0``) or as bytes (``U8``, value ``2 ** (byte - 127)``).
+
+**MXFP4** (gpt-oss): an expert tensor ``X`` is stored as ``X_blocks`` (``uint8 [..., R, G, 16]``: 16 bytes hold
+one group of 32 FP4 E2M1 values, two per byte, the low nibble first) and ``X_scales`` (``uint8 [..., R, G]``, one
+E8M0 exponent per group, bias 127). The groups run along the input dim of the stored ``[E, out, in]`` matrix,
+while transformers names the tensor ``[E, in, out]`` (its MXFP4 loader transposes the last two dims), so the
+stored shape of a named ``[E, A, B]`` tensor is ``[E, B, A / 32, 16]``. gpt-oss's ``gate_up_proj`` interleaves
+gate (even columns of the named tensor) and up (odd columns).
+
+Everything here is plain data and arithmetic: no torch, no tensor read.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+Shape = tuple[int, ...]
+
+FP8 = "fp8"
+MXFP4 = "mxfp4"
+#: FP8 ``fmt`` -> the safetensors dtype of the weights
+FP8_FORMATS = {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2"}
+#: what transformers' FineGrainedFP8Config uses when a config gives no ``weight_block_size``
+DEFAULT_FP8_BLOCK = (128, 128)
+#: FP8 scale formats: plain floats, or powers of two (E8M0)
+SCALE_FORMATS = ("float", "ue8m0")
+#: safetensors dtypes an FP8 scale may have (U8 only as E8M0 bytes, with scale_fmt ue8m0)
+FP8_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")
+#: MXFP4: values per scale, bytes per group, the value of each FP4 E2M1 code (sign bit 8)
+MXFP4_GROUP = 32
+MXFP4_GROUP_BYTES = 16
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+#: E8M0: an exponent byte with this bias; 0xFF is NaN
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+
+#: gpt-oss's ``gate_up_proj [E, H, 2I]`` interleaves its two halves: (gate columns, up columns). A family whose
+#: names hold gate and up apart undoes it; gpt-oss's own names keep it.
+GATE_UP_INTERLEAVE = (slice(0, None, 2), slice(1, None, 2))
+
+FP8_SCALE_SUFFIX = "_scale_inv"
+BLOCKS_SUFFIX = "_blocks"
+SCALES_SUFFIX = "_scales"
+
+
+@dataclass(frozen=True, slots=True)
+class Quantization:
+    """What a config's ``quantization_config`` declares.
+
+    Attributes:
+        method: ``"fp8"`` or ``"mxfp4"``.
+        block: rows x columns sharing one scale (FP8: ``weight_block_size``; MXFP4: ``(1, 32)``).
+        scale_fmt: FP8 ``"float"`` or ``"ue8m0"``; MXFP4 ``"e8m0"``.
+        weight_dtype: the safetensors dtype of the stored weights (``F8_E4M3``, ``F8_E5M2``, ``U8``).
+        not_converted: ``modules_to_not_convert``, patterns as transformers matches them.
+        label: the config it came from, for messages.
+    """
+
+    method: str
+    block: tuple[int, int]
+    scale_fmt: str
+    weight_dtype: str
+    not_converted: tuple[str, ...] = ()
+    label: str = "config.json"
+
+    def converts(self, module: str) -> bool:
+        """False when ``modules_to_not_convert`` names ``module`` the way transformers matches it: a pattern
+        matches from the start up to a module boundary (as a regex: ``layers.*.mlp`` matches ``layers.3.mlp``),
+        or as a suffix."""
+        for pattern in self.not_converted:
+            if module.endswith(pattern):
+                return False
+            try:
+                if re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module):
+                    return False
+            except re.error:
+                continue
+        return True
+
+    def describe(self) -> str:
+        if self.method == FP8:
+            return f"fp8 {self.weight_dtype} with {self.block[0]}x{self.block[1]} blocks ({self.scale_fmt} scales)"
+        return f"mxfp4 (groups of {MXFP4_GROUP} values, E8M0 scales)"
+
+
+def read_quantization(config: Mapping[str, object] | None, label: str = "config.json") -> Quantization | None:
+    """The quantization a config declares, or None when it has no ``quantization_config``.
+
+    Raises:
+        ConfigError: a ``quantization_config`` ckpttool cannot honour: another method, a malformed or
+            per-tensor block size, an unknown ``fmt`` or ``scale_fmt``, static activation scales.
+    """
+    raw = (config or {}).get("quantization_config")
+    if raw is None:
+        return None
+    where = f"'{label}': quantization_config"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where} is {type(raw).__name__}, not an object")
+    method = raw.get("quant_method")
+    not_converted = raw.get("modules_to_not_convert", raw.get("ignored_layers")) or []
+    if not isinstance(not_converted, list) or not all(isinstance(p, str) for p in not_converted):
+        raise ConfigError(f"{where}.modules_to_not_convert must be a list of module names, not {not_converted!r}")
+    if method == MXFP4:
+        return Quantization(MXFP4, (1, MXFP4_GROUP), "e8m0", "U8", tuple(not_converted), label)
+    if method != FP8:
+        raise ConfigError(f"{where} has quant_method {method!r}; ckpttool reads 'fp8' (block-scaled) and 'mxfp4' "
+                          "checkpoints only")
+    fmt = raw.get("fmt", "e4m3")
+    if fmt not in FP8_FORMATS:
+        raise ConfigError(f"{where}.fmt is {fmt!r}; FP8 weights are 'e4m3' or 'e5m2'")
+    scale_fmt = raw.get("scale_fmt") or "float"
+    if scale_fmt not in SCALE_FORMATS:
+        raise ConfigError(f"{where}.scale_fmt is {scale_fmt!r}; known: {', '.join(SCALE_FORMATS)}")
+    if raw.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError(f"{where}.activation_scheme is {raw.get('activation_scheme')!r}; ckpttool reads FP8 "
+                          "checkpoints with dynamic activation scales only (no activation_scale tensors)")
+    block = raw.get("weight_block_size", list(DEFAULT_FP8_BLOCK))
+    if block is None:
+        raise ConfigError(f"{where}.weight_block_size is null (one scale per tensor); ckpttool reads "
+                          "block-scaled FP8 only")
+    if (not isinstance(block, list | tuple) or len(block) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block)):
+        raise ConfigError(f"{where}.weight_block_size is {block!r}; it must be two positive integers, e.g. [128, 128]")
+    return Quantization(FP8, (block[0], block[1]), scale_fmt, FP8_FORMATS[fmt], tuple(not_converted), label)
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A quantized tensor's stored values and scales, and the name of the tensor they make once dequantized."""
+
+    method: str
+    logical: str
+    weight: str
+    scale: str
+
+
+def fp8_scale_name(weight: str) -> str:
+    """``X.weight`` -> ``X.weight_scale_inv`` (transformers names a scale of another tensor ``Y_scale_inv``)."""
+    return weight + FP8_SCALE_SUFFIX
+
+
+def links(names: Iterable[str]) -> tuple[list[Link], list[str], list[str]]:
+    """The quantized tensors among ``names``: complete links, then stored weights without their scales
+    (``X_blocks`` without ``X_scales``), then scales without their weights.
+
+    An FP8 weight is recognised by its scale, not by its name alone, so an FP8 weight whose scale is missing
+    is found by its dtype (see :func:`check_tensors`).
+    """
+    present = set(names)
+    found: list[Link] = []
+    orphans: list[str] = []
+    lonely: list[str] = []
+    for name in sorted(present):
+        if name.endswith(FP8_SCALE_SUFFIX):
+            weight = name[: -len(FP8_SCALE_SUFFIX)]
+            if weight in present:
+                found.append(Link(FP8, weight, weight, name))
+            else:
+                orphans.append(name)
+        elif name.endswith(SCALES_SUFFIX):
+            base = name[: -len(SCALES_SUFFIX)]
+            if base + BLOCKS_SUFFIX in present:
+                found.append(Link(MXFP4, base, base + BLOCKS_SUFFIX, name))
+            else:
+                orphans.append(name)
+        elif name.endswith(BLOCKS_SUFFIX) and name[: -len(BLOCKS_SUFFIX)] + SCALES_SUFFIX not in present:
+            lonely.append(name)
+    return found, lonely, orphans
+
+
+def fp8_scale_shape(shape: Shape, block: tuple[int, int]) -> Shape:
+    """One scale per ``block`` of the last two dims, edge blocks cropped: ``[O, I]`` -> ``[ceil(O/B0), ceil(I/B1)]``
+    (leading dims, e.g. stacked experts, kept)."""
+    if len(shape) < 2:
+        raise ValueError(f"an FP8 block-scaled tensor has at least 2 dims, not shape {list(shape)}")
+    *lead, rows, cols = shape
+    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+
+
+def mxfp4_stored_shapes(logical: Shape) -> tuple[Shape, Shape] | None:
+    """The ``_blocks`` and ``_scales`` shapes of a named ``[..., A, B]`` MXFP4 tensor: ``[..., B, A/32, 16]`` and
+    ``[..., B, A/32]``; None when ``A`` is not a multiple of 32 (no MXFP4 tensor has that shape)."""
+    if len(logical) < 2 or logical[-2] % MXFP4_GROUP:
+        return None
+    *lead, cols, rows = logical
+    groups = cols // MXFP4_GROUP
+    return (*lead, rows, groups, MXFP4_GROUP_BYTES), (*lead, rows, groups)
+
+
+def mxfp4_logical_shape(blocks: Shape) -> Shape:
+    """The named shape of an MXFP4 tensor from its ``_blocks`` shape ``[..., R, G, 16]``: ``[..., G*32, R]``."""
+    *lead, rows, groups, _ = blocks
+    return (*lead, groups * MXFP4_GROUP, rows)
+
+
+def expected_shapes(disk: Mapping[str, Shape], present: Mapping[str, Shape], quant: Quantization | None) -> dict[str, Shape]:
+    """The architecture's on-disk tensors (``disk``, from transformers) as a quantized checkpoint stores them:
+    each scale of ``present`` whose weight the architecture has, and each MXFP4 tensor as its ``_blocks`` and
+    ``_scales``. A scale is expected with the shape it has: whether that is the shape the config's block size
+    gives its weight is :func:`ckpttool.quant.checks.check_tensors`' question, which says why in its numbers
+    (a generic shape diagnosis would call a scale of the wrong block size "one TP piece")."""
+    expected = dict(disk)
+    if quant is None:
+        return expected
+    found, lonely, _ = links(present)
+    for link in found:
+        if link.method == FP8 and quant.method == FP8 and link.weight in disk:
+            expected[link.scale] = present[link.scale]
+        elif link.method == MXFP4 and quant.method == MXFP4 and link.logical in disk:
+            shapes = mxfp4_stored_shapes(disk[link.logical])
+            if shapes is not None:
+                del expected[link.logical]
+                expected[link.weight], expected[link.scale] = shapes[0], present[link.scale]
+    for name in lonely:  # a _blocks without its _scales is named by check_tensors, not as unexpected
+        base = name.removesuffix(BLOCKS_SUFFIX)
+        shapes = mxfp4_stored_shapes(disk[base]) if quant.method == MXFP4 and base in expected else None
+        if shapes is not None:
+            del expected[base]
+            expected[name] = shapes[0]
+    return expected

@@ -1,0 +1,216 @@
+"""The PyTorch Distributed Checkpoint output: ``__R_0.distcp`` per rank and ``.metadata``, as torch writes them.
+
+torch's ``FileSystemWriter`` (one file per rank) writes every item a rank saves as one ``torch.save`` archive,
+one after another in ``__R_0.distcp``; ``.metadata`` is a pickle of torch's ``Metadata``: every tensor's
+global size, dtype and chunks (``offsets``, ``sizes``), and where each chunk's archive lies
+(``MetadataIndex(fqn, offsets)`` -> ``_StorageInfo(relative_path, offset, length)``). A chunk held by several
+ranks (a replicated norm) is written once, by the rank with the fewest bytes so far, as torch's
+``dedup_save_plans`` chooses.
+
+Here each archive's bytes around the elements come from :class:`~.torch_archive.TensorArchive`, and the
+elements are streamed in by the executor (:mod:`ckpttool.engine.executor`), chunk by chunk, from positioned
+reads of the source: a DCP chunk is a plan target. torch's ``dcp.load`` reads the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import threading
+import uuid
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..dtypes import torch_dtype
+from ..engine.executor import Chunk, Reader, buffer_sizes, chunks, piece_uses
+from ..engine.executor import write_file as stream_file
+from ..engine.layout import Box, Shape
+from ..engine.plan import Target
+from ..errors import OutputError
+from .torch_archive import TensorArchive, crc32_combine
+
+METADATA = ".metadata"
+
+
+def file_name(rank: int) -> str:
+    """What torch's ``FileSystemWriter`` calls rank ``rank``'s file."""
+    return f"__{rank}_0.distcp"
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One chunk of a tensor, saved by one rank: ``box`` of the global tensor ``fqn``, filled by ``target``
+    (of shape ``box.sizes``), as the archive that starts at ``offset`` of its file."""
+
+    fqn: str
+    global_shape: Shape
+    box: Box
+    target: Target
+    archive: TensorArchive
+    offset: int
+
+    @property
+    def data_offset(self) -> int:
+        """Where the elements start in the file."""
+        return self.offset + self.archive.data_offset
+
+
+@dataclass(frozen=True, slots=True)
+class DcpFile:
+    """One rank's ``.distcp`` file and its items, in file order."""
+
+    name: str
+    rank: int
+    items: tuple[Item, ...] = field(default=())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.archive.length for i in self.items)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(i.archive.nbytes for i in self.items)
+
+
+def share_items(held: Sequence[Sequence[tuple[str, Box, int]]]) -> list[list[tuple[str, Box]]]:
+    """Which rank writes each chunk: ``held[r]`` lists ``(fqn, box, weight)`` rank ``r`` holds, in its state-dict
+    order; a chunk several ranks hold goes to the one with the least weight so far (the lowest on a tie), chunks
+    taken in order of first appearance, as torch's ``dedup_save_plans`` (which weighs a chunk by the bytes of its
+    whole tensor, ``WriteItem.tensor_storage_size``). Returns each rank's chunks, in order."""
+    holders: dict[tuple[str, Shape], list[int]] = {}
+    sizes: dict[tuple[str, Shape], int] = {}
+    for rank, chunks_held in enumerate(held):
+        for fqn, box, nbytes in chunks_held:
+            holders.setdefault((fqn, box.offsets), []).append(rank)
+            sizes[(fqn, box.offsets)] = nbytes
+    load = [0] * len(held)
+    writer = {}
+    for key, ranks in holders.items():
+        rank = min(sorted(set(ranks)), key=lambda r: load[r])
+        load[rank] += sizes[key] or 1
+        writer[key] = rank
+    return [[(fqn, box) for fqn, box, _ in chunks_held if writer[(fqn, box.offsets)] == rank]
+            for rank, chunks_held in enumerate(held)]
+
+
+def lay_out(per_rank: Sequence[Sequence[tuple[str, Shape, Box, Target]]]) -> tuple[DcpFile, ...]:
+    """Every rank's file: its items' archives one after another, from byte 0."""
+    files = []
+    for rank, items in enumerate(per_rank):
+        laid, offset = [], 0
+        for fqn, global_shape, box, target in items:
+            archive = TensorArchive(target.dtype, box.sizes, f"{fqn}@{list(box.offsets)}")
+            laid.append(Item(fqn, global_shape, box, target, archive, offset))
+            offset += archive.length
+        files.append(DcpFile(file_name(rank), rank, tuple(laid)))
+    return tuple(files)
+
+
+def item_chunks(item: Item) -> list[Chunk]:
+    """The executor's chunks of an item's elements, at their offsets in its file."""
+    return chunks(item.target, item.data_offset)
+
+
+def write_files(
+    root: str | Path, files: Sequence[DcpFile], directory: Path, *, workers: int = 1,
+    on_bytes: Callable[[int], None] = lambda n: None,
+) -> None:
+    """Write ``files`` into ``directory``: the elements streamed from the source under ``root`` by ``workers``
+    threads (a whole file each when there are enough files, else the chunks of one file at a time), each
+    chunk's CRC-32 taken as it is written, then every archive's bytes around its elements.
+
+    Raises:
+        OutputError: a file cannot be written (a full disk); SourceError: a source file cannot be read.
+    """
+    every_chunk = [c for f in files for item in f.items for c in item_chunks(item)]
+    reader = Reader(root, piece_uses(every_chunk), buffer_sizes(every_chunk))
+    lock = threading.Lock()
+
+    def counted(n: int) -> None:
+        with lock:
+            on_bytes(n)
+
+    try:
+        if workers > 1 and len(files) >= workers:  # a file per thread: one pool, so each thread sizes its buffers once
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                list(pool.map(lambda out: _write_file(directory / out.name, out, reader, 1, counted), files))
+        else:
+            for out in files:
+                _write_file(directory / out.name, out, reader, workers, on_bytes)
+    finally:
+        reader.close()
+
+
+def _write_file(path: Path, out: DcpFile, reader: Reader, workers: int, on_bytes: Callable[[int], None]) -> None:
+    per_item = [item_chunks(item) for item in out.items]
+    crcs: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def take_crc(chunk: Chunk, view: memoryview) -> None:
+        crc = zlib.crc32(view)
+        with lock:
+            crcs[id(chunk)] = crc
+
+    try:
+        stream_file(path, b"", [c for cs in per_item for c in cs], reader, workers, on_bytes, take_crc)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            for item, item_chunk_list in zip(out.items, per_item):
+                crc = 0
+                for chunk in item_chunk_list:
+                    crc = crc32_combine(crc, crcs[id(chunk)], chunk.nbytes)
+                _write_at(fd, item.archive.head(), item.offset)
+                _write_at(fd, item.archive.tail(crc), item.data_offset + item.archive.nbytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise OutputError(f"'{out.name}': cannot write: {e.strerror or e}; nothing was published") from None
+    size = path.stat().st_size
+    if size != out.nbytes:
+        raise OutputError(f"'{out.name}': wrote {size} bytes, expected {out.nbytes}; is the disk full?")
+
+
+def _write_at(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def write_metadata(files: Sequence[DcpFile], directory: Path) -> None:
+    """``.metadata`` as torch's ``FileSystemWriter.finish`` pickles it: chunks listed per tensor in rank order,
+    ``planner_data`` mapping each name to itself (a flat state dict), a save id derived from the layout."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    tensors: dict[str, TensorStorageMetadata] = {}
+    storage = {}
+    for out in files:
+        for item in out.items:
+            md = tensors.setdefault(item.fqn, TensorStorageMetadata(
+                TensorProperties(dtype=torch_dtype(item.target.dtype)), torch.Size(item.global_shape), []))
+            md.chunks.append(ChunkStorageMetadata(torch.Size(item.box.offsets), torch.Size(item.box.sizes)))
+            index = MetadataIndex(item.fqn, torch.Size(item.box.offsets), len(md.chunks) - 1)
+            storage[index] = _StorageInfo(out.name, item.offset, item.archive.length)
+    digest = hashlib.sha256(repr([(f.name, [(i.fqn, i.box.offsets, i.offset) for i in f.items]) for f in files]).encode())
+    save_id = str(uuid.UUID(bytes=digest.digest()[:16], version=4))
+    metadata = Metadata(tensors, planner_data={name: (name,) for name in tensors}, storage_data=storage,
+                        storage_meta=StorageMeta(checkpoint_id=None, save_id=save_id), version=CURRENT_DCP_VERSION)
+    try:
+        with open(directory / METADATA, "wb") as f:
+            pickle.dump(metadata, f)
+    except OSError as e:
+        raise OutputError(f"'{METADATA}': cannot write: {e.strerror or e}; nothing was published") from None
