@@ -9,43 +9,94 @@ Python API (mirrors the CLI)::
     ckpttool.split("out/", "dcp/", to="dcp", fsdp=2, tp=2)  # the way back: one DCP file per rank of a mesh
     report = ckpttool.audit("out/")                  # findings with stable codes; report.ok, report.to_json()
     same = ckpttool.diff("ckpt/", "out/").equal      # layout-independent fingerprints
+    ok = ckpttool.verify("out/", against="ckpt/").ok  # a forward of both: logits equal within tolerance
 """
 
 from __future__ import annotations
 
-from .startup import quiet_interrupts
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+from .startup import collect_rarely, quiet_interrupts
+from .version import __version__
 
 quiet_interrupts()  # first: a Ctrl-C while the command's imports run prints one line (see ckpttool.startup)
+collect_rarely()
 
-from .audit import audit  # noqa: E402
-from .diff import DiffResult, diff  # noqa: E402
-from .errors import (  # noqa: E402
-    ArgumentError,
-    AuditError,
-    CkptError,
-    ConfigError,
-    CoverageError,
-    DestinationError,
-    FormatNotDetectedError,
-    OutputError,
-    SourceError,
-    SourceNotFoundError,
-    UnsafePickleError,
-)
-from .findings import Finding, Report  # noqa: E402
-from .engine.layout import Box, Fusion, Layout, Padding, Piece, TensorLayout  # noqa: E402
-from .merge import MergeResult, merge, prepare  # noqa: E402
-from .engine.plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge  # noqa: E402
-from .readers import READERS, detect_format, read_layout  # noqa: E402
-from .sidecar import PieceSpec, save_shard  # noqa: E402
-from .split import SplitResult, split  # noqa: E402
+#: the public API, by the module that defines each name: imported on first use, so ``import ckpttool.cli`` (and
+#: ``ckpttool --help``) runs without torch or transformers (tests/test_startup.py checks that)
+_HOMES = {
+    "audit": ".audit", "DiffResult": ".diff", "diff": ".diff", "Finding": ".findings", "Report": ".findings",
+    "MergeResult": ".merge", "merge": ".merge", "prepare": ".merge", "READERS": ".readers",
+    "detect_format": ".readers", "read_layout": ".readers", "PieceSpec": ".sidecar", "save_shard": ".sidecar",
+    "SplitResult": ".split", "split": ".split", "Tolerance": ".verify", "VerifyResult": ".verify", "verify": ".verify",
+    **dict.fromkeys(("Box", "Fusion", "Layout", "Padding", "Piece", "TensorLayout"), ".engine.layout"),
+    **dict.fromkeys(("Copy", "Plan", "Slice", "Target", "TargetSpec", "plan_merge"), ".engine.plan"),
+    **dict.fromkeys((
+        "ArgumentError", "AuditError", "CkptError", "ConfigError", "CoverageError", "DestinationError",
+        "FormatNotDetectedError", "ForwardError", "OutputError", "SourceError", "SourceNotFoundError",
+        "UnsafePickleError",
+    ), ".errors"),
+}
 
-from .version import __version__  # noqa: E402
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``ckpttool.merge`` would bind it as ``ckpttool.merge``, hiding the function of
+    that name (likewise ``audit``, ``diff``, ``split``): the API's names win, as when they were imported eagerly."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _HOMES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+if TYPE_CHECKING:
+    from .audit import audit
+    from .diff import DiffResult, diff
+    from .engine.layout import Box, Fusion, Layout, Padding, Piece, TensorLayout
+    from .engine.plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge
+    from .errors import (
+        ArgumentError,
+        AuditError,
+        CkptError,
+        ConfigError,
+        CoverageError,
+        DestinationError,
+        FormatNotDetectedError,
+        ForwardError,
+        OutputError,
+        SourceError,
+        SourceNotFoundError,
+        UnsafePickleError,
+    )
+    from .findings import Finding, Report
+    from .merge import MergeResult, merge, prepare
+    from .readers import READERS, detect_format, read_layout
+    from .sidecar import PieceSpec, save_shard
+    from .split import SplitResult, split
+    from .verify import Tolerance, VerifyResult, verify
 
 __all__ = [
     "__version__", "ArgumentError", "AuditError", "DiffResult", "Finding", "Report", "audit", "diff",
     "Box", "CkptError", "ConfigError", "Copy", "CoverageError", "DestinationError", "FormatNotDetectedError",
     "Fusion", "Layout", "MergeResult", "OutputError", "Padding", "Piece", "PieceSpec", "Plan", "READERS", "Slice", "SourceError",
     "SourceNotFoundError", "Target", "TargetSpec", "TensorLayout", "UnsafePickleError", "detect_format", "merge",
-    "plan_merge", "prepare", "read_layout", "save_shard", "split", "SplitResult",
+    "plan_merge", "prepare", "read_layout", "save_shard", "split", "SplitResult", "ForwardError", "Tolerance",
+    "VerifyResult", "verify",
 ]

@@ -12,22 +12,23 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
+from .choices import FORMAT_NAMES, SPLIT_TARGETS
+from .cli_show import generic_warning, print_report, print_result, print_summary
 from .errors import CkptError
-from .findings import Report
-from .merge import MergeResult, merge
-from .readers import READERS
-from .split import TARGETS, SplitResult, split
+from .startup import restore_interrupts
 from .terminal import Bar, Group, escaped, shown
-from .terminal import size_text as _size
 from .version import __version__
-from .writers.hf import predict_peak_bytes
+
+if TYPE_CHECKING:  # the commands import the API when they run: --help stays torch-free (tests/test_startup.py)
+    from .findings import Report
+    from .merge import MergeResult
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_AUDIT = 0, 1, 2, 3
-FORMATS = click.Choice(list(READERS))
+FORMATS = click.Choice(list(FORMAT_NAMES))
 #: what --dtype casts floating-point tensors to (ckpttool.dtypes.CAST_DTYPES); integer tensors are never cast
 DTYPES = click.Choice(["bfloat16", "float16", "float32", "bf16", "fp16", "fp32"], case_sensitive=False)
 DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
@@ -51,7 +52,8 @@ def _fail(message: str, as_json: bool) -> None:
 _FLAGS = {
     "force=True": "--force", "audit=False": "--no-audit", "weights='master'": "--weights master",
     "weights='module'": "--weights module", "format='NAME'": "--format NAME", "dtype= asks": "--dtype asks",
-    "config='PATH'": "--config PATH",
+    "config='PATH'": "--config PATH", "quantize='fp8'": "--quantize fp8", "without quantize=": "without --quantize",
+    "dtype='bfloat16'": "--dtype bfloat16",
 }
 
 
@@ -64,10 +66,14 @@ def _as_flags(message: str) -> str:
 
 def _run(as_json: bool, call: Callable[[], Any], bar: Bar | None = None) -> Any:
     """Call the API; expected errors become a message and exit 1, anything else too (traceback on request).
-    The progress ``bar`` is erased before any message, so no stale bar stays above it."""
+    The progress ``bar`` is erased before any message, so no stale bar stays above it, and closed after success."""
+    restore_interrupts()  # start-up (the command's imports) is over: Ctrl-C is the command's (ckpttool.startup)
     try:
         try:
-            return call()
+            result = call()
+            if bar is not None:
+                bar.close()
+            return result
         except BaseException:
             if bar is not None:
                 bar.close(clear=True)
@@ -83,6 +89,25 @@ def _run(as_json: bool, call: Callable[[], Any], bar: Bar | None = None) -> Any:
             traceback.print_exc()
         _fail(f"internal error in ckpttool ({type(e).__name__}: {e}); rerun with CKPTTOOL_DEBUG=1 and report it",
               as_json)
+
+
+def merge(*args: Any, **kwargs: Any) -> MergeResult:
+    """:func:`ckpttool.merge`, imported when a merge runs (torch with it); tests replace this name."""
+    from .merge import merge as run
+
+    return run(*args, **kwargs)
+
+
+def _printed_as_json(result: Any, as_json: bool) -> bool:
+    """Say what a publishing command restored; print its JSON document. True when nothing more is to be printed
+    (``--json``, or a torchrun rank other than 0)."""
+    if not _speaks():
+        return True
+    if result.restored:
+        click.echo(f"note: {result.restored}", err=True)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    return as_json
 
 
 def _setup_logging(verbose: int, quiet: bool) -> None:
@@ -101,6 +126,15 @@ def _check_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
+def _check_block(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    parts = value.lower().split("x")
+    if len(parts) > 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise click.BadParameter(f"{value!r}: give the FP8 block size as 128 or ROWSxCOLS, e.g. 128x128")
+    return int(parts[0]), int(parts[-1])
+
+
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckpttool")
 def main() -> None:
@@ -114,6 +148,10 @@ def main() -> None:
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
 @click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast); config.json follows. "
               "On an FP8 or MXFP4 checkpoint: dequantize its weights (without --dtype they stay quantized).")
+@click.option("--quantize", type=click.Choice(["fp8"]), help="Write the Linear weights of the decoder layers as FP8 E4M3 "
+              "with a float32 weight_scale_inv per block, and a quantization_config; norms, embeddings, lm_head, routers "
+              "and biases are kept. Reports each weight's round-trip error.")
+@click.option("--block", callback=_check_block, help="FP8 block size for --quantize: 128 (the default, 128x128) or ROWSxCOLS.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size, help="Largest output file: 5GB, 500MB (decimal), 5GiB, 500MiB (binary), or bytes.")
 @click.option("--weights", type=click.Choice(["master", "module"]), help="Where both are saved (DeepSpeed): fp32 master weights (default) or the module's weights.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
@@ -121,6 +159,8 @@ def main() -> None:
 @click.option("--no-audit", is_flag=True, help="Do not audit the output (by default audit errors stop the publish).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted merge: keep the output files it finished (sha256 checked).")
 @click.option("--verify", is_flag=True, help="Read every written file back from disk and compare its digest.")
+@click.option("--verify-forward", is_flag=True, help="Before publishing, load OUT with transformers strictly and run a "
+              "forward (see ckpttool verify); a problem stops the publish.")
 @click.option("--workers", type=click.IntRange(1, 256), default=DEFAULT_WORKERS, show_default=True, help="Threads reading and writing at once.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
@@ -128,7 +168,7 @@ def main() -> None:
 def merge_command(
     src: str, out: str | None, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str, weights: str | None,
     dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, workers: int, as_json: bool, quiet: bool,
-    verbose: int,
+    verbose: int, quantize: str | None = None, block: tuple[int, int] | None = None, verify_forward: bool = False,
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT.
 
@@ -136,29 +176,26 @@ def merge_command(
     """
     if out is None and not dry_run:
         raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
+    if block is not None and quantize is None:
+        raise click.UsageError("--block is the FP8 block size of --quantize fp8; give --quantize fp8 too.")
+    if quantize is not None and dtype is not None:
+        raise click.UsageError("--quantize and --dtype are exclusive: --quantize writes FP8 weights and keeps every other "
+                               "tensor's dtype (cast first with a merge given --dtype, then quantize).")
     quiet = quiet or not _speaks()
     _setup_logging(verbose, quiet or as_json)
     bar = Bar() if not (as_json or quiet or dry_run) else None
-    try:
-        result: MergeResult = _run(as_json, lambda: merge(
-            src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
-            force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar, weights=weights,
-        ), bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    if not _speaks():
+    result: MergeResult = _run(as_json, lambda: merge(
+        src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
+        force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar, weights=weights,
+        quantize=quantize, block=block, verify_forward=verify_forward,
+    ), bar)
+    if _printed_as_json(result, as_json):
         return
-    if result.restored:
-        click.echo(f"note: {result.restored}", err=True)
-    if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
-        return
-    _print_result(result, verbose)
+    print_result(result, verbose)
     if result.generic:
-        click.echo(f"warning: {_generic_warning(result)}", err=True)
+        click.echo(f"warning: {generic_warning(result)}", err=True)
     if result.audit is not None and not quiet:
-        _print_summary(result.audit, f" (report: {result.output}/ckpttool-audit.json)")
+        print_summary(result.audit, f" (report: {result.output}/ckpttool-audit.json)")
 
 
 @main.command("audit")
@@ -180,11 +217,7 @@ def audit_command(
 
     _setup_logging(verbose, quiet or as_json)
     bar = Bar("audit") if not (as_json or quiet or no_data) else None
-    try:
-        report: Report = _run(as_json, lambda: audit(src, config=config, format=fmt, data=not no_data, progress=bar), bar)
-    finally:
-        if bar is not None:
-            bar.close()
+    report: Report = _run(as_json, lambda: audit(src, config=config, format=fmt, data=not no_data, progress=bar), bar)
     if strict:
         report = report.strict()
     if html_path is not None:
@@ -198,7 +231,7 @@ def audit_command(
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
-        _print_report(report, quiet)
+        print_report(report, quiet)
     sys.exit(EXIT_OK if report.ok else EXIT_AUDIT)
 
 
@@ -209,24 +242,22 @@ def audit_command(
 @click.option("--config-b", type=click.Path(path_type=str), help="config.json for B when it differs from --config.")
 @click.option("--format-a", type=FORMATS, help="Format of A (detected by default).")
 @click.option("--format-b", type=FORMATS, help="Format of B (detected by default).")
+@click.option("--dequantize", is_flag=True, help="Compare float32 values, FP8/MXFP4 weights dequantized (default: stored bytes).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def diff_command(
     a: str, b: str, config: str | None, config_b: str | None, format_a: str | None, format_b: str | None,
-    as_json: bool, quiet: bool,
+    as_json: bool, quiet: bool, dequantize: bool = False,
 ) -> None:
     """Compare two checkpoints of any formats and shardings. Exit 0: equal; 3: different; 1: unreadable."""
     from .diff import DiffResult, diff
 
     _setup_logging(0, quiet or as_json)
     bar = Bar("diff") if not (as_json or quiet) else None
-    try:
-        result: DiffResult = _run(as_json, lambda: diff(
-            a, b, config=config, config_b=config_b, format_a=format_a, format_b=format_b, progress=bar,
-        ), bar)
-    finally:
-        if bar is not None:
-            bar.close()
+    result: DiffResult = _run(as_json, lambda: diff(
+        a, b, config=config, config_b=config_b, format_a=format_a, format_b=format_b, progress=bar,
+        dequantize=dequantize,
+    ), bar)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     else:
@@ -237,13 +268,45 @@ def diff_command(
     sys.exit(EXIT_OK if result.equal else EXIT_AUDIT)
 
 
+@main.command("verify")
+@click.argument("out", type=click.Path(path_type=str))
+@click.option("--against", "ref", metavar="REF", type=click.Path(path_type=str), help="Reference to compare logits with: an HF directory or any format merge reads.")
+@click.option("--tokens", metavar="N", type=click.IntRange(1, 4096), help="Feed N fixed token ids instead of the tokenizer's fixed sentence.")
+@click.option("--text", metavar="FILE", type=click.Path(path_type=str), help="Feed this text file, tokenized by the checkpoint's tokenizer.")
+@click.option("--tolerance", metavar="REL", type=click.FloatRange(0, min_open=True), help="Largest |Δlogit| relative to the reference's logit scale (default by dtype: float32 1e-5, bfloat16 3e-2).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+def verify_command(out: str, ref: str | None, tokens: int | None, text: str | None, tolerance: float | None,
+                   as_json: bool) -> None:
+    """Load OUT with transformers as a user will (strictly) and run a forward; with --against, compare the logits.
+
+    Exit 0: loads, logits sound (and equal to REF's within tolerance); 3: a check fails; 1: cannot run.
+    """
+    from .verify import verify
+
+    if tokens is not None and text is not None:
+        raise click.UsageError("--tokens and --text are exclusive: feed fixed ids or a text, not both.")
+    _setup_logging(0, as_json)
+    result = _run(as_json, lambda: verify(out, against=ref, tokens=tokens, text=text,
+                                          tolerance=tolerance))
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        for line in result.lines():
+            click.echo(escaped(line))
+    sys.exit(EXIT_OK if result.ok else EXIT_AUDIT)
+
+
 @main.command("split")
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("out", type=click.Path(path_type=str), required=False)
-@click.option("--to", "to", type=click.Choice(TARGETS), required=True, help="Format to write: dcp (PyTorch Distributed Checkpoint).")
+@click.option("--to", "to", type=click.Choice(SPLIT_TARGETS), required=True, help="Format to write: dcp (PyTorch Distributed Checkpoint) or megatron (Megatron-Core torch_dist).")
 @click.option("--fsdp", type=click.IntRange(1), default=1, show_default=True, help="Ranks FSDP2 shards every tensor over (Shard(0)).")
 @click.option("--tp", type=click.IntRange(1), default=1, show_default=True, help="Tensor-parallel ranks (torch's Llama/Mixtral plans).")
 @click.option("--ep", type=click.IntRange(1), default=1, show_default=True, help="Expert-parallel ranks: Shard(0) of stacked experts; divides fsdp x tp.")
+@click.option("--pp", type=click.IntRange(1), default=1, show_default=True, help="--to megatron: pipeline stages (equal, consecutive layers).")
+@click.option("--dp", type=click.IntRange(1), default=1, show_default=True, help="--to dcp: data-parallel replicas (FSDP2 HSDP: Replicate() over dp; each chunk saved once).")
+@click.option("--make-vocab-size-divisible-by", "divisible_by", type=click.IntRange(1), default=128, show_default=True, help="--to megatron: pad the vocab to a multiple of this x tp (zeros), as Megatron-LM's argument.")
+@click.option("--iteration", type=click.IntRange(0), default=0, show_default=True, help="--to megatron: the iteration directory written (iter_0000000).")
 @click.option("--format", "fmt", type=FORMATS, help="Source format (detected by default).")
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
 @click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast).")
@@ -254,99 +317,30 @@ def diff_command(
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
 @click.option("-v", "--verbose", count=True, help="More logging; with -v or --dry-run, every tensor's placements.")
 def split_command(
-    src: str, out: str | None, to: str, fsdp: int, tp: int, ep: int, fmt: str | None, config: str | None,
-    dtype: str | None, dry_run: bool, force: bool, workers: int, as_json: bool, quiet: bool, verbose: int,
+    src: str, out: str | None, to: str, fsdp: int, tp: int, ep: int, pp: int, dp: int, divisible_by: int, iteration: int,
+    fmt: str | None, config: str | None, dtype: str | None, dry_run: bool, force: bool, workers: int, as_json: bool,
+    quiet: bool, verbose: int,
 ) -> None:
-    """Write the checkpoint in SRC sharded for a device mesh into OUT (--to dcp: one file per rank).
+    """Write the checkpoint in SRC sharded for a device mesh into OUT (--to dcp: one file per rank; --to megatron:
+    a Megatron-Core torch_dist iteration directory for --tp x --pp x --ep).
 
     With --dry-run, OUT may be left out: the plan is printed and nothing is written.
     """
+    from .split import split
     if out is None and not dry_run:
         raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
     quiet = quiet or not _speaks()
     _setup_logging(verbose, quiet or as_json)
     bar = Bar("split") if not (as_json or quiet or dry_run) else None
-    try:
-        result: SplitResult = _run(as_json, lambda: split(
-            src, out, to=to, fsdp=fsdp, tp=tp, ep=ep, format=fmt, config=config, dtype=dtype, dry_run=dry_run,
-            force=force, workers=workers, progress=bar,
-        ), bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    if not _speaks():
-        return
-    if result.restored:
-        click.echo(f"note: {result.restored}", err=True)
-    if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+    result = _run(as_json, lambda: split(
+        src, out, to=to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, make_vocab_size_divisible_by=divisible_by,
+        iteration=iteration, format=fmt, config=config, dtype=dtype, dry_run=dry_run,
+        force=force, workers=workers, progress=bar,
+    ), bar)
+    if _printed_as_json(result, as_json):
         return
     for line in result.lines(verbose=bool(verbose)):
         click.echo(line)
-
-
-def _print_result(result: MergeResult, verbose: int) -> None:
-    plan = result.plan
-    verb = "would write" if result.dry_run else "wrote"
-    click.echo(f"source:   {shown(result.source)} ({result.format})")
-    if result.parallel:
-        click.echo(f"parallel: {' '.join(f'{k}={v}' for k, v in result.parallel.items())}")
-    click.echo(f"config:   {result.config or '(none: generic merge)'}")
-    click.echo(f"family:   {result.adapter}")
-    click.echo(f"coverage: ok, {len(plan.targets)} tensors each covered exactly once")
-    output = shown(result.output) if result.output is not None else "(none given)"
-    click.echo(f"output:   {output} ({verb} {_size(plan.nbytes)} in {len(result.files)} file{'s' if len(result.files) != 1 else ''})")
-    for f in result.files:
-        click.echo(f"  {f.name}  {len(f.targets)} tensors  {_size(f.nbytes)}")
-    if result.extras:
-        click.echo(f"  + {', '.join(result.extras)}")
-    if result.kept_files:
-        click.echo(f"resumed:  kept {result.kept_files} of {len(result.files)} files of the interrupted merge (sha256 checked)")
-    if result.dry_run:
-        click.echo(f"peak memory: at most {_size(predict_peak_bytes(plan, result.workers))} with {result.workers} "
-                   f"worker{'s' if result.workers != 1 else ''} (largest tensor {_size(plan.largest_target_bytes())})")
-    for note in plan.notes:
-        click.echo(f"note: {escaped(note)}")
-    if result.dry_run or verbose:
-        for t in plan.targets:
-            shape = "x".join(str(n) for n in t.shape) or "scalar"
-            pieces = f"{len(t.copies)} piece{'s' if len(t.copies) != 1 else ''}"
-            click.echo(f"  {shown(t.name)}  {t.dtype} [{shape}]  <- {', '.join(map(shown, t.sources))} ({pieces})")
-
-
-def _print_report(report: Report, quiet: bool) -> None:
-    """A table of findings (errors only with ``quiet``) and the verdict."""
-    listed = report.errors if quiet else report.findings
-    if listed:
-        width = min(max(len(f.code) for f in listed), 28)
-        for f in listed:
-            where = shown(f.tensor or f.file or "")
-            click.echo(f"{f.severity:<7}  {f.code:<{width}}  {where}")
-            click.echo(f"         {escaped(f.message)}")
-    if report.adapter and not quiet:
-        click.echo(f"family: {report.adapter}")
-    _print_summary(report, "", err=False)
-
-
-def _generic_warning(result: MergeResult) -> str:
-    """The line a generic merge prints on stderr: nothing was checked, and without a config nothing loads it."""
-    unchecked = "tensor names are kept as the source recorded them and nothing was checked against an architecture"
-    if result.config is None:
-        where = f"'{result.output}'" if result.output is not None else "the output"
-        return (f"generic merge (no config.json found): {unchecked}; transformers cannot load {where} without a "
-                "config.json (merge again with --config)")
-    return f"generic merge (transformers has no causal LM for the config '{result.config}'): {unchecked}"
-
-
-def _print_summary(report: Report, suffix: str, err: bool = True) -> None:
-    s = report.summary()
-    checked = "data and headers" if report.data_checked else "headers only"
-    verdict = "PASS WITH WARNINGS" if report.ok and s["warnings"] else str(s["verdict"]).upper()
-    click.echo(
-        f"audit: {verdict}, {s['errors']} errors, {s['warnings']} warnings, {s['info']} info "
-        f"({report.tensors} tensors, {checked}){suffix}",
-        err=err,
-    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,12 @@ Both sides are read as HuggingFace tensors (the same planning ``merge`` does, so
 a HuggingFace directory compare), each tensor's layout-independent fingerprint is computed from its chunks in
 constant memory, and only tensors whose fingerprints differ are read again, chunk by chunk side by side, for
 the largest difference.
+
+Quantized checkpoints (FP8, MXFP4) compare by their stored bytes by default (values and scales, each a tensor).
+With ``dequantize``, both sides are read as a merge given ``dtype="float32"`` reads them: quantized weights
+dequantized (streamed), every other floating-point tensor cast to float32 (exact), so two checkpoints holding
+the same values in other formats (scales stored as float32 or as E8M0, BF16 against FP8 dequantized) compare
+equal, and differ by how far their values are apart.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class DiffResult:
     b: str
     fingerprints: dict[str, str]
     differences: tuple[TensorDiff, ...]
+    #: compared as float32 values, quantized weights dequantized (``dequantize=True``), not as stored bytes
+    dequantized: bool = False
 
     @property
     def equal(self) -> bool:
@@ -78,7 +86,7 @@ class DiffResult:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "a": self.a, "b": self.b, "equal": self.equal,
+            "a": self.a, "b": self.b, "equal": self.equal, "dequantized": self.dequantized,
             "tensors": len(self.fingerprints) + len(self.differences),
             "differences": [d.to_json() for d in self.differences],
             "fingerprints": self.fingerprints,
@@ -94,6 +102,7 @@ def diff(
     format_a: str | None = None,
     format_b: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    dequantize: bool = False,
 ) -> DiffResult:
     """Compare two checkpoints tensor by tensor through layout-independent fingerprints.
 
@@ -102,6 +111,7 @@ def diff(
         config: config for A (and for B unless ``config_b``); each side finds its own when None.
         format_a, format_b: reader names; detected when None.
         progress: called as ``progress(bytes_just_read, total_bytes)``.
+        dequantize: compare float32 values, quantized weights dequantized, instead of the stored bytes.
 
     Raises:
         CkptError: either side cannot be read or is not covered exactly once.
@@ -110,8 +120,9 @@ def diff(
         >>> diff("fixtures/llama_fsdp2_dcp/checkpoint", "fixtures/llama_tp2_dcp/checkpoint").equal  # doctest: +SKIP
         True
     """
-    plan_a = prepare(a, format=format_a, config=config).plan
-    plan_b = prepare(b, format=format_b, config=config_b if config_b is not None else config).plan
+    dtype = "float32" if dequantize else None
+    plan_a = prepare(a, format=format_a, config=config, dtype=dtype).plan
+    plan_b = prepare(b, format=format_b, config=config_b if config_b is not None else config, dtype=dtype).plan
     total = plan_a.nbytes + plan_b.nbytes
     tick = (lambda n: progress(n, total)) if progress else (lambda n: None)
     prints_a, prints_b = _fingerprints(plan_a, tick), _fingerprints(plan_b, tick)
@@ -135,7 +146,7 @@ def diff(
     if compare:
         differences.extend(_compare(plan_a, plan_b, compare))
     order = {n: i for i, n in enumerate(sorted(targets_a.keys() | targets_b.keys()))}
-    return DiffResult(str(a), str(b), equal, tuple(sorted(differences, key=lambda d: order[d.name])))
+    return DiffResult(str(a), str(b), equal, tuple(sorted(differences, key=lambda d: order[d.name])), dequantize)
 
 
 def _fingerprints(plan: Plan, tick: Callable[[int], None]) -> dict[str, str]:

@@ -86,3 +86,17 @@ class AuditError(CkptError):
             f"the merged checkpoint fails its audit ({len(errors)} error{'s' if len(errors) != 1 else ''}); nothing was "
             f"published at '{output}':\n" + "\n".join(lines) + "\nPass audit=False to publish it anyway."
         )
+
+
+class ForwardError(CkptError):
+    """The merged checkpoint fails its forward check (``verify_forward=True``); nothing was published.
+    ``problems`` holds every one, each naming its tensor or position."""
+
+    def __init__(self, problems: Iterable[str], output: str) -> None:
+        self.problems = tuple(problems)
+        count = len(self.problems)
+        lines = [f"  - {p}" for p in self.problems[:20]] + ([f"  ... and {count - 20} more"] if count > 20 else [])
+        super().__init__(
+            f"the merged checkpoint fails its forward check ({count} problem{'s' if count != 1 else ''}); nothing was "
+            f"published at '{output}':\n" + "\n".join(lines)
+        )

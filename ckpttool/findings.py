@@ -38,6 +38,8 @@ CODES: dict[str, tuple[str, str]] = {
     "layers-missing": (ERROR, "every tensor of a range of layers is missing (a pipeline stage not merged)"),
     "expert-missing": (ERROR, "every tensor of an expert is missing"),
     "mtp-missing": (WARNING, "the config declares MTP layers (num_nextn_predict_layers) the checkpoint does not hold"),
+    "mtp-untrained": (WARNING, "an MTP layer at its initialisation (norms exactly 1, projections at initializer_range) "
+                               "or a copy of a main layer: never trained (transformers ignores it)"),
     "tensor-unexpected": (WARNING, "a tensor the architecture does not have (transformers ignores it)"),
     "shape-mismatch": (ERROR, "a tensor has another shape than the architecture gives"),
     "shape-tp-piece": (ERROR, "a tensor is one tensor-parallel piece of the expected one"),
@@ -52,6 +54,8 @@ CODES: dict[str, tuple[str, str]] = {
     "tokenizer-vocab": (ERROR, "the tokenizer has token ids beyond the config's vocab_size"),
     "tokenizer-invalid": (WARNING, "tokenizer.json cannot be read as a tokenizer with a vocab"),
     "file-link-outside": (WARNING, "a tokenizer or generation file is a symlink out of the checkpoint: not read, not copied"),
+    "vocab-rows-copied": (ERROR, "rows of the embedding or head past the tokenizer's ids repeat real rows: not padding "
+                                 "(rows assembled from the wrong pieces)"),
     "tokenizer-smaller": (INFO, "the tokenizer has fewer tokens than vocab_size (usual with padded vocabs)"),
     "dtype-mix": (ERROR, "a floating-point tensor in another dtype than the rest of the model"),
     "config-dtype": (WARNING, "the config's dtype is not the dtype of the weights"),
@@ -74,6 +78,8 @@ CODES: dict[str, tuple[str, str]] = {
     "constant-vector": (INFO, "a vector whose every element is equal (norm weights at their initial value)"),
     "experts-identical": (ERROR, "two experts of a layer hold identical weights"),
     "norm-outlier": (WARNING, "a layer's tensor whose RMS is far from the same tensor in the other layers"),
+    "norm-convention": (ERROR, "norm weights centred on the other convention than the model type's (zero-centred "
+                               "1 + w as in Gemma, or plain w as in Llama): every norm scales by about 2, or 0"),
 }
 
 
@@ -86,16 +92,51 @@ class Finding:
     message: str
     tensor: str | None = None
     file: str | None = None
+    #: what the check knows of the cause beyond the tensor and file, e.g. ``(("missing_file", "__1_0.distcp"),)``
+    #: or ``(("reference", "__0_0.distcp"),)``: the grouping into causes reads it (:mod:`ckpttool.audit.causes`)
+    detail: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> dict[str, object]:
-        return {"code": self.code, "severity": self.severity, "tensor": self.tensor, "file": self.file,
-                "message": self.message}
+        doc: dict[str, object] = {"code": self.code, "severity": self.severity, "tensor": self.tensor,
+                                  "file": self.file, "message": self.message}
+        if self.detail:
+            doc["detail"] = dict(self.detail)
+        return doc
 
 
 def finding(code: str, message: str, *, tensor: str | None = None, file: str | None = None,
-            severity: str | None = None) -> Finding:
+            severity: str | None = None, detail: tuple[tuple[str, str], ...] = ()) -> Finding:
     """A finding with the code's registered severity (or ``severity`` to lower it, e.g. without data)."""
-    return Finding(code, severity or CODES[code][0], message, tensor, file)
+    return Finding(code, severity or CODES[code][0], message, tensor, file, detail)
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """One root cause and the per-tensor findings it explains (a missing rank file and its 29 uncovered tensors).
+
+    Attributes:
+        code: the code its findings share.
+        severity: the most severe of its findings'.
+        cause: one line saying what is wrong, with layer and rank ranges compressed ("layers 0-60").
+        tensors: the tensors concerned, in the findings' order, each once.
+        findings: the per-tensor findings, as :attr:`Report.findings` lists them too.
+    """
+
+    code: str
+    severity: str
+    cause: str
+    tensors: tuple[str, ...]
+    findings: tuple[Finding, ...]
+
+    def to_json(self) -> dict[str, object]:
+        """The cause without its findings, which the report's ``findings`` list holds once."""
+        return {"code": self.code, "severity": self.severity, "cause": self.cause, "count": self.count,
+                "tensors": list(self.tensors)}
+
+    @property
+    def count(self) -> int:
+        """How many tensors it concerns (how many findings when they name no tensor)."""
+        return len(self.tensors) or len(self.findings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +173,9 @@ class Report:
         findings: errors first, then warnings, then info.
         stats: per-tensor statistics, when data was checked.
         adapter: the family adapter that named the tensors (:mod:`ckpttool.families`), in words.
+        causes: the findings grouped by root cause (:mod:`ckpttool.audit.causes`), errors first.
+        expected: the on-disk names the architecture declares (empty without a config), so that the HTML report
+            draws a missing layer or expert as missing rather than leaving it out.
     """
 
     source: str
@@ -143,6 +187,8 @@ class Report:
     findings: tuple[Finding, ...]
     stats: tuple[TensorStats, ...] = field(default=())
     adapter: str | None = None
+    causes: tuple[Cause, ...] = ()
+    expected: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def errors(self) -> tuple[Finding, ...]:
@@ -154,8 +200,13 @@ class Report:
 
     def strict(self) -> Report:
         """The same report with every warning promoted to an error (``--strict``)."""
-        promoted = tuple(replace(f, severity=ERROR) if f.severity == WARNING else f for f in self.findings)
-        return replace(self, findings=sort_findings(promoted))
+        def promote(f: Finding) -> Finding:
+            return replace(f, severity=ERROR) if f.severity == WARNING else f
+
+        causes = tuple(replace(c, severity=ERROR if c.severity == WARNING else c.severity,
+                               findings=tuple(map(promote, c.findings))) for c in self.causes)
+        return replace(self, findings=sort_findings([promote(f) for f in self.findings]),
+                       causes=tuple(sorted(causes, key=_severity_order)))
 
     def summary(self) -> dict[str, object]:
         counts = Counter(f.severity for f in self.findings)
@@ -170,16 +221,21 @@ class Report:
             "errors": counts[ERROR],
             "warnings": counts[WARNING],
             "info": counts[INFO],
+            "causes": len(self.causes),
             "verdict": "pass" if self.ok else "fail",
         }
 
     def to_json(self) -> dict[str, object]:
-        doc: dict[str, object] = {"findings": [f.to_json() for f in self.findings], "summary": self.summary()}
+        doc: dict[str, object] = {"findings": [f.to_json() for f in self.findings],
+                                  "causes": [c.to_json() for c in self.causes], "summary": self.summary()}
         if self.stats:
             doc["tensors"] = [s.to_json() for s in self.stats]
         return doc
 
 
 def sort_findings(findings: list[Finding] | tuple[Finding, ...]) -> tuple[Finding, ...]:
-    order = {s: i for i, s in enumerate(SEVERITIES)}
-    return tuple(sorted(findings, key=lambda f: order[f.severity]))
+    return tuple(sorted(findings, key=_severity_order))
+
+
+def _severity_order(item: Finding | Cause) -> int:
+    return SEVERITIES.index(item.severity)

@@ -13,10 +13,13 @@ from .audit import check
 from .distributed import Group, share_out
 from .dtypes import cast_dtype, dtype_name, prevailing_float
 from .engine.plan import Plan
-from .errors import ArgumentError, AuditError, SourceError
+from .errors import ArgumentError, AuditError, ConfigError, ForwardError, SourceError
+from .families.quantize import output_config as quantized_config
+from .families.quantize import quantize_block
 from .families.quantized import output_config, scale_names
 from .findings import Report
 from .planning import Planned, plan_source
+from .quant.encode import RoundTrip
 from .writers.destination import AUDIT_FILE, Staging, check_destination
 from .writers.hf import (
     OutputFile,
@@ -57,6 +60,12 @@ class MergeResult:
     generic: bool = False
     #: the family adapter that named the tensors, in words (see ckpttool.families)
     adapter: str = ""
+    #: quantize="fp8": per quantized weight this process wrote, its round trip against the source
+    round_trips: dict[str, RoundTrip] = field(default_factory=dict)
+
+    def worst_round_trip(self) -> tuple[str, RoundTrip] | None:
+        """The quantized weight whose dequantized values are furthest from the source (relative RMS error)."""
+        return max(self.round_trips.items(), key=lambda item: item[1].relative_error, default=None)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -83,14 +92,23 @@ class MergeResult:
                 for t in self.plan.targets
             ],
             "audit": self.audit.to_json() if self.audit is not None else None,
+            "quantization": self._quantization_json(),
             "kept_files": self.kept_files,
             "restored": self.restored,
         }
 
 
+    def _quantization_json(self) -> dict[str, object] | None:
+        worst = self.worst_round_trip()
+        if worst is None:
+            return None
+        return {"tensors": len(self.round_trips), "worst": {"name": worst[0], **worst[1].to_json()},
+                "round_trips": {name: r.to_json() for name, r in sorted(self.round_trips.items())}}
+
+
 def prepare(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None,
+    weights: str | None = None, quantize: tuple[int, int] | None = None,
 ) -> Planned:
     """Read the source's layout and the config, and build the coverage-checked plan. Reads no tensor data.
 
@@ -103,7 +121,7 @@ def prepare(
     """
     root = Path(src)
     cast = cast_dtype(dtype)  # checked before anything is read
-    planned = plan_source(root, format=format, config=config, dtype=cast, weights=weights)
+    planned = plan_source(root, format=format, config=config, dtype=cast, weights=weights, quantize=quantize)
     planned.refuse()
     skipped = find_extras(extras_search(root, planned.config_path))[1].values()  # files not copied, and why
     return replace(planned, plan=replace(planned.plan, notes=(*planned.plan.notes, *skipped)))
@@ -130,6 +148,9 @@ def merge(
     workers: int = 1,
     progress: Callable[[int, int], None] | None = None,
     weights: str | None = None,
+    quantize: str | None = None,
+    block: int | tuple[int, int] | None = None,
+    verify_forward: bool = False,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
 
@@ -153,6 +174,12 @@ def merge(
         progress: called as ``progress(bytes_just_written, total_bytes)`` after each tensor.
         weights: for formats holding both, ``"master"`` (fp32 optimizer master weights, the default) or
             ``"module"`` (the module's own weights).
+        quantize: ``"fp8"``: write the Linear weights of the decoder layers as FP8 E4M3 with float32
+            ``weight_scale_inv`` per ``block`` (see :mod:`ckpttool.families.quantize`), and a
+            ``quantization_config``; the round trip of each is in :attr:`MergeResult.round_trips`.
+        block: the FP8 block size, rows and columns (an int for both; default 128x128).
+        verify_forward: before publishing, load the output with transformers strictly and run a forward
+            (:func:`ckpttool.forward.check_output`); a problem stops the publish. Needs a config.
 
     Under ``torchrun --nproc_per_node N`` every process calls this; output files are shared out among them
     by bytes (see :mod:`ckpttool.distributed`) and every process returns the same result.
@@ -163,8 +190,10 @@ def merge(
     Raises:
         CoverageError: a tensor is not covered exactly once (missing rank file, overlap).
         AuditError: the written checkpoint has audit errors (``audit=True``); nothing was published.
+        ForwardError: the written checkpoint fails its forward check (``verify_forward=True``); nothing was published.
         SourceError, ConfigError, DestinationError: bad input, config or destination; nothing is written.
-        ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``.
+        ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``; ``quantize``
+            unknown or given with ``dtype``.
 
     Example:
         >>> merge("fixtures/llama_fsdp2_dcp/checkpoint", "out/llama")  # doctest: +SKIP
@@ -172,9 +201,14 @@ def merge(
     if out is None and not dry_run:
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)
+    quantizing = quantize_block(quantize, block)
+    if quantizing is not None and dtype is not None:
+        raise ArgumentError(f"quantize='fp8' and dtype={dtype!r} together: quantize writes FP8 weights and keeps every "
+                            "other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
+    round_trips: dict[str, RoundTrip] = {}
     group = Group()
     try:
-        prepared = prepare(root, format=format, config=config, dtype=dtype, weights=weights)
+        prepared = prepare(root, format=format, config=config, dtype=dtype, weights=weights, quantize=quantizing)
         plan = prepared.plan
         if not plan.targets:
             raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
@@ -194,12 +228,14 @@ def merge(
             try:
                 kept = sum(group.on_all(lambda: write_weights(
                     plan, mine, path, identity, on_bytes, verify=verify, workers=workers, rank=group.rank,
+                    round_trips=round_trips,
                 )))
 
                 extras, report = group.on_rank0(lambda: finish_output(
                     staging, plan, files, config=prepared.config, model=prepared.model,
                     config_label=str(prepared.config_path) if prepared.config_path else None,
                     search=extras_search(root, prepared.config_path), dtype=dtype, audit=audit,
+                    verify_forward=verify_forward,
                 ))
             except BaseException as e:
                 if group.rank == 0:
@@ -224,6 +260,7 @@ def merge(
         restored=restored,
         generic=prepared.generic,
         adapter=prepared.adapter,
+        round_trips=round_trips,
     )
 
 
@@ -238,6 +275,7 @@ def _enter(staging: Staging, identity: str) -> tuple[str, str | None]:
 def finish_output(
     staging: Staging, plan: Plan, files: tuple[OutputFile, ...], *, config: dict[str, object] | None,
     model: ModelInfo | None, config_label: str | None, search: list[Path], dtype: str | None, audit: bool,
+    verify_forward: bool = False,
 ) -> tuple[list[str], Report | None]:
     """Once every weights file is written and checked: the index, config and tokenizer files, the audit of
     what was written, then the rename into place. Returns the extra files written and the audit report."""
@@ -245,13 +283,26 @@ def finish_output(
     write_index(plan, files, path)
     dequantizing = any(t.dequant is not None for t in plan.targets)
     dtype_written = config_dtype(config, plan, cast=dtype is not None)
-    written = write_extras(path, output_config(config, dequantizing), search, dtype_written)
+    written = write_extras(path, quantized_config(output_config(config, dequantizing), plan), search, dtype_written)
     found = None
     if audit:
         found = _audit_output(path, staging.dest, config is not None, config_label, model)
         written.append(AUDIT_FILE)
+    if verify_forward:
+        _verify_forward(path, staging.dest, config is not None)
     staging.publish()
     return written, found
+
+
+def _verify_forward(staging: Path, dest: Path, has_config: bool) -> None:
+    if not has_config:
+        raise ConfigError(f"'{dest}': the forward check needs the model's config.json, and this merge has none "
+                          f"(give config=)")
+    from .forward import check_output  # torch's model code and transformers only when asked
+
+    checked = check_output(staging)
+    if checked.problems:
+        raise ForwardError(checked.problems, str(dest))
 
 
 def config_dtype(config: dict[str, object] | None, plan: Plan, *, cast: bool) -> str | None:

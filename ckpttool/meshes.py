@@ -8,6 +8,11 @@ stacked experts over ``(efsdp, ep)`` with ``efsdp = fsdp * tp / ep``, rank ``e_f
 ``ep`` consecutive ranks holds every expert once, ``Shard(0)`` of the expert dim, and the ``efsdp`` ranks
 holding the same experts shard them again with FSDP2.
 
+``dp`` adds data-parallel replicas in front, as FSDP2's HSDP does (``fully_shard`` on a 2-D mesh
+``(replicate, shard)``, 3-D with tensor parallel): every tensor gets ``Replicate()`` on an outer ``dp`` dim,
+rank ``d * fsdp * tp + f * tp + t``, and each replica holds the whole ``fsdp x tp`` layout above. DCP saves a
+replicated chunk once (``dedup_save_plans``; :func:`ckpttool.writers.dcp.share_items`).
+
 Tensor-parallel placements follow torch's and transformers' Llama/Mixtral plans (:data:`TP_RULES`):
 ``ColwiseParallel`` q/k/v/gate/up ``Shard(0)`` (their biases too), ``RowwiseParallel`` o/down ``Shard(1)`` (their
 biases replicated), embeddings and ``lm_head`` ``Shard(0)`` (the vocab), norms, routers and experts replicated
@@ -46,7 +51,8 @@ TP_RULES: tuple[tuple[str, Placement], ...] = (
 
 @dataclass(frozen=True, slots=True)
 class Mesh:
-    """A device mesh as the user states it: ``fsdp`` x ``tp`` ranks, experts over ``ep`` of them.
+    """A device mesh as the user states it: ``dp`` replicas (HSDP) of ``fsdp`` x ``tp`` ranks, experts over ``ep``
+    of those.
 
     Raises:
         ArgumentError: a size below 1, or ``ep`` that does not divide ``fsdp * tp``.
@@ -54,40 +60,49 @@ class Mesh:
     Example:
         >>> Mesh(fsdp=2, tp=2).describe()
         'fsdp=2 tp=2 (4 ranks)'
+        >>> Mesh(fsdp=2, dp=2).describe()
+        'dp=2 fsdp=2 (4 ranks; HSDP: Replicate() over dp, each chunk saved once)'
     """
 
     fsdp: int = 1
     tp: int = 1
     ep: int = 1
+    dp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("fsdp", "tp", "ep"):
+        for name in ("fsdp", "tp", "ep", "dp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"{name}={value!r}: a mesh dim is a whole number of ranks, 1 or more")
-        if self.world % self.ep:
+        if self.replica % self.ep:
             raise ArgumentError(
-                f"ep={self.ep} does not divide the {self.world} rank{'s' if self.world != 1 else ''} of fsdp={self.fsdp} "
+                f"ep={self.ep} does not divide the {self.replica} rank{'s' if self.replica != 1 else ''} of fsdp={self.fsdp} "
                 f"x tp={self.tp}: experts are split over groups of ep ranks within those (as transformers' "
                 f"DistributedConfig lays them out); choose an ep that divides fsdp x tp, or more ranks "
-                f"(fsdp={self.ep * self.fsdp // math.gcd(self.ep, self.world)} or tp={self.ep * self.tp // math.gcd(self.ep, self.world)})"
+                f"(fsdp={self.ep * self.fsdp // math.gcd(self.ep, self.replica)} or tp={self.ep * self.tp // math.gcd(self.ep, self.replica)})"
             )
 
     @property
-    def world(self) -> int:
+    def replica(self) -> int:
+        """Ranks of one data-parallel replica: ``fsdp * tp``."""
         return self.fsdp * self.tp
 
     @property
+    def world(self) -> int:
+        return self.dp * self.replica
+
+    @property
     def efsdp(self) -> int:
-        """Ranks holding the same experts, which FSDP2 shards them over."""
-        return self.world // self.ep
+        """Ranks of a replica holding the same experts, which FSDP2 shards them over."""
+        return self.replica // self.ep
 
     def describe(self) -> str:
-        dims = [f"{k}={v}" for k, v in (("fsdp", self.fsdp), ("tp", self.tp), ("ep", self.ep)) if v > 1]
-        return f"{' '.join(dims) or 'one rank'} ({self.world} rank{'s' if self.world != 1 else ''})"
+        dims = [f"{k}={v}" for k, v in (("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp), ("ep", self.ep)) if v > 1]
+        hsdp = "; HSDP: Replicate() over dp, each chunk saved once" if self.dp > 1 else ""
+        return f"{' '.join(dims) or 'one rank'} ({self.world} rank{'s' if self.world != 1 else ''}{hsdp})"
 
     def to_json(self) -> dict[str, int]:
-        return {"fsdp": self.fsdp, "tp": self.tp, "ep": self.ep, "world": self.world}
+        return {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp, "ep": self.ep, "world": self.world}
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +184,7 @@ def shard_tensors(tensors: Iterable[tuple[str, Shape, bool]], mesh: Mesh) -> lis
                                 f"ranks; choose an ep that divides {experts}")
                 continue
             strided = Placement("strided", 0, mesh.ep) if mesh.efsdp > 1 else REPLICATE
-            shardings.append(Sharding(name, shape, (("efsdp", mesh.efsdp), ("ep", mesh.ep)), (strided, SHARD0)))
+            shardings.append(_replicated(Sharding(name, shape, (("efsdp", mesh.efsdp), ("ep", mesh.ep)), (strided, SHARD0)), mesh))
             continue
         tp = tp_placement(name) if mesh.tp > 1 else REPLICATE
         if tp is None:
@@ -178,7 +193,7 @@ def shard_tensors(tensors: Iterable[tuple[str, Shape, bool]], mesh: Mesh) -> lis
         if tp.kind == "shard" and tp.dim >= len(shape):
             problems.append(f"'{name}': tensor parallel places it {tp}, but it has {len(shape)} dims")
             continue
-        shardings.append(Sharding(name, shape, (("fsdp", mesh.fsdp), ("tp", mesh.tp)), _dense(shape, tp, mesh)))
+        shardings.append(_replicated(Sharding(name, shape, (("fsdp", mesh.fsdp), ("tp", mesh.tp)), _dense(shape, tp, mesh)), mesh))
     if mesh.ep > 1 and not stacked_seen:
         problems.append(f"ep={mesh.ep}: the model has no stacked expert tensors to place over ep ranks")
     if problems:
@@ -191,6 +206,13 @@ def shard_tensors(tensors: Iterable[tuple[str, Shape, bool]], mesh: Mesh) -> lis
                "split with tp=1 for a model it does not know." if any("no tensor-parallel" in p for p in problems) else "")
         )
     return shardings
+
+
+def _replicated(sharding: Sharding, mesh: Mesh) -> Sharding:
+    """HSDP: ``Replicate()`` on an outer ``dp`` dim, in front of the replica's dims (none when ``dp`` is 1)."""
+    if mesh.dp == 1:
+        return sharding
+    return Sharding(sharding.name, sharding.shape, (("dp", mesh.dp), *sharding.dims), (REPLICATE, *sharding.placements))
 
 
 def _dense(shape: Sequence[int], tp: Placement, mesh: Mesh) -> tuple[Placement, Placement]:

@@ -28,6 +28,7 @@ from .families import (
     mtp_missing_note,
     refusal,
 )
+from .families.quantize import quantized_specs
 from .families.quantized import dequantized, with_quantized
 from .families.quantized import problems as quantization_problems
 from .families.quantized import refusal as quantization_refusal
@@ -91,7 +92,7 @@ class Planned:
 
 def plan_source(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None,
+    weights: str | None = None, quantize: tuple[int, int] | None = None,
 ) -> Planned:
     """Find and read the config, read the source's layout, and plan it (see :func:`plan_layout`).
 
@@ -107,18 +108,20 @@ def plan_source(
         check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights))
         model = model_info(config_dict, label=str(config_path))
     layout = read_layout(root, format=format, model=model, weights=weights)
-    return plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype)
+    return plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype, quantize=quantize)
 
 
 def plan_layout(
     layout: Layout, *, config_path: Path | None, config: dict[str, object] | None, model: ModelInfo | None,
     dtype: str | None = None, notes: Iterable[str] = (), no_config: str = "no config.json found",
+    quantize: tuple[int, int] | None = None,
 ) -> Planned:
     """Map ``layout`` to HuggingFace names with its family's adapter (``model`` given) or keep its names
     (generic), and plan every target; ``dtype`` is a safetensors name to cast floating tensors to (except the
     tensors the families keep, :func:`~ckpttool.families.keeps_dtype`); ``notes`` follow the plan's own;
     ``no_config`` says why there is no config, for the generic note. A quantized source is kept quantized, or
-    dequantized to ``dtype`` when one is given (:mod:`ckpttool.families.quantized`)."""
+    dequantized to ``dtype`` when one is given (:mod:`ckpttool.families.quantized`); a plain one is quantized to
+    FP8 in ``quantize`` blocks when given (:mod:`ckpttool.families.quantize`)."""
     quant = read_quantization(config, str(config_path or "config.json")) if config is not None else None
     if model is None:
         specs = identity_specs(layout)
@@ -148,6 +151,10 @@ def plan_layout(
         specs = dequantized(specs, layout, quant)
         own.append(f"dequantized the {quant.describe()} weights to {dtype}; no scale and no quantization_config "
                    "are written")
+    if quantize is not None:
+        specs = quantized_specs(specs, layout, quantize, source=layout.root, quant=quant, has_model=model is not None)
+        own.append(f"quantized the Linear weights of the decoder layers to FP8 E4M3 in {quantize[0]}x{quantize[1]} "
+                   "blocks with float32 weight_scale_inv; norms, embeddings, lm_head, routers and biases kept")
     specs = sorted(specs, key=lambda s: natural(s.name))
     keep = {s.name for s in specs if keeps_dtype(s.name)} if dtype is not None else set()
     plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes], keep_dtype=keep)

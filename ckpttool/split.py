@@ -6,9 +6,9 @@ model's in-memory tensors as slices of those (the family's rules run backwards, 
 reaching straight into the source's pieces and proven to tile it (:func:`ckpttool.engine.compose.compose`) -> the
 streaming executor writes them into the target format's files, published atomically as merge publishes.
 
-Targets (:data:`TARGETS`): ``dcp`` (PyTorch Distributed Checkpoint, :func:`plan_dcp`, :mod:`ckpttool.writers.dcp`).
-Megatron-Core ``torch_dist`` is to be a second one: its own mesh and writer, on the same in-memory mapping
-(:func:`in_memory`, there run through Megatron's convention instead) and the same composition and executor.
+Targets (:data:`TARGETS`): ``dcp`` (PyTorch Distributed Checkpoint, :func:`plan_dcp`, :mod:`ckpttool.writers.dcp`)
+and ``megatron`` (Megatron-Core ``torch_dist`` for TP x PP x EP: the same DCP files under ``iter_0000000/`` with
+Megatron's global names, :mod:`ckpttool.split_megatron`, plus :mod:`ckpttool.writers.megatron_dist`'s files).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .architecture import ModelInfo
 from .distributed import Group, share_out
 from .dtypes import itemsize
 from .engine.compose import compose
@@ -31,18 +32,21 @@ from .families import MemoryTensor, map_from_hf
 from .merge import config_dtype, extras_search, prepare
 from .meshes import Mesh, Sharding, shard_tensors
 from .planning import Planned
+from .split_megatron import MegatronMesh, plan_megatron, training_args
 from .terminal import escaped, shown, size_text
-from .writers import dcp
+from .writers import dcp, megatron_dist
 from .writers.destination import EXTRA_FILES, Output, Staging, check_destination
 from .writers.hf import predict_peak_bytes, write_extras
 
 log = logging.getLogger(__name__)
 
 #: formats ``split`` writes
-TARGETS = ("dcp",)
+TARGETS = ("dcp", "megatron")
 #: what a split writes into its destination: ``force`` replaces a directory holding nothing else
 SPLIT_OUTPUT = Output("split", re.compile(
-    r"\.metadata|__\d+_\d+\.distcp|" + "|".join(re.escape(n) for n in ("config.json", *EXTRA_FILES))))
+    r"\.metadata|__\d+_\d+\.distcp|" + "|".join(re.escape(n) for n in (
+        "config.json", *EXTRA_FILES, megatron_dist.COMMON, megatron_dist.METADATA_JSON, megatron_dist.TRACKER))),
+    dirs=re.compile(r"iter_\d{7}"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +57,7 @@ class SplitResult:
     output: str | None
     format: str
     to: str
-    mesh: Mesh
+    mesh: Mesh | MegatronMesh
     #: one target per chunk written (a rank's box of a tensor), in file order
     plan: Plan
     files: tuple[dcp.DcpFile, ...]
@@ -86,6 +90,13 @@ class SplitResult:
         }
 
 
+    def _files_written(self) -> str:
+        files = f"{len(self.files)} rank files + {dcp.METADATA}"
+        if isinstance(self.mesh, MegatronMesh):
+            return (f"{megatron_dist.iteration_name(self.mesh.iteration)}/: {files}, {megatron_dist.COMMON}, "
+                    f"{megatron_dist.METADATA_JSON}; {megatron_dist.TRACKER}")
+        return files
+
     def lines(self, verbose: bool = False) -> list[str]:
         """The summary the command line prints; with ``verbose`` (always for a dry run) every tensor's placements
         and each rank's local shape (runs of equal shapes as ``250x32 x3``)."""
@@ -95,7 +106,7 @@ class SplitResult:
             f"source:   {shown(self.source)} ({self.format})", f"config:   {self.config}", f"family:   {self.adapter}",
             f"mesh:     {self.mesh.describe()}",
             f"coverage: ok, every chunk of {len(self.tensors)} tensors covered exactly once ({len(self.plan.targets)} chunks)",
-            f"output:   {out} ({verb} {size_text(self.nbytes)} in {len(self.files)} rank files + {dcp.METADATA})",
+            f"output:   {out} ({verb} {size_text(self.nbytes)} in {self._files_written()})",
             *(f"  {f.name}  {len(f.items)} chunks  {size_text(f.nbytes)}" for f in self.files),
         ]
         if self.extras:
@@ -120,6 +131,10 @@ def split(
     fsdp: int = 1,
     tp: int = 1,
     ep: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    make_vocab_size_divisible_by: int = 128,
+    iteration: int = 0,
     format: str | None = None,
     config: str | Path | None = None,
     dtype: str | None = None,
@@ -133,10 +148,20 @@ def split(
     Args:
         src: any checkpoint ckpttool reads (HuggingFace, or a sharded format: a re-shard).
         out: the destination directory; must not exist or be empty unless ``force``. None only with ``dry_run``.
-        to: the format written: ``"dcp"`` (PyTorch Distributed Checkpoint, read by ``torch.distributed.checkpoint.load``).
+        to: the format written: ``"dcp"`` (PyTorch Distributed Checkpoint, read by ``torch.distributed.checkpoint.load``)
+            or ``"megatron"`` (Megatron-Core ``torch_dist``, read by megatron-core's ``dist_checkpointing.load``: the
+            iteration directory, ``common.pt``, ``metadata.json`` and the tracker file; see
+            :mod:`ckpttool.split_megatron`).
         fsdp: ranks FSDP2 shards every tensor over (``Shard(0)``).
         tp: tensor-parallel ranks (torch's Llama/Mixtral plans; see :mod:`ckpttool.meshes`).
-        ep: expert-parallel ranks for stacked experts (``Shard(0)`` of the expert dim); divides ``fsdp * tp``.
+        ep: expert-parallel ranks for stacked experts (``Shard(0)`` of the expert dim); divides ``fsdp * tp``
+            for ``dcp``; for ``megatron``, Megatron's expert-parallel size (global expert ids, consecutive per rank).
+        dp: ``dcp`` only: data-parallel replicas of the ``fsdp x tp`` mesh, as FSDP2's HSDP places them
+            (``Replicate()`` on an outer mesh dim; ``dp * fsdp * tp`` rank files, each chunk in one of them,
+            written by the rank torch's ``dedup_save_plans`` picks).
+        pp, make_vocab_size_divisible_by, iteration: ``megatron`` only: pipeline stages (equal, consecutive
+            layers), the vocab padding rule (as Megatron-LM's argument: padded to a multiple of it times ``tp``;
+            the padding rows are zeros) and the iteration directory written (``iter_0000000``).
         format, config, dtype: as for :func:`ckpttool.merge`; a config is required (it names the tensors as the
             model holds them in memory).
         dry_run: plan and check only; read no tensor data, write nothing.
@@ -151,7 +176,7 @@ def split(
 
     Raises:
         ArgumentError: ``to`` not in :data:`TARGETS`, a mesh size below 1, ``ep`` that does not divide
-            ``fsdp * tp``, ``out`` None without ``dry_run``.
+            ``fsdp * tp``, ``dp`` above 1 for ``megatron``, ``out`` None without ``dry_run``.
         ConfigError: no config; a tensor the mesh cannot place (no tensor-parallel rule, experts ``ep`` does not
             divide); the source does not fit the config.
         CoverageError: a tensor is not covered exactly once by the source. DestinationError, SourceError,
@@ -161,8 +186,18 @@ def split(
         >>> split("hf/llama", "dcp/llama", fsdp=2, tp=2)  # doctest: +SKIP
     """
     if to not in TARGETS:
-        raise ArgumentError(f"to={to!r}: split writes {', '.join(map(repr, TARGETS))} (PyTorch Distributed Checkpoint)")
-    mesh = Mesh(fsdp, tp, ep)
+        raise ArgumentError(f"to={to!r}: split writes {', '.join(map(repr, TARGETS))} (PyTorch Distributed Checkpoint, "
+                            "Megatron-Core torch_dist)")
+    if to == "megatron" and fsdp != 1:
+        raise ArgumentError(f"fsdp={fsdp!r}: Megatron-Core torch_dist has no FSDP dim; give tp, pp and ep")
+    if to == "megatron" and dp != 1:
+        raise ArgumentError(
+            f"dp={dp!r}: a Megatron-Core torch_dist checkpoint does not depend on the data-parallel size: its chunks "
+            "are those of tp x pp x ep, saved once whatever dp (only which rank's file holds a chunk differs), and a "
+            "Megatron load at any dp reads it; split without dp")
+    if to == "dcp" and (pp, make_vocab_size_divisible_by, iteration) != (1, 128, 0):
+        raise ArgumentError("pp, make_vocab_size_divisible_by and iteration are for to='megatron'")
+    mesh = MegatronMesh(tp, pp, ep, make_vocab_size_divisible_by, iteration) if to == "megatron" else Mesh(fsdp, tp, ep, dp)
     if out is None and not dry_run:
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)
@@ -170,7 +205,11 @@ def split(
     restored, extras = None, []
     try:
         prepared = prepare(root, format=format, config=config, dtype=dtype)
-        shardings, files = plan_dcp(prepared, mesh)
+        if isinstance(mesh, MegatronMesh):
+            info = _model(prepared)
+            shardings, files = plan_megatron(prepared, info, mesh)
+        else:
+            shardings, files = plan_dcp(prepared, mesh)
         plan = Plan(str(root), prepared.layout.format, tuple(i.target for f in files for i in f.items), prepared.plan.notes)
         if dest is not None:
             check_destination(dest, [root], force, SPLIT_OUTPUT)
@@ -183,8 +222,11 @@ def split(
             entered, restored = group.on_rank0(lambda: (str(staging.open()), staging.restoration))
             path = Path(entered)
             try:
+                if isinstance(mesh, MegatronMesh):  # the rank files go into the iteration directory
+                    path = path / megatron_dist.iteration_name(mesh.iteration)
+                    group.on_rank0(lambda: path.mkdir(exist_ok=True))
                 group.on_all(lambda: dcp.write_files(root, mine, path, workers=workers, on_bytes=on_bytes))
-                extras = group.on_rank0(lambda: _finish(staging, prepared, files, dtype, root))
+                extras = group.on_rank0(lambda: _finish(staging, prepared, files, dtype, root, mesh, shardings))
             except BaseException as e:
                 if group.rank == 0:
                     staging.abandon(e)
@@ -195,13 +237,24 @@ def split(
     return SplitResult(
         source=str(root), output=str(dest) if dest is not None else None, format=prepared.layout.format, to=to,
         mesh=mesh, plan=plan, files=files, tensors=tuple(shardings),
-        config=str(prepared.config_path) if prepared.config_path else None, adapter=prepared.adapter,
+        config=str(prepared.config_path) if prepared.config_path else None,
+        adapter=(f"{prepared.adapter}; written in the Megatron-Core convention" if isinstance(mesh, MegatronMesh)
+                 else prepared.adapter),
         dry_run=dry_run, extras=tuple(extras), workers=workers, restored=restored, notes=prepared.plan.notes,
     )
 
 
 def in_memory(prepared: Planned) -> list[MemoryTensor]:
     """The model's in-memory tensors as slices of the plan's on-disk ones (what every target format starts from).
+
+    Raises:
+        ConfigError: no config transformers builds a causal LM from.
+    """
+    return map_from_hf(_model(prepared))
+
+
+def _model(prepared: Planned) -> ModelInfo:
+    """The model the source's config describes; split needs one.
 
     Raises:
         ConfigError: no config transformers builds a causal LM from.
@@ -213,7 +266,7 @@ def in_memory(prepared: Planned) -> list[MemoryTensor]:
             f"'{prepared.layout.root}': split needs the model's config.json, as transformers builds it: it names the "
             f"tensors as the parallelized model holds them in memory ({why}); give config='PATH'"
         )
-    return map_from_hf(prepared.model)
+    return prepared.model
 
 
 def plan_dcp(prepared: Planned, mesh: Mesh) -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:
@@ -259,14 +312,21 @@ def _boxes(sharding: Sharding, rank: int, world: int) -> list[Box]:
     return boxes
 
 
-def _finish(staging: Staging, prepared: Planned, files: tuple[dcp.DcpFile, ...], dtype: str | None, root: Path) -> list[str]:
-    """Once every rank file is written: ``.metadata``, config and tokenizer files, the check that the output reads
+def _finish(staging: Staging, prepared: Planned, files: tuple[dcp.DcpFile, ...], dtype: str | None, root: Path,
+            mesh: Mesh | MegatronMesh, shardings: list[Sharding]) -> list[str]:
+    """Once every rank file is written: ``.metadata`` (for Megatron in the iteration directory, with
+    ``common.pt``, ``metadata.json`` and the tracker), config and tokenizer files, the check that the output reads
     back as planned, then the rename into place. Returns the extra files written."""
-    path = staging.path
-    dcp.write_metadata(files, path)
+    path = checkpoint = staging.path
+    if isinstance(mesh, MegatronMesh):
+        checkpoint = path / megatron_dist.iteration_name(mesh.iteration)
+        args = training_args(_model(prepared), mesh, {s.name: s.shape for s in shardings})
+        megatron_dist.write_common(checkpoint, args, mesh.iteration)
+        megatron_dist.write_tracker(path, mesh.iteration)
+    dcp.write_metadata(files, checkpoint)
     extras = write_extras(path, prepared.config, extras_search(root, prepared.config_path),
                           config_dtype(prepared.config, prepared.plan, cast=dtype is not None))
-    check_output(path, files)
+    check_output(checkpoint, files)
     staging.publish()
     return extras
 

@@ -16,8 +16,6 @@ from typing import Any, TextIO
 
 import click
 
-from .startup import restore_interrupts
-
 
 def shown(name: str) -> str:
     """A name (tensor, file) as the terminal shows it: unchanged when every character prints, else its Python
@@ -100,12 +98,12 @@ class Command(click.Command):
 
 class Group(click.Group):
     """The top-level group: its commands are :class:`Command`, and it makes stdout and stderr survive a
-    reader that goes away (:func:`survive_closed_pipes`); start-up's Ctrl-C handling ends when it runs."""
+    reader that goes away (:func:`survive_closed_pipes`). Start-up's Ctrl-C handling lasts until a command has
+    imported the API and calls it (``ckpttool.cli._run``): those imports (torch) are still start-up."""
 
     command_class = Command
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
-        restore_interrupts()  # start-up is over: Ctrl-C is the command's to handle (see ckpttool.startup)
         survive_closed_pipes()
         return super().main(*args, **kwargs)
 

@@ -540,7 +540,7 @@ def test_json_document_and_codes(tmp_path):
     tensors, config = reference("llama_fsdp2_dcp")
     tensors[EMBED] = padded_embedding(1024)
     doc = ckpttool.audit(write_hf(tmp_path / "hf", tensors, config)).to_json()
-    assert set(doc) == {"findings", "summary", "tensors"}
+    assert set(doc) == {"findings", "causes", "summary", "tensors"}
     assert doc["findings"][0] == {
         "code": "vocab-padding-not-stripped", "severity": "error", "tensor": EMBED, "file": None,
         "message": doc["findings"][0]["message"],

@@ -37,7 +37,9 @@ def test_audit_of_a_clean_checkpoint_exits_0(cli):
 def test_audit_errors_exit_3_with_a_table(cli, tmp_path):
     result = cli("audit", dead_expert_mixtral(tmp_path))
     assert result.exit_code == 3
-    assert "error    zero-tensor  model.layers.1.block_sparse_moe.experts.2.w1.weight" in result.stdout
+    assert ("error    zero-tensor  expert 2 of 'model.layers.{L}.block_sparse_moe.experts' in layer 1 (3 tensors): "
+            "a weight that is all zeros") in result.stdout  # one cause, its three tensors under it
+    assert "         - model.layers.1.block_sparse_moe.experts.2.w1.weight" in result.stdout
     assert "audit: FAIL, 3 errors" in result.stdout
 
 

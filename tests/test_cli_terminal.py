@@ -16,7 +16,7 @@ from conftest import ROOT, fixture_dir
 from safetensors.torch import save_file
 from test_audit_cli import dead_expert_mixtral
 
-from ckpttool.cli import _size
+from ckpttool.terminal import size_text as _size
 from ckpttool.startup import MESSAGE, started_as_command
 from ckpttool.terminal import Bar, escaped, shown
 

@@ -127,7 +127,7 @@ def test_json_is_one_document_with_every_local_shape(cli):
     result = cli("split", LLAMA, "--to", "dcp", "--tp", "2", "--dry-run", "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    assert doc["status"] == "ok" and doc["mesh"] == {"fsdp": 1, "tp": 2, "ep": 1, "world": 2}
+    assert doc["status"] == "ok" and doc["mesh"] == {"dp": 1, "fsdp": 1, "tp": 2, "ep": 1, "world": 2}
     embed = next(t for t in doc["tensors"] if t["name"] == "model.embed_tokens.weight")
     assert embed["local_shapes"] == [[501, 32], [500, 32]] and embed["placements"] == "(Shard(0)) over tp=2"
     assert [f["name"] for f in doc["files"]] == ["__0_0.distcp", "__1_0.distcp"]
@@ -201,12 +201,12 @@ def test_a_source_missing_a_rank_file_is_refused_naming_it(cli, tmp_path):
 
 
 def test_usage_errors(cli, tmp_path):
-    assert cli("split", LLAMA, tmp_path / "out", "--to", "megatron").exit_code == 2
+    assert cli("split", LLAMA, tmp_path / "out", "--to", "parquet").exit_code == 2
     assert cli("split", LLAMA, tmp_path / "out", "--fsdp", "2").exit_code == 2  # --to is required
     result = cli("split", LLAMA, "--to", "dcp")
     assert result.exit_code == 2 and "Missing argument 'OUT' (only --dry-run runs without one)" in result.stderr
-    with pytest.raises(ArgumentError, match=r"^to='megatron': split writes 'dcp'"):
-        ckpttool.split(LLAMA, tmp_path / "out", to="megatron")
+    with pytest.raises(ArgumentError, match=r"^to='parquet': split writes 'dcp', 'megatron'"):
+        ckpttool.split(LLAMA, tmp_path / "out", to="parquet")
 
 
 # ---- OUT: the merge's rules ------------------------------------------------------------------------------

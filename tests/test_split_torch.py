@@ -31,14 +31,14 @@ MIXTRAL = fixture_dir("mixtral_fsdp2_dcp") / "reference"
 ROUNDING = 1e-5
 
 
-def launch(world: int, splits: Path, *scenarios: str, timeout: float = 400) -> list[str]:
-    """Run the worker on ``world`` ranks; every rank must exit 0. Returns rank 0's output."""
+def launch(world: int, splits: Path, *scenarios: str, timeout: float = 400, worker: Path = WORKER) -> list[str]:
+    """Run ``worker`` on ``world`` ranks; every rank must exit 0. Returns every rank's output."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world", str(world), "--port", str(port),
+    procs = [subprocess.Popen([sys.executable, str(worker), "--rank", str(r), "--world", str(world), "--port", str(port),
                                "--splits", str(splits), *scenarios], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=env) for r in range(world)]
     outputs = []

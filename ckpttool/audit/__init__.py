@@ -14,7 +14,11 @@ This module holds the order of the checks (:func:`audit`, :func:`check`) and wha
 - :mod:`.config`: the config's consistency with the weights (config.json, dtypes, tokenizer, tied embeddings);
 - :mod:`.stats`: tensor data streamed into fingerprints and statistics (``diff`` uses it too);
 - :mod:`.data`: the data checks on those statistics, and diverging replicas;
+- :mod:`.mtp`: MTP layers present but never trained (initial values, copies of a main layer);
+- :mod:`.vocab_rows`: rows of the embedding and head past the tokenizer that copy real rows;
+- :mod:`.norms`: norm weights against the model type's convention (``w`` or Gemma's ``1 + w``);
 - :mod:`.quantized`: FP8 and MXFP4 scales against their weights and the config, and the scales' data;
+- :mod:`.causes`: the findings grouped by root cause (a missing file, a diverged replica, an expert);
 - :mod:`.report_html`: the report as one self-contained HTML page.
 """
 
@@ -33,7 +37,9 @@ from ..families.quantized import scale_names
 from ..findings import Finding, Report, TensorStats, finding, sort_findings
 from ..planning import plan_layout
 from ..readers import detect_format, hf, read_layout
+from .causes import group_findings
 from .config import (
+    checkpoint_tokenizer_size,
     config_findings,
     dtype_findings,
     tie_findings,
@@ -41,9 +47,12 @@ from .config import (
     tokenizer_size,
 )
 from .data import OUTLIER_FACTOR, data_findings, replica_findings
-from .quantized import quantization_findings, scale_findings
+from .mtp import mtp_findings
+from .norms import norm_findings
+from .quantized import data_plan, quantization_findings, scale_findings
 from .shapes import EXPERT_NAME, LAYER_NAME, shape_findings
 from .stats import Statistics, fold
+from .vocab_rows import copied_row_findings
 
 __all__ = [
     "EXPERT_NAME", "LAYER_NAME", "OUTLIER_FACTOR", "audit", "check", "config_findings", "data_findings",
@@ -136,13 +145,20 @@ def check(
 
     stats: list[TensorStats] = []
     if data:
-        total = plan.nbytes
-        stats = fold(plan, Statistics, (lambda n: progress(n, total)) if progress else (lambda n: None))
+        values = data_plan(plan, planned)  # quantized weights as their dequantized values
+        total = values.nbytes
+        stats = fold(values, Statistics, (lambda n: progress(n, total)) if progress else (lambda n: None))
         found.extend(data_findings(stats))
         found.extend(scale_findings(plan, scales))
         found.extend(replica_findings(layout))
+        tokens = checkpoint_tokenizer_size(root, config_path)
+        if tokens is not None:
+            found.extend(copied_row_findings(plan, tokens))
     if model is not None:
         found.extend(tie_findings(tied, model, {s.name: s for s in stats}, data))
+        found.extend(norm_findings(stats, model.model_type))
+        found.extend(mtp_findings(stats, model))
+    findings = sort_findings(found)
     return Report(
         source=str(root),
         format=fmt,
@@ -150,9 +166,11 @@ def check(
         model_type=model.model_type if model else None,
         data_checked=data,
         tensors=tensors + len(tied),
-        findings=sort_findings(found),
+        findings=findings,
         stats=tuple(stats),
         adapter=planned.adapter,
+        causes=group_findings(findings),
+        expected=tuple(model.disk_shapes) if model is not None else (),
     )
 
 
@@ -161,7 +179,9 @@ def _coverage(layout: Layout, uncovered: Sequence[tuple[TargetSpec, list[str]]])
     found: list[Finding] = []
     for spec, problems in uncovered:
         files = sorted({p.file for sl in spec.slices for p in layout.absent.get(sl.source, ())})
-        found.extend(finding("coverage", problem, tensor=spec.name, file=files[0] if files else None) for problem in problems)
+        detail = (("missing_file", ", ".join(files)),) if files else ()
+        found.extend(finding("coverage", problem, tensor=spec.name, file=files[0] if files else None, detail=detail)
+                     for problem in problems)
     return found
 
 

@@ -97,7 +97,7 @@ def tokenizer_findings(root: Path, config_path: Path | None, config: Mapping[str
     found = [finding("file-link-outside", f"'{path.name}' is a symlink to '{path.resolve()}', outside the checkpoint: "
                      "not read, and a merge does not copy it", file=path.name) for path in skipped]
     vocab = (config or {}).get("vocab_size")
-    path = next((p for p in extras if p.name == "tokenizer.json"), None)
+    path = _tokenizer_json(extras)
     if not isinstance(vocab, int) or path is None:
         return found
     return found + _tokenizer_size(path, vocab)
@@ -114,6 +114,16 @@ def _tokenizer_size(path: Path, vocab: int) -> list[Finding]:
     if size < vocab:
         return [finding("tokenizer-smaller", f"'{path.name}' has {size} token ids for vocab_size {vocab}", file=path.name)]
     return []
+
+
+def checkpoint_tokenizer_size(root: Path, config_path: Path | None) -> int | None:
+    """The size of the tokenizer.json a merge would copy (in ``root`` or beside the config), if there is one."""
+    path = _tokenizer_json(find_extras([root] + ([config_path.parent] if config_path is not None else []))[0])
+    return tokenizer_size(path) if path is not None else None
+
+
+def _tokenizer_json(extras: Sequence[Path]) -> Path | None:
+    return next((p for p in extras if p.name == "tokenizer.json"), None)
 
 
 def tokenizer_size(path: Path) -> int | None:

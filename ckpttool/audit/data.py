@@ -112,6 +112,6 @@ def replica_findings(layout: Layout) -> list[Finding]:
                     "replica-divergence",
                     f"'{tensor.fqn}': the copies in {pieces[0].where()} and {other.where()} differ"
                     + (f" (max |difference| {delta:.4g})" if delta is not None else ""),
-                    tensor=tensor.fqn, file=other.file,
+                    tensor=tensor.fqn, file=other.file, detail=(("reference", pieces[0].file),),
                 ))
     return found

@@ -1,6 +1,7 @@
-"""Quantized checkpoints in the audit: the header checks of :mod:`ckpttool.quant.checks` as findings, and the
-scales' data, streamed: a NaN, infinite, zero or negative scale turns a whole block of weights into NaN, Inf,
-zeros or their negatives, whatever the stored values."""
+"""Quantized checkpoints in the audit: the header checks of :mod:`ckpttool.quant.checks` as findings, the
+scales' data, streamed (a NaN, infinite, zero or negative scale turns a whole block of weights into NaN, Inf,
+zeros or their negatives, whatever the stored values), and the plan the data checks read, in which each quantized
+weight is its dequantized values (:func:`data_plan`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 
 from ..engine.plan import Plan, Target
 from ..findings import Finding, finding
+from ..planning import Planned, plan_layout
 from ..quant.checks import Problem
-from ..quant.formats import E8M0_NAN
+from ..quant.formats import E8M0_NAN, links
 from .stats import blocks, fold
 
 
@@ -61,3 +63,20 @@ def scale_findings(plan: Plan, scales: set[str]) -> list[Finding]:
     if not targets:
         return []
     return [f for f in fold(replace(plan, targets=targets), ScaleCheck) if f is not None]
+
+
+def data_plan(plan: Plan, planned: Planned) -> Plan:
+    """``plan`` (the audit's, kept quantized) with each quantized weight and its scales replaced by the weight
+    dequantized to float32, computed in row chunks as a merge given ``dtype="float32"`` computes it, so the data
+    checks (NaN/Inf, zero and constant tensors, identical experts, outliers) judge the values a loader gets, not the
+    stored FP8 or FP4 codes. Every other target stays as it is (its fingerprint too). ``plan`` itself when nothing
+    is quantized, or the quantization has header problems (reported by :func:`quantization_findings`)."""
+    if planned.config is None or planned.quantization or not links(t.name for t in plan.targets)[0]:
+        return plan
+    full = plan_layout(planned.layout, config_path=planned.config_path, config=planned.config, model=planned.model,
+                       dtype="F32").plan
+    computed = {t.name: t for t in full.targets if t.dequant is not None}
+    found = {link.weight: link for link in links(t.name for t in plan.targets)[0] if link.logical in computed}
+    dropped = {link.scale for link in found.values()}
+    targets = [computed[found[t.name].logical] if t.name in found else t for t in plan.targets if t.name not in dropped]
+    return replace(plan, targets=tuple(targets))

@@ -8,9 +8,9 @@ chunk's rows of that piece: again one run), laid into the chunk as a strided vie
 with one ``pwrite`` at its offset in the output file. A chunk covered by one contiguous region is written from
 the read buffer itself. Memory is a few chunks per thread, whatever the size of the tensors.
 
-A dequantized target (:class:`~ckpttool.engine.plan.Dequantize`) is computed, not copied: for each chunk the
-stored rows and the scale rows its decoder names are gathered the same way, and the decoder
-(:mod:`ckpttool.quant.decode`) writes the chunk's values, with its temporaries on the thread's buffers too.
+A computed target (:class:`~ckpttool.engine.plan.Dequantize`: dequantized, or FP8-quantized in whole block rows)
+is not copied: the source and scale rows its codec (:mod:`ckpttool.quant.codecs`) names are gathered the same way,
+and the codec writes the chunk's values, with its temporaries on the thread's buffers too.
 
 Each chunk's sha256 is taken as it is written; a file's digest is the sha256 of its header's sha256 followed
 by its chunks' sha256 in file order, so it can be computed again from the file alone (:func:`file_digest`).
@@ -34,7 +34,8 @@ import torch
 from ..dtypes import itemsize, torch_dtype
 from ..errors import SourceError
 from ..paths import open_source, source_os_error
-from ..quant.decode import decoder
+from ..quant.codecs import codec
+from ..quant.encode import RoundTrip
 from .layout import RAW, Box, Piece, c_strides
 from .plan import Copy, Target
 from .reference import CACHE_BYTES, PieceLoader
@@ -62,11 +63,21 @@ def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: in
     ``chunk_bytes`` holds."""
     shape = target.shape or (1,)
     row = math.prod(shape[1:]) * itemsize(target.dtype)
-    per = rows or (max(1, chunk_bytes // row) if row else max(1, shape[0]))
+    per = rows or (max(1, chunk_bytes // _compute_row_bytes(target, row)) if row else max(1, shape[0]))
+    if target.dequant is not None:  # a computed target: chunks of whole rows of blocks where it needs them
+        per = codec(target.dequant.method, target.dequant.params).align(per)
     return [
         Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
         for a in range(0, shape[0], per)
     ]
+
+
+def _compute_row_bytes(target: Target, row: int) -> int:
+    """Bytes one row of ``target`` takes at its largest: an encoder's float32 copy of its source rows."""
+    if target.dequant is None or not target.dequant.stored:
+        return row
+    a, b = codec(target.dequant.method, target.dequant.params).stored_rows(0, 1)
+    return max(row, (b - a) * math.prod(target.dequant.stored[1:]) * 4)
 
 
 def file_digest(path: Path, prefix_len: int, spans: Sequence[int]) -> str:
@@ -94,6 +105,11 @@ class Reader:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._loader = PieceLoader(root, Counter({p: n for p, n in uses.items() if p.encoding != RAW}))
+        self.round_trips: dict[str, RoundTrip] = {}  # per quantized target (see :mod:`ckpttool.quant.encode`)
+
+    def record(self, name: str, measured: RoundTrip) -> None:
+        with self._lock:
+            self.round_trips[name] = self.round_trips[name] + measured if name in self.round_trips else measured
 
     def region(self, piece: Piece, box: Box, sizes: tuple[int, ...], dims: tuple[int | None, ...]) -> torch.Tensor:
         """``box`` of ``piece`` (local coordinates) as a tensor of shape ``sizes``: dim ``d`` is the piece's dim
@@ -186,6 +202,8 @@ def _gather(copies: Sequence[Copy], rows: Box, dtype: str, reader: Reader, buffe
         region = reader.region(copy.piece, map_region(copy.src, copy.dst, part), part.sizes, dim_map(copy.src, copy.dst))
         return region if view and region.is_contiguous() else reader.scratch(buffer, rows.sizes, dtype).copy_(region)
     out = reader.scratch(buffer, rows.sizes, dtype)
+    if sum(part.numel for _, part in parts) != rows.numel:  # rows no copy fills are zeros (a split's vocab padding)
+        out.zero_()
     for copy, part in parts:
         region = reader.region(copy.piece, map_region(copy.src, copy.dst, part), part.sizes, dim_map(copy.src, copy.dst))
         out[tuple(slice(o - r, o - r + s) for o, r, s in zip(part.offsets, rows.offsets, part.sizes))] = region
@@ -193,16 +211,21 @@ def _gather(copies: Sequence[Copy], rows: Box, dtype: str, reader: Reader, buffe
 
 
 def _dequantize(chunk: Chunk, reader: Reader) -> torch.Tensor:
-    """A dequantized target's rows: the scale rows its decoder names (copied out of the read buffer first), the
-    stored rows, and the decoder's arithmetic into the ``cast`` buffer."""
+    """A computed target's rows: the scale rows a decoder names (copied out of the read buffer first), the stored
+    rows, and the codec's arithmetic into the ``cast`` buffer; an encoder's round trip is recorded."""
     target, dq, scale = chunk.target, chunk.target.dequant, chunk.target.scale
-    assert dq is not None and scale is not None
-    decode = decoder(dq.method, dq.params)
-    lo, hi = decode.scale_rows(chunk.start, chunk.stop)
-    scales = _gather(scale.copies, _row_box(scale.shape, lo, hi), scale.source_dtype, reader, "scale", view=False)
-    stored = _gather(target.copies, _row_box(dq.stored, chunk.start, chunk.stop), target.source_dtype, reader, "chunk")
+    assert dq is not None
+    compute = codec(dq.method, dq.params)
+    scales = None
+    if scale is not None:  # a decoder's scales
+        lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
+        scales = _gather(scale.copies, _row_box(scale.shape, lo, hi), scale.source_dtype, reader, "scale", view=False)
+    stored = _gather(target.copies, _row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop)),
+                     target.source_dtype, reader, "chunk")
     out = reader.scratch("cast", _rows(chunk).sizes, target.dtype)
-    decode.decode(stored, scales, chunk.start, out, reader.scratch)
+    measured = compute.decode(stored, scales, chunk.start, out, reader.scratch)  # type: ignore[arg-type]
+    if measured is not None:
+        reader.record(target.name, measured)
     return out
 
 
@@ -220,10 +243,14 @@ def _inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
     """The copies a chunk reads and the box of their tensor it needs: the target's rows, or for a dequantized
     target the stored rows and the scale rows."""
     target, dq, scale = chunk.target, chunk.target.dequant, chunk.target.scale
-    if dq is None or scale is None:
+    if dq is None:
         return [(target.copies, _rows(chunk))]
-    lo, hi = decoder(dq.method, dq.params).scale_rows(chunk.start, chunk.stop)
-    return [(target.copies, _row_box(dq.stored, chunk.start, chunk.stop)), (scale.copies, _row_box(scale.shape, lo, hi))]
+    compute = codec(dq.method, dq.params)
+    stored = [(target.copies, _row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop)))]
+    if scale is None:
+        return stored
+    lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
+    return [*stored, (scale.copies, _row_box(scale.shape, lo, hi))]
 
 
 def write_file(
@@ -306,8 +333,8 @@ def buffer_sizes(chunk_list: Sequence[Chunk]) -> dict[str, int]:
                 span = sum((s - 1) * st for s, st in zip(box.sizes, strides)) + 1
                 sizes["read"] = max(sizes["read"], span * itemsize(copy.piece.dtype))
         if target.dequant is not None:
-            extra = decoder(target.dequant.method, target.dequant.params).scratch_bytes(
-                inputs[0][1].sizes, inputs[1][1].sizes, target.dtype)
+            extra = codec(target.dequant.method, target.dequant.params).scratch_bytes(
+                inputs[0][1].sizes, inputs[1][1].sizes if len(inputs) > 1 else None, target.dtype)  # type: ignore[arg-type]
             for name, n in extra.items():
                 sizes[name] = max(sizes.get(name, 0), n)
     return sizes

@@ -9,6 +9,7 @@ along, so the plan can strip and split without guessing.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -79,11 +80,11 @@ class Box:
 
     @classmethod
     def whole(cls, shape: Shape) -> Box:
-        return cls(tuple(0 for _ in shape), tuple(shape))
+        return cls((0,) * len(shape), tuple(shape))
 
     @property
     def ends(self) -> Shape:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+        return tuple(map(operator.add, self.offsets, self.sizes))
 
     @property
     def numel(self) -> int:
@@ -91,20 +92,25 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         """The common region of two boxes of the same tensor, or None when they share no element."""
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
-        if any(h <= l for l, h in zip(lo, hi)):
+        if self == other:  # a piece that is the whole slice: the common case, and a plan checks 90k of them
+            return self if min(self.sizes, default=1) > 0 else None
+        lo = tuple(map(max, self.offsets, other.offsets))
+        hi = tuple(map(min, self.ends, other.ends))
+        if any(map(operator.le, hi, lo)):
             return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        return Box(lo, tuple(map(operator.sub, hi, lo)))
 
     def shift(self, delta: Shape) -> Box:
         """The same box with ``delta`` subtracted from its offsets (global -> local coordinates)."""
         return Box(tuple(o - d for o, d in zip(self.offsets, delta)), self.sizes)
 
     def inside(self, shape: Shape) -> bool:
-        return len(shape) == len(self.sizes) and all(
-            o >= 0 and s >= 0 and o + s <= n for o, s, n in zip(self.offsets, self.sizes, shape)
-        )
+        if len(shape) != len(self.sizes):
+            return False
+        for o, s, n in zip(self.offsets, self.sizes, shape):
+            if o < 0 or s < 0 or o + s > n:
+                return False
+        return True
 
     def describe(self, shape: Shape | None = None) -> str:
         """Human words for the region, e.g. ``rows 501..1001`` when only dim 0 is partial."""

@@ -159,7 +159,7 @@ class LayoutBuilder:
                 fqn=fqn,
                 global_shape=self._shape[fqn],
                 dtype=self._dtype[fqn],
-                pieces=tuple(sorted(self._pieces[fqn], key=lambda p: p.box.offsets)),
+                pieces=_in_order(self._pieces[fqn]),
                 padding=self._padding[fqn],
                 fusion=self._fusion[fqn],
             )
@@ -174,3 +174,8 @@ class LayoutBuilder:
             notes=tuple(self._notes) + tuple(notes),
             parallel=dict(self._parallel),
         )
+
+
+def _in_order(pieces: list[Piece]) -> tuple[Piece, ...]:
+    """Pieces by their offsets (most tensors have one piece: nothing to sort)."""
+    return tuple(sorted(pieces, key=lambda p: p.box.offsets)) if len(pieces) > 1 else tuple(pieces)

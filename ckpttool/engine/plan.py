@@ -55,14 +55,15 @@ class TargetSpec:
 
 @dataclass(frozen=True, slots=True)
 class Dequantize:
-    """A target computed rather than copied: its slices tile ``stored`` quantized elements (dim 0 row for row the
-    target's), ``scale`` says what their scales are made of, and the decoder ``method`` of
-    :mod:`ckpttool.quant.decode` (with ``params``, e.g. the block size) turns rows of both into the target's rows."""
+    """A target computed, not copied: its slices tile ``stored`` source elements, ``scale`` (if any) its scales',
+    and codec ``method`` (:mod:`ckpttool.quant.codecs`, with ``params``) computes its rows: a decoder (to the
+    merge's dtype) or an FP8 encoder (to its own ``dtype``)."""
 
     method: str
     params: tuple[tuple[str, object], ...]
     stored: Shape
-    scale: TargetSpec
+    scale: TargetSpec | None
+    dtype: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,14 +228,14 @@ def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[T
 
 def _plan_dequantized(layout: Layout, spec: TargetSpec, dq: Dequantize, copies: list[Copy], stored_dtype: str,
                       dtype: str | None) -> tuple[Target | None, list[str]]:
-    """A dequantized target: its copies tile the stored elements, its scale is a target of its own."""
-    scale, problems = _plan_target(layout, dq.scale, None)
-    problems = check_tiling(spec.name, dq.stored, copies, layout, spec.slices) + problems
+    """A computed target: its copies tile the stored elements, its scale (if it reads one) is a target of its own."""
+    scale, problems = _plan_target(layout, dq.scale, None) if dq.scale is not None else (None, [])
+    problems, dtype = check_tiling(spec.name, dq.stored, copies, layout, spec.slices) + problems, dq.dtype or dtype
     if dtype is None:
         problems.append(f"'{spec.name}': a dequantized target needs an output dtype")
-    if problems or scale is None or dtype is None:
+    if problems or dtype is None:
         return None, problems
-    sources = tuple(dict.fromkeys([*(sl.source for sl in spec.slices), *scale.sources]))
+    sources = tuple(dict.fromkeys([*(sl.source for sl in spec.slices), *(scale.sources if scale else ())]))
     return Target(spec.name, spec.shape, dtype, stored_dtype, tuple(copies), sources, dq, scale), []
 
 
@@ -278,6 +279,8 @@ def check_tiling(
     Out-of-bounds copies, overlaps (with the two pieces' files) and uncovered regions (with the files that
     were expected to hold them, when the layout knows) are each one message.
     """
+    if len(copies) == 1 and copies[0].dst.offsets == (0,) * len(shape) and copies[0].dst.sizes == shape:
+        return []  # one copy of the whole tensor: most tensors of a checkpoint, and a plan can hold 90k of them
     problems = []
     inside = []
     for c in copies:

@@ -20,7 +20,7 @@ import torch
 from ..dtypes import dtype_name, torch_dtype
 from ..errors import SourceError, UnsafePickleError
 from ..paths import open_source
-from ..quant.decode import decoder
+from ..quant.codecs import codec
 from .layout import RAW, Box, Piece
 from .plan import Target
 
@@ -117,13 +117,15 @@ def assemble(target: Target, loader: PieceLoader) -> torch.Tensor:
     """The full target tensor, in the output dtype, built from its copies.
 
     A target that is one whole piece (a HuggingFace file, an unsharded DCP item) is the piece itself, not a copy.
-    A dequantized target is its stored tensor and its scales, whole, through its decoder.
+    A computed target is its stored tensor and its scales (if any), whole, through its codec.
     """
-    if target.dequant is not None and target.scale is not None:
-        stored = assemble(replace(target, shape=target.dequant.stored, dtype=target.source_dtype, dequant=None), loader)
+    if target.dequant is not None:
+        stored = assemble(replace(target, shape=target.dequant.stored, dtype=target.source_dtype, dequant=None,
+                                  scale=None), loader)
         out = torch.empty(target.shape, dtype=torch_dtype(target.dtype))
-        decoder(target.dequant.method, target.dequant.params).decode(
-            stored, assemble(target.scale, loader), 0, out, lambda name, shape, dtype: torch.empty(shape, dtype=torch_dtype(dtype)))
+        scales = assemble(target.scale, loader) if target.scale is not None else None
+        codec(target.dequant.method, target.dequant.params).decode(
+            stored, scales, 0, out, lambda name, shape, dtype: torch.empty(shape, dtype=torch_dtype(dtype)))  # type: ignore[arg-type]
         return out
     if len(target.copies) == 1 and target.copies[0].src == Box.whole(target.copies[0].piece.box.sizes):
         whole = loader.load(target.copies[0].piece).reshape(target.shape)

@@ -7,6 +7,7 @@ of the destination back to the source, dim by dim; :func:`uncovered` finds what 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -17,9 +18,14 @@ def dim_map(src: Box, dst: Box) -> tuple[int | None, ...]:
     """For each dim of ``dst``, the dim of ``src`` it comes from, when ``src`` and ``dst`` hold the same
     elements in the same order (their sizes agree once dims of size 1 are dropped); None for a dim of size 1
     that ``src`` does not have."""
-    src_dims = [d for d, n in enumerate(src.sizes) if n != 1]
-    dst_dims = [d for d, n in enumerate(dst.sizes) if n != 1]
-    mapping: list[int | None] = [None] * len(dst.sizes)
+    return _dim_map(src.sizes, dst.sizes)
+
+
+@functools.lru_cache(maxsize=4096)  # a function of two shapes, asked for every copy of a plan (90k and more)
+def _dim_map(src_sizes: Shape, dst_sizes: Shape) -> tuple[int | None, ...]:
+    src_dims = [d for d, n in enumerate(src_sizes) if n != 1]
+    dst_dims = [d for d, n in enumerate(dst_sizes) if n != 1]
+    mapping: list[int | None] = [None] * len(dst_sizes)
     for s, d in zip(src_dims, dst_dims):
         mapping[d] = s
     return tuple(mapping)

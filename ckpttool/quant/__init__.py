@@ -4,6 +4,8 @@
   ``X.weight_scale_inv``; ``X_blocks`` with ``X_scales``), and the shapes one gives the other. No torch.
 - :mod:`.decode`: dequantization of a range of rows of a weight from the matching rows of its scales, the pure
   functions the streaming executor calls (:mod:`ckpttool.engine.executor`).
+- :mod:`.encode`: FP8 quantization of a range of rows (values, or scales), with the round trip measured.
+- :mod:`.codecs`: the one table from a computed target's method to its encoder or decoder, and their call order.
 
 This package sits below the engine and the families: it imports neither.
 """

@@ -44,6 +44,22 @@ def fp4_pairs() -> torch.Tensor:
     return torch.tensor([[FP4_VALUES[b & 0x0F], FP4_VALUES[b >> 4]] for b in range(256)], dtype=torch.float32)
 
 
+@cache
+def fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """float32 value of each of the 256 codes of an FP8 dtype (exact; NaN codes are NaN)."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
+
+
+def to_float32(stored: torch.Tensor, work: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """``work`` (float32, ``stored``'s shape) := ``stored``'s values, exactly. FP8 codes go through a 256-entry table:
+    torch converts FP8 on the CPU one element at a time, several times slower than the gather."""
+    if stored.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return work.copy_(stored)
+    index = scratch("index", (stored.numel(),), "I32").copy_(stored.contiguous().view(torch.uint8).reshape(-1))
+    torch.index_select(fp8_table(stored.dtype), 0, index, out=work.view(-1))
+    return work
+
+
 def scale_values(scales: torch.Tensor, scratch: Scratch, ue8m0_bytes: bool) -> torch.Tensor:
     """Scales as float32 values: floats converted exactly, E8M0 (``float8_e8m0fnu``) by torch, and bytes as E8M0
     exponents when ``ue8m0_bytes``."""
@@ -67,6 +83,12 @@ class Fp8Blocks:
     ndim: int = 2
     ue8m0_bytes: bool = False
 
+    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
+        return start, stop
+
+    def align(self, rows: int) -> int:
+        return rows
+
     def scale_rows(self, start: int, stop: int) -> tuple[int, int]:
         if self.ndim > 2:
             return start, stop
@@ -74,37 +96,37 @@ class Fp8Blocks:
 
     def decode(self, stored: torch.Tensor, scales: torch.Tensor, start: int, out: torch.Tensor, scratch: Scratch) -> None:
         work = out if out.dtype == torch.float32 else scratch("work", tuple(stored.shape), "F32")
-        work.copy_(stored)  # exact: every FP8 value is a float32
+        to_float32(stored, work, scratch)  # exact: every FP8 value is a float32
         values = scale_values(scales, scratch, self.ue8m0_bytes)
         if self.ndim > 2:
             for e in range(stored.shape[0]):  # a stacked [E, O, I] weight: each expert is a matrix
-                _scale_blocks(work[e], values[e], 0, self.block)
+                scale_blocks(work[e], values[e], 0, self.block)
         else:
-            _scale_blocks(work, values, start, self.block)
+            scale_blocks(work, values, start, self.block)
         if work is not out:
             out.copy_(work)  # one rounding, as the oracle's .to(dtype)
 
     def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...], out_dtype: str) -> dict[str, int]:
-        sizes = {"scale-f32": math.prod(scales) * 4, "scale-index": math.prod(scales) * 4 if self.ue8m0_bytes else 0}
+        sizes = {"scale-f32": math.prod(scales) * 4, "scale-index": math.prod(scales) * 4 if self.ue8m0_bytes else 0,
+                 "index": math.prod(stored) * 4}
         sizes["work"] = 0 if out_dtype == "F32" else math.prod(stored) * 4
         return sizes
 
 
-def _scale_blocks(work: torch.Tensor, scales: torch.Tensor, start: int, block: tuple[int, int]) -> None:
-    """Multiply rows ``start..`` of a ``[O, I]`` weight (``work``, float32, in place) by their blocks' scales
-    (``scales``: rows ``start // B0 ..`` of the scale matrix)."""
+def scale_blocks(work: torch.Tensor, scales: torch.Tensor, start: int, block: tuple[int, int], divide: bool = False) -> None:
+    """Multiply (or ``divide``) rows ``start..`` of a ``[O, I]`` weight (``work``, float32, in place) by their
+    blocks' scales (``scales``: rows ``start // B0 ..`` of the scale matrix).
+
+    Each block row's scales are spread over the columns once (``[I]``, small) and the rows multiplied by that
+    vector: a broadcast over a ``[.., I/B1, B1]`` view is 50 times slower with torch's two intra-op threads."""
     rows, cols = block
-    full, rest = divmod(work.shape[-1], cols)
+    per_column = scales.repeat_interleave(cols, dim=-1)[:, : work.shape[-1]]
     first = start // rows
     for k in range(scales.shape[0]):
         lo = max((first + k) * rows - start, 0)
         hi = min((first + k + 1) * rows - start, work.shape[0])
-        if lo >= hi:
-            continue
-        if full:
-            work[lo:hi, : full * cols].unflatten(-1, (full, cols)).mul_(scales[k, :full, None])
-        if rest:
-            work[lo:hi, full * cols:].mul_(scales[k, full])
+        if lo < hi:
+            work[lo:hi].div_(per_column[k]) if divide else work[lo:hi].mul_(per_column[k])
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +136,12 @@ class Mxfp4Groups:
     gpt-oss's experts). Rows are experts: one expert's rows of scales go with its blocks."""
 
     transpose: bool = True
+
+    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
+        return start, stop
+
+    def align(self, rows: int) -> int:
+        return rows
 
     def scale_rows(self, start: int, stop: int) -> tuple[int, int]:
         return start, stop

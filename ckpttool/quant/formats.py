@@ -20,6 +20,7 @@ Everything here is plain data and arithmetic: no torch, no tensor read.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -159,7 +160,12 @@ def links(names: Iterable[str]) -> tuple[list[Link], list[str], list[str]]:
     An FP8 weight is recognised by its scale, not by its name alone, so an FP8 weight whose scale is missing
     is found by its dtype (see :func:`check_tensors`).
     """
-    present = set(names)
+    found, lonely, orphans = _links(frozenset(names))
+    return list(found), list(lonely), list(orphans)
+
+
+@functools.lru_cache(maxsize=4)  # merge, its audit and its checks ask about the same names (90k of them) a dozen times
+def _links(present: frozenset[str]) -> tuple[tuple[Link, ...], tuple[str, ...], tuple[str, ...]]:
     found: list[Link] = []
     orphans: list[str] = []
     lonely: list[str] = []
@@ -178,7 +184,7 @@ def links(names: Iterable[str]) -> tuple[list[Link], list[str], list[str]]:
                 orphans.append(name)
         elif name.endswith(BLOCKS_SUFFIX) and name[: -len(BLOCKS_SUFFIX)] + SCALES_SUFFIX not in present:
             lonely.append(name)
-    return found, lonely, orphans
+    return tuple(found), tuple(lonely), tuple(orphans)
 
 
 def fp8_scale_shape(shape: Shape, block: tuple[int, int]) -> Shape:

@@ -60,16 +60,27 @@ class Item:
 
 
 @dataclass(frozen=True, slots=True)
+class ObjectItem:
+    """A bytes item (DCP's ``BytesStorageMetadata``: Megatron's ``ShardedObject``): ``data``, the whole
+    ``torch.save`` archive of the object, at ``offset`` of its file."""
+
+    fqn: str
+    data: bytes
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
 class DcpFile:
-    """One rank's ``.distcp`` file and its items, in file order."""
+    """One rank's ``.distcp`` file and its items, in file order: tensors, then objects."""
 
     name: str
     rank: int
     items: tuple[Item, ...] = field(default=())
+    objects: tuple[ObjectItem, ...] = field(default=())
 
     @property
     def nbytes(self) -> int:
-        return sum(i.archive.length for i in self.items)
+        return sum(i.archive.length for i in self.items) + sum(len(o.data) for o in self.objects)
 
     @property
     def data_bytes(self) -> int:
@@ -97,8 +108,10 @@ def share_items(held: Sequence[Sequence[tuple[str, Box, int]]]) -> list[list[tup
             for rank, chunks_held in enumerate(held)]
 
 
-def lay_out(per_rank: Sequence[Sequence[tuple[str, Shape, Box, Target]]]) -> tuple[DcpFile, ...]:
-    """Every rank's file: its items' archives one after another, from byte 0."""
+def lay_out(per_rank: Sequence[Sequence[tuple[str, Shape, Box, Target]]],
+            objects: Sequence[Sequence[tuple[str, bytes]]] = ()) -> tuple[DcpFile, ...]:
+    """Every rank's file: its items' archives one after another, from byte 0, then its ``objects``
+    (``(fqn, archive bytes)`` per rank, when given)."""
     files = []
     for rank, items in enumerate(per_rank):
         laid, offset = [], 0
@@ -106,7 +119,11 @@ def lay_out(per_rank: Sequence[Sequence[tuple[str, Shape, Box, Target]]]) -> tup
             archive = TensorArchive(target.dtype, box.sizes, f"{fqn}@{list(box.offsets)}")
             laid.append(Item(fqn, global_shape, box, target, archive, offset))
             offset += archive.length
-        files.append(DcpFile(file_name(rank), rank, tuple(laid)))
+        placed = []
+        for fqn, data in objects[rank] if objects else ():
+            placed.append(ObjectItem(fqn, data, offset))
+            offset += len(data)
+        files.append(DcpFile(file_name(rank), rank, tuple(laid), tuple(placed)))
     return tuple(files)
 
 
@@ -165,6 +182,8 @@ def _write_file(path: Path, out: DcpFile, reader: Reader, workers: int, on_bytes
                     crc = crc32_combine(crc, crcs[id(chunk)], chunk.nbytes)
                 _write_at(fd, item.archive.head(), item.offset)
                 _write_at(fd, item.archive.tail(crc), item.data_offset + item.archive.nbytes)
+            for obj in out.objects:
+                _write_at(fd, obj.data, obj.offset)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -186,8 +205,12 @@ def write_metadata(files: Sequence[DcpFile], directory: Path) -> None:
     """``.metadata`` as torch's ``FileSystemWriter.finish`` pickles it: chunks listed per tensor in rank order,
     ``planner_data`` mapping each name to itself (a flat state dict), a save id derived from the layout."""
     import torch
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.filesystem import (
+        CURRENT_DCP_VERSION,
+        _StorageInfo,
+    )
     from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
         ChunkStorageMetadata,
         Metadata,
         MetadataIndex,
@@ -205,9 +228,14 @@ def write_metadata(files: Sequence[DcpFile], directory: Path) -> None:
             md.chunks.append(ChunkStorageMetadata(torch.Size(item.box.offsets), torch.Size(item.box.sizes)))
             index = MetadataIndex(item.fqn, torch.Size(item.box.offsets), len(md.chunks) - 1)
             storage[index] = _StorageInfo(out.name, item.offset, item.archive.length)
+    objects: dict[str, BytesStorageMetadata] = {}
+    for out in files:
+        for obj in out.objects:
+            objects[obj.fqn] = BytesStorageMetadata()
+            storage[MetadataIndex(obj.fqn)] = _StorageInfo(out.name, obj.offset, len(obj.data))
     digest = hashlib.sha256(repr([(f.name, [(i.fqn, i.box.offsets, i.offset) for i in f.items]) for f in files]).encode())
     save_id = str(uuid.UUID(bytes=digest.digest()[:16], version=4))
-    metadata = Metadata(tensors, planner_data={name: (name,) for name in tensors}, storage_data=storage,
+    metadata = Metadata({**tensors, **objects}, planner_data={name: (name,) for name in tensors}, storage_data=storage,
                         storage_meta=StorageMeta(checkpoint_id=None, save_id=save_id), version=CURRENT_DCP_VERSION)
     try:
         with open(directory / METADATA, "wb") as f:

@@ -66,6 +66,8 @@ class Output:
 
     command: str
     names: re.Pattern[str]
+    #: directories the command writes (Megatron's ``iter_0000000/``): ours when every entry is a file of ``names``
+    dirs: re.Pattern[str] | None = None
 
 
 MERGE_OUTPUT = Output("merge", _OURS)
@@ -82,13 +84,16 @@ def foreign_entries(directory: Path, output: Output = MERGE_OUTPUT) -> list[str]
 
     Only regular files with the names of an output count as ours: weights (``model.safetensors``,
     ``model-0000i-of-0000N.safetensors``), the index, ``config.json``, generation config and tokenizer files,
-    ``ckpttool-audit.json``, and journals. A symbolic link, a directory or any other name is foreign.
+    ``ckpttool-audit.json``, and journals. A symbolic link, any other name, or a directory is foreign, but for one
+    of ``output.dirs`` holding only files of ``output.names`` (a split's ``iter_0000000/``).
     """
     foreign = []
     with os.scandir(directory) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
-                foreign.append(entry.name + "/")
+                ours = output.dirs is not None and output.dirs.fullmatch(entry.name) is not None
+                if not ours or foreign_entries(Path(entry.path), Output(output.command, output.names)):
+                    foreign.append(entry.name + "/")
             elif not (entry.is_file(follow_symlinks=False) and output.names.fullmatch(entry.name)):
                 foreign.append(entry.name)
     return sorted(foreign)

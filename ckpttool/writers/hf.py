@@ -33,6 +33,7 @@ from ..engine.executor import write_file as stream_file
 from ..engine.plan import Plan, Target
 from ..errors import ArgumentError, OutputError, SourceError
 from ..paths import link_escapes
+from ..quant.encode import RoundTrip
 from ..safetensors_format import encode_header, read_header
 from ..version import __version__
 from .destination import EXTRA_FILES, INDEX, JOURNAL_GLOB, journal_name
@@ -196,6 +197,7 @@ def write_weights(
     verify: bool = False,
     workers: int = 1,
     rank: int = 0,
+    round_trips: dict[str, RoundTrip] | None = None,
 ) -> int:
     """Write the safetensors files ``mine`` (this process's share of the output), check each, and journal it.
 
@@ -206,7 +208,8 @@ def write_weights(
     before any process writes; the index is written once all are done (:func:`write_index`).
 
     Returns:
-        How many files were kept from an earlier run.
+        How many files were kept from an earlier run. ``round_trips`` (if given) receives the round trip of each
+        weight quantized here (files kept from an earlier run are not measured again).
     """
     layouts = [file_layout(out) for out in mine]
     journal = Journal(directory, identity, rank)
@@ -233,6 +236,8 @@ def write_weights(
             journal.record(out.name, size, digest)
     finally:
         reader.close()
+        if round_trips is not None:
+            round_trips.update(reader.round_trips)
     return kept
 
 

@@ -269,3 +269,32 @@ def crc32_combine(first: int, second: int, second_length: int) -> int:
         n >>= 1
         k += 1
     return _multiply(power, first) ^ second
+
+
+def object_archive(pickled: bytes, serial: str) -> bytes:
+    """The whole ``torch.save`` archive of an object holding no tensor, given its pickle (``archive/data.pkl``):
+    what torch's ``FileSystemWriter`` writes for a bytes item (Megatron's ``ShardedObject``, e.g. ``[None]`` for an
+    empty ``_extra_state``). ``serial`` derives the serialization id, as for :class:`TensorArchive`.
+
+    Example:
+        >>> import io, pickle, torch
+        >>> torch.load(io.BytesIO(object_archive(pickle.dumps([None], protocol=2), "x")), weights_only=True)
+        [None]
+    """
+    number = int.from_bytes(hashlib.sha256(serial.encode()).digest(), "big") % 10**40
+    small = {b"archive/data.pkl": pickled, b"archive/.format_version": b"1",
+             b"archive/.storage_alignment": str(ALIGNMENT).encode(), b"archive/byteorder": b"little",
+             b"archive/version": b"3\n", b"archive/.data/serialization_id": f"{number:040d}".encode()}
+    out, entries = bytearray(), []
+    for name, data in small.items():
+        entry = _Entry(len(out), name, len(data))
+        entries.append((entry, _crc(data)))
+        out += entry.local_header() + data + entry.descriptor(_crc(data))
+    start = len(out)
+    directory = b"".join(e.central(crc) for e, crc in entries)
+    count = len(entries)
+    out += directory
+    out += struct.pack("<IQHHIIQQQQ", _ZIP64_END, 44, 0x031E, 45, 0, 0, count, count, len(directory), start)
+    out += struct.pack("<IIQI", _ZIP64_LOCATOR, 0, start + len(directory), 1)
+    out += struct.pack("<IHHHHIIH", _END, 0, 0, count, count, len(directory), start, 0)
+    return bytes(out)

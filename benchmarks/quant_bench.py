@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""Quantized merges against the plain merge of the same bytes: ``--dtype bfloat16`` on an FP8 checkpoint
+(dequantizing) and ``--quantize fp8`` on its BF16 equivalent (quantizing).
+
+Builds, in ``--workdir``, a synthetic Llama-shaped FP8 checkpoint of about ``--size-gib`` in the DeepSeek-V3
+convention (hidden 4096, intermediate 11008, vocab 32003; every Linear weight of the layers F8_E4M3 with a float32
+``weight_scale_inv`` per 128x128 block; embeddings, head and norms bfloat16; one safetensors file per layer and an
+index; ``quantization_config`` in config.json). Then, each in a fresh process, interleaved, page cache of the
+inputs dropped before each run, medians of ``--runs``:
+
+- ``plain fp8``: ``ckpttool merge SRC OUT`` (kept quantized: byte copies);
+- ``dequantize``: ``ckpttool merge SRC OUT --dtype bfloat16`` (FP8 x scale, streamed);
+- ``plain bf16``: ``ckpttool merge BF16 OUT`` of the dequantized output (byte copies of twice the bytes);
+- ``quantize``: ``ckpttool merge BF16 OUT --quantize fp8`` (amax, scale, divide, round, and the round trip).
+
+Wall time and peak RSS as in ``merge_bench.py`` (the command the only child of a small probe; start-up, plan and
+the headers-only audit of the output included). Peak RSS is also given above ``merge --dry-run``'s.
+
+    python benchmarks/quant_bench.py --size-gib 2 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from merge_bench import drop_cache, measure
+
+HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, BLOCK = 4096, 11008, 32, 8, 32003, 128
+
+
+def config(size_gib: float) -> dict:
+    kv = HIDDEN * KV_HEADS // HEADS
+    per_layer = 2 * HIDDEN * HIDDEN + 2 * HIDDEN * kv + 3 * HIDDEN * INTER  # FP8: one byte each
+    layers = max(1, round((size_gib * 2**30 - 2 * VOCAB * HIDDEN * 2) / per_layer))
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
+            "intermediate_size": INTER, "num_hidden_layers": layers, "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS, "tie_word_embeddings": False, "dtype": "bfloat16",
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": ["lm_head"]}}
+
+
+def build(src: Path, size_gib: float) -> None:
+    """The synthetic FP8 checkpoint: seeded values, one file per layer (memory: one layer at a time)."""
+    import torch
+    from safetensors.torch import save_file
+
+    src.mkdir(parents=True)
+    cfg = config(size_gib)
+    kv = HIDDEN * KV_HEADS // HEADS
+    weight_map: dict[str, str] = {}
+    total = 0
+
+    def save(tensors: dict, file: str) -> None:
+        nonlocal total
+        save_file(tensors, src / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    g = torch.Generator().manual_seed(0)
+    embed = {n: (0.02 * torch.randn(VOCAB, HIDDEN, generator=g)).to(torch.bfloat16)
+             for n in ("model.embed_tokens.weight", "lm_head.weight")}
+    save({**embed, "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16)}, "model-embed.safetensors")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors = {p + "input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+                   p + "post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16)}
+        for name, shape in (("self_attn.q_proj", (HIDDEN, HIDDEN)), ("self_attn.k_proj", (kv, HIDDEN)),
+                            ("self_attn.v_proj", (kv, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HIDDEN)),
+                            ("mlp.gate_proj", (INTER, HIDDEN)), ("mlp.up_proj", (INTER, HIDDEN)),
+                            ("mlp.down_proj", (HIDDEN, INTER))):
+            values = torch.randn(shape, generator=g).mul_(100).clamp_(-448, 448).to(torch.float8_e4m3fn)
+            grid = (math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK))
+            tensors[p + name + ".weight"] = values
+            tensors[p + name + ".weight_scale_inv"] = torch.rand(grid, generator=g).mul_(1e-4).add_(1e-5)
+        save(tensors, f"model-layer-{i:03d}.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}))
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gib", type=float, default=2.0)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-quant-bench"))
+    args = parser.parse_args()
+    work = args.workdir
+    shutil.rmtree(work, ignore_errors=True)
+    src, bf16, out = work / "fp8", work / "bf16", work / "out"
+    build(src, args.size_gib)
+    merge = [sys.executable, "-m", "ckpttool", "merge", "--force", "-q", "--max-shard-size", "1000GB",
+             "--workers", str(args.workers)]
+    subprocess.run([*merge, str(src), str(bf16), "--dtype", "bfloat16"], check=True, capture_output=True)
+    commands = {
+        "plain fp8": [*merge, str(src), str(out)],
+        "dequantize": [*merge, str(src), str(out), "--dtype", "bfloat16"],
+        "plain bf16": [*merge, str(bf16), str(out)],
+        "quantize": [*merge, str(bf16), str(out), "--quantize", "fp8"],
+    }
+    results: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
+    for _ in range(args.runs):
+        for name, cmd in commands.items():
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            drop_cache(src, bf16)
+            results[name].append(measure(cmd))
+    baselines = {name: measure([*cmd, "--dry-run"])[1] for name, cmd in commands.items()}
+    size = {name: sum(f.stat().st_size for f in (src if "fp8" in name or name == "dequantize" else bf16).iterdir())
+            for name in commands}
+    t = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
+    m = {name: statistics.median(r[1] for r in runs) for name, runs in results.items()}
+    print(f"fp8 input {size['plain fp8'] / 2**30:.2f} GiB, bf16 input {size['plain bf16'] / 2**30:.2f} GiB; "
+          f"{args.workers} workers; {args.runs} runs, medians")
+    for name in commands:
+        print(f"  {name:10s} {t[name]:7.2f} s  peak RSS {m[name] / 2**20:6.0f} MiB "
+              f"({(m[name] - baselines[name]) / 2**20:5.0f} MiB above --dry-run)")
+    print(f"  dequantize / plain fp8 = {t['dequantize'] / t['plain fp8']:.2f}")
+    print(f"  quantize / plain bf16 = {t['quantize'] / t['plain bf16']:.2f}; quantize / plain fp8 = "
+          f"{t['quantize'] / t['plain fp8']:.2f}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

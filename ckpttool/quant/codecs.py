@@ -1,0 +1,28 @@
+"""The computations a plan's computed target may name (:class:`~ckpttool.engine.plan.Dequantize`), in one table.
+
+Every codec has the same calls, in this order, for rows ``start..stop`` of its target:
+
+1. ``align(rows)``: the rows a chunk may hold (a multiple of the block rows where a row of blocks is needed whole);
+2. ``stored_rows(start, stop)``: the rows of the source tensor it reads;
+3. ``scale_rows(start, stop)``: the rows of the scale tensor it reads (decoders only; encoders compute scales);
+4. ``decode(stored, scales, start, out, scratch)``: writes the target's rows into ``out``; an encoder returns how
+   far the round trip is from the source (:class:`~ckpttool.quant.encode.RoundTrip`);
+5. ``scratch_bytes(stored, scales, out_dtype)``: the largest each temporary gets, for the memory prediction.
+"""
+
+from __future__ import annotations
+
+from .decode import Fp8Blocks, Mxfp4Groups, decoder
+from .encode import Fp8Scales, Fp8Values, encoder
+
+Codec = Fp8Blocks | Mxfp4Groups | Fp8Values | Fp8Scales
+
+
+def codec(method: str, params: tuple[tuple[str, object], ...]) -> Codec:
+    """The encoder or decoder ``method`` names, with ``params`` (e.g. the block size).
+
+    Raises:
+        ValueError: an unknown method (a bug: plans are made by :mod:`ckpttool.families`).
+    """
+    found = encoder(method, params)
+    return found if found is not None else decoder(method, params)

@@ -1,0 +1,172 @@
+"""FP8 block quantization of a range of rows: the pure functions the streaming executor calls for ``quantize="fp8"``.
+
+A quantized weight is two output tensors computed from the same source rows: the FP8 values (:class:`Fp8Values`)
+and one float32 scale per block (:class:`Fp8Scales`, ``weight_scale_inv``). A block row needs all of its ``B0``
+source rows, so the values are computed in chunks of whole block rows (:meth:`Fp8Values.align`), and a chunk of
+scale rows reads ``B0`` source rows per scale row (:meth:`Fp8Scales.stored_rows`). Both compute the scale the same
+way, so they agree without sharing state.
+
+The arithmetic is DeepSeek-V3's ``weight_quant`` (and ``fixtures/make_quantized.py``'s), in its order, so results
+are bit for bit the same: per block, ``scale = float32(amax) / 448`` (1 for an all-zero block), then
+``fp8 = float8_e4m3fn(clamp(float32(w) / scale, -448, 448))`` (round to nearest even). transformers' own
+``Fp8Quantize`` multiplies by ``448 / amax`` instead, which can differ in the last bit of a value.
+
+While it writes the values, :class:`Fp8Values` dequantizes them again (``float32(fp8) * scale``, what every
+FP8 loader computes) and measures the round trip against the source: :class:`RoundTrip`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .decode import Scratch, scale_blocks, to_float32
+
+#: the largest finite float8_e4m3fn value
+E4M3_MAX = 448.0
+FP8_VALUES = "fp8-quantize"
+FP8_SCALES = "fp8-scales"
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTrip:
+    """How far a quantized tensor's dequantized values are from the source, over the rows measured so far.
+
+    ``max_abs_error`` is the largest ``|dequantized - source|``; ``relative_error`` is the root of the summed
+    squared errors over the summed squared source values (relative RMS error); ``source_max`` the largest
+    ``|source|``.
+    """
+
+    max_abs_error: float
+    squared_error: float
+    squared_source: float
+    source_max: float
+    elements: int
+
+    @property
+    def relative_error(self) -> float:
+        return math.sqrt(self.squared_error / self.squared_source) if self.squared_source else 0.0
+
+    def __add__(self, other: RoundTrip) -> RoundTrip:
+        return RoundTrip(max(self.max_abs_error, other.max_abs_error), self.squared_error + other.squared_error,
+                         self.squared_source + other.squared_source, max(self.source_max, other.source_max),
+                         self.elements + other.elements)
+
+    def to_json(self) -> dict[str, float]:
+        return {"max_abs_error": self.max_abs_error, "relative_error": self.relative_error,
+                "source_max_abs": self.source_max}
+
+
+def block_amax(work: torch.Tensor, block: tuple[int, int], out: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """``out`` (float32 ``[ceil(r/B0), ceil(I/B1)]``) := each block's largest ``|value|`` over the ``r`` rows of
+    ``work`` (float32; rows start on a block boundary), edge blocks cropped. Rows are reduced first, then columns
+    (a max is exact in any order; NaN wins)."""
+    rows, cols = work.shape
+    b0, b1 = block
+    size = scratch("abs", (rows, cols), "F32")
+    torch.abs(work, out=size)
+    columns = scratch("column-amax", (out.shape[0], cols), "F32")
+    fr, full = rows // b0, cols // b1
+    if fr:
+        torch.amax(size[: fr * b0].view(fr, b0, cols), dim=1, out=columns[:fr])
+    if rows % b0:
+        torch.amax(size[fr * b0:], dim=0, out=columns[fr])
+    if full:
+        torch.amax(columns[:, : full * b1].unflatten(-1, (full, b1)), dim=-1, out=out[:, :full])
+    if cols % b1:
+        torch.amax(columns[:, full * b1:], dim=-1, out=out[:, full])
+    return out
+
+
+def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """In place: ``amax / 448``, and 1 where the block is all zeros (DeepSeek's and the fixture script's rule)."""
+    zero = amax == 0
+    return amax.div_(E4M3_MAX).masked_fill_(zero, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Values:
+    """The FP8 E4M3 values of a ``[O, I]`` weight, computed from its source rows in chunks of whole block rows."""
+
+    block: tuple[int, int]
+
+    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
+        return start, stop
+
+    def align(self, rows: int) -> int:
+        return max(self.block[0], rows // self.block[0] * self.block[0])
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
+               scratch: Scratch) -> RoundTrip:
+        del scales, start  # the scales are computed here, from the rows themselves
+        rows, cols = stored.shape
+        work = to_float32(stored, scratch("work", (rows, cols), "F32"), scratch)
+        scale = block_amax(work, self.block, scratch("scale-f32", _grid(rows, cols, self.block), "F32"), scratch)
+        source_max = float(scale.max())
+        scales_from_amax(scale)
+        flat = work.view(-1)
+        squared_source = float(torch.dot(flat, flat))
+        scale_blocks(work, scale, 0, self.block, divide=True)
+        out.copy_(work.clamp_(-E4M3_MAX, E4M3_MAX))
+        to_float32(out, work, scratch)  # the round trip: float32(fp8) * scale, as every FP8 loader dequantizes
+        scale_blocks(work, scale, 0, self.block)
+        work.sub_(to_float32(stored, scratch("abs", (rows, cols), "F32"), scratch))
+        error = torch.abs(work, out=scratch("abs", (rows, cols), "F32"))
+        return RoundTrip(float(error.max()) if error.numel() else 0.0, float(torch.dot(flat, flat)), squared_source,
+                         source_max, flat.numel())
+
+    def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
+        del scales, out_dtype
+        return _scratch_bytes(stored, self.block)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Scales:
+    """The float32 ``weight_scale_inv`` of a ``[O, I]`` weight: row ``k`` from source rows ``k*B0 .. (k+1)*B0``."""
+
+    block: tuple[int, int]
+    rows: int
+
+    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
+        return start * self.block[0], min(stop * self.block[0], self.rows)
+
+    def align(self, rows: int) -> int:
+        return max(1, rows)
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
+               scratch: Scratch) -> None:
+        del scales, start
+        work = to_float32(stored, scratch("work", tuple(stored.shape), "F32"), scratch)
+        scales_from_amax(block_amax(work, self.block, out, scratch))
+
+    def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
+        del scales, out_dtype
+        sizes = _scratch_bytes(stored, self.block)
+        del sizes["scale-f32"]
+        return sizes
+
+
+def _grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(rows / block[0]), math.ceil(cols / block[1])
+
+
+def _scratch_bytes(stored: tuple[int, ...], block: tuple[int, int]) -> dict[str, int]:
+    """The temporaries of quantizing ``stored`` rows: float32 copy, absolute values, per-column block-row maxima,
+    the scales, and the FP8 codes' table indices of the round trip."""
+    n = math.prod(stored)
+    grid = _grid(stored[0], stored[1], block)
+    return {"work": n * 4, "abs": n * 4, "column-amax": grid[0] * stored[1] * 4, "scale-f32": math.prod(grid) * 4,
+            "index": n * 4}
+
+
+def encoder(method: str, params: tuple[tuple[str, object], ...]) -> Fp8Values | Fp8Scales | None:
+    """The encoder a plan's computed target names, or None when ``method`` is not an encoder's."""
+    options = dict(params)
+    block = tuple(options.get("block", (0, 0)))  # type: ignore[call-overload]
+    if method == FP8_VALUES:
+        return Fp8Values(block)  # type: ignore[arg-type]
+    if method == FP8_SCALES:
+        return Fp8Scales(block, int(options["rows"]))  # type: ignore[arg-type, call-overload]
+    return None
