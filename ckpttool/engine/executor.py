@@ -26,7 +26,6 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,26 +35,17 @@ from ..errors import SourceError
 from ..paths import open_source, source_os_error
 from ..quant.codecs import codec
 from ..quant.encode import RoundTrip
+from .buffers import Chunk, _inputs, _row_box, _rows, buffer_sizes, predict_peak_bytes
 from .layout import RAW, Box, Piece, c_strides
 from .plan import Copy, Target
-from .reference import CACHE_BYTES, PieceLoader
+from .reference import PieceLoader
 from .regions import dim_map, map_region
+
+__all__ = ["CHUNK_BYTES", "Chunk", "Reader", "buffer_sizes", "build", "chunks", "file_digest", "piece_uses",
+           "predict_peak_bytes", "write_file"]
 
 #: the most output bytes one chunk holds (a chunk is at least one row)
 CHUNK_BYTES = 32 * 2**20
-#: what the plan's bookkeeping and the interpreter take besides the buffers (chunk lists, file handles)
-OVERHEAD_BYTES = 8 * 2**20
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """Rows ``start..stop`` of ``target``, written at byte ``offset`` of its output file."""
-
-    target: Target
-    start: int
-    stop: int
-    offset: int
-    nbytes: int
 
 
 def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: int | None = None) -> list[Chunk]:
@@ -229,30 +219,6 @@ def _dequantize(chunk: Chunk, reader: Reader) -> torch.Tensor:
     return out
 
 
-def _rows(chunk: Chunk) -> Box:
-    return _row_box(chunk.target.shape, chunk.start, chunk.stop)
-
-
-def _row_box(shape: tuple[int, ...], start: int, stop: int) -> Box:
-    if not shape:
-        return Box((), ())
-    return Box((start, *(0 for _ in shape[1:])), (stop - start, *shape[1:]))
-
-
-def _inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
-    """The copies a chunk reads and the box of their tensor it needs: the target's rows, or for a dequantized
-    target the stored rows and the scale rows."""
-    target, dq, scale = chunk.target, chunk.target.dequant, chunk.target.scale
-    if dq is None:
-        return [(target.copies, _rows(chunk))]
-    compute = codec(dq.method, dq.params)
-    stored = [(target.copies, _row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop)))]
-    if scale is None:
-        return stored
-    lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
-    return [*stored, (scale.copies, _row_box(scale.shape, lo, hi))]
-
-
 def write_file(
     path: Path,
     prefix: bytes,
@@ -307,44 +273,3 @@ def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-
-
-def buffer_sizes(chunk_list: Sequence[Chunk]) -> dict[str, int]:
-    """The largest each per-thread buffer gets over ``chunk_list``: ``read`` (one region of a piece),
-    ``chunk`` (a chunk in the source dtype) and ``cast`` (a chunk in the output dtype); for a dequantized
-    target also ``scale`` (its scale rows) and the decoder's own (:meth:`scratch_bytes`)."""
-    sizes = {"read": 0, "chunk": 0, "cast": 0}
-    for chunk in chunk_list:
-        target = chunk.target
-        if target.dtype != target.source_dtype:
-            sizes["cast"] = max(sizes["cast"], chunk.nbytes)
-        inputs = _inputs(chunk)
-        for (copies, rows), buffer in zip(inputs, ("chunk", "scale")):
-            dtype = target.source_dtype if buffer == "chunk" else target.scale.source_dtype  # type: ignore[union-attr]
-            sizes[buffer] = max(sizes.get(buffer, 0), rows.numel * itemsize(dtype))
-            for copy in copies:
-                part = copy.dst.intersect(rows)
-                if part is None or copy.piece.encoding != RAW:
-                    continue
-                box = map_region(copy.src, copy.dst, part)
-                assert box is not None
-                shape = copy.piece.box.sizes
-                strides = c_strides(shape)
-                span = sum((s - 1) * st for s, st in zip(box.sizes, strides)) + 1
-                sizes["read"] = max(sizes["read"], span * itemsize(copy.piece.dtype))
-        if target.dequant is not None:
-            extra = codec(target.dequant.method, target.dequant.params).scratch_bytes(
-                inputs[0][1].sizes, inputs[1][1].sizes if len(inputs) > 1 else None, target.dtype)  # type: ignore[arg-type]
-            for name, n in extra.items():
-                sizes[name] = max(sizes.get(name, 0), n)
-    return sizes
-
-
-def predict_peak_bytes(chunk_list: Sequence[Chunk], workers: int = 1) -> int:
-    """Upper bound of the memory the streaming executor holds: per thread, its buffers at their largest
-    (allocated once, at that size); plus whole ``torch.save`` pieces kept for later chunks (at most the
-    loader's cache and one piece per thread)."""
-    archives = {c.piece: math.prod(c.piece.box.sizes) * itemsize(c.piece.dtype)
-                for chunk in chunk_list for copies, _ in _inputs(chunk) for c in copies if c.piece.encoding != RAW}
-    kept = min(sum(archives.values()), CACHE_BYTES) + workers * max(archives.values(), default=0)
-    return workers * sum(buffer_sizes(chunk_list).values()) + kept + OVERHEAD_BYTES
