@@ -13,7 +13,11 @@ embedding and head of 250 MiB; hidden 4096), saved by torch itself from DTensors
 (q/k/v/gate/up on dim 0, o/down on dim 1). Each command runs in a fresh process, interleaved, with the page
 cache of the benchmark's files dropped first (posix_fadvise DONTNEED); wall time and peak RSS (``ru_maxrss`` of
 the command as the only child of a small probe) are medians of ``--runs``. Peak RSS is also reported above
-the baseline of ``merge --dry-run`` (imports and plan, no data).
+the baseline of ``merge --dry-run`` (imports and plan, no data). CPU time (user + sys) is given beside wall time,
+since a shared machine makes wall time noisy. ``start-up`` is a process that only imports what a merge imports
+(Python, torch, ckpttool); ``net`` ratios take it off ckpttool's time (the goal of issue 19 is stated net of it).
+``--baseline DIR`` also runs the ckpttool package found in ``DIR`` (a copy of an earlier tree), interleaved, for a
+before/after on the same input; ``--keep`` reuses the input built in ``--workdir`` and leaves it there.
 
     python benchmarks/merge_bench.py --size-gib 1 --runs 3 --format dcp --split dim0
 """
@@ -141,15 +145,27 @@ def drop_cache(*roots: Path) -> None:
                     os.close(fd)
 
 
-def measure(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS of ``cmd`` run as the only child of a small probe process."""
+def measure(cmd: list[str]) -> tuple[float, int, float]:
+    """Wall seconds, peak RSS and CPU seconds (user + sys) of ``cmd`` run as the only child of a small probe."""
     probe = (
         "import resource,subprocess,sys,time;t=time.perf_counter();subprocess.run(sys.argv[1:],check=True,"
-        "stdout=subprocess.DEVNULL,stderr=subprocess.DEVNULL);"
-        "print(time.perf_counter()-t,resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss*1024)"
+        "stdout=subprocess.DEVNULL,stderr=subprocess.DEVNULL);u=resource.getrusage(resource.RUSAGE_CHILDREN);"
+        "print(time.perf_counter()-t,u.ru_maxrss*1024,u.ru_utime+u.ru_stime)"
     )
     out = subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True).stdout.split()
-    return float(out[0]), int(out[1])
+    return float(out[0]), int(out[1]), float(out[2])
+
+
+def tool(tree: Path | None) -> list[str]:
+    """How to start ``ckpttool``: this checkout's, or the package in ``tree`` (ahead of this one on the path)."""
+    if tree is None:
+        return [sys.executable, "-m", "ckpttool"]
+    run = f"import runpy, sys; sys.path.insert(0, {str(tree)!r}); runpy.run_module('ckpttool', run_name='__main__')"
+    return [sys.executable, "-c", run]
+
+
+#: what every merge imports before it reads a byte: the start-up the goals are stated net of
+STARTUP = "import torch, safetensors, huggingface_hub, ckpttool.cli, ckpttool.merge, ckpttool.engine.executor"
 
 
 def main() -> None:
@@ -162,23 +178,30 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-bench"))
     parser.add_argument("--produce", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--no-peer", action="store_true", help="skip torch's converter (it needs RAM for the whole model)")
+    parser.add_argument("--baseline", type=Path, help="also run the ckpttool package in this directory (an earlier tree)")
+    parser.add_argument("--keep", action="store_true", help="reuse the input in --workdir if it is there, and keep it")
     args = parser.parse_args()
     if args.produce:
         produce(args.produce, args.format, args.split, args.size_gib)
         return
     work = args.workdir
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    src = build(work, args.format, args.split, args.size_gib)
+    src = _files(work / "src")
+    if not (args.keep and src.is_dir() and any(src.iterdir())):
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        src = build(work, args.format, args.split, args.size_gib)
     nbytes = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
     out, copy, peer_out = work / "out", work / "copy", work / "peer"
-    ckpttool = [sys.executable, "-m", "ckpttool", "merge", str(src), str(out), "--force", "-q", "--max-shard-size", "1000GB",
-                "--workers", str(args.workers)]
-    commands = {"ckpttool": ckpttool, "cp": ["sh", "-c", f"cp -r '{src}' '{copy}' && sync"]}
+    options = ["merge", str(src), str(out), "--force", "-q", "--max-shard-size", "1000GB", "--workers", str(args.workers)]
+    ckpttool = [*tool(None), *options]
+    commands = {"ckpttool": ckpttool, "cp": ["sh", "-c", f"cp -r '{src}' '{copy}' && sync"],
+                "start-up": [sys.executable, "-c", STARTUP]}
+    if args.baseline is not None:
+        commands["baseline"] = [*tool(args.baseline), *options]
     if not args.no_peer:
         peer = (PEER_DCP, str(src), str(peer_out)) if args.format == "dcp" else (PEER_HF, str(src), str(peer_out), str(args.workers))
         commands["torch"] = ["sh", "-c", f"mkdir -p '{peer_out}' && {sys.executable} -c '{peer[0]}' {' '.join(peer[1:])} && sync"]
-    results: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
+    results: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
     for _ in range(args.runs):
         for name, cmd in commands.items():
             for leftover in (copy, peer_out, out):
@@ -194,17 +217,25 @@ def main() -> None:
     largest_piece = max(math.prod(c.piece.box.sizes) * 2 for t in plan.targets for c in t.copies)
     t = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
     m = {name: statistics.median(r[1] for r in runs) for name, runs in results.items()}
+    cpu = {name: statistics.median(r[2] for r in runs) for name, runs in results.items()}
     print(f"input: {args.format}, split {args.split}, {nbytes / 2**30:.2f} GiB, {len(plan.targets)} tensors, largest piece "
-          f"{largest_piece / 2**20:.0f} MiB, largest tensor {plan.largest_target_bytes() / 2**20:.0f} MiB; {args.workers} workers")
+          f"{largest_piece / 2**20:.0f} MiB, largest tensor {plan.largest_target_bytes() / 2**20:.0f} MiB; {args.workers} workers; "
+          f"load average {os.getloadavg()[0]:.1f}")
     for name in commands:
-        print(f"  {name:9s} {t[name]:7.2f} s  {nbytes / t[name] / 2**20:7.1f} MiB/s  peak RSS {m[name] / 2**20:7.0f} MiB")
-    print(f"  ckpttool/cp = {t['ckpttool'] / t['cp']:.2f}")
+        print(f"  {name:9s} {t[name]:7.2f} s  cpu {cpu[name]:6.2f} s  {nbytes / t[name] / 2**20:7.1f} MiB/s  "
+              f"peak RSS {m[name] / 2**20:7.0f} MiB")
+    for name in ("ckpttool", "baseline"):
+        if name in t:
+            net = t[name] - t["start-up"]
+            print(f"  {name}/cp = {t[name] / t['cp']:.2f}; net of start-up ({t['start-up']:.2f} s): {net / t['cp']:.2f} "
+                  f"({net:.2f} s, cpu {cpu[name] - cpu['start-up']:.2f} s)")
     print(f"  ckpttool peak above its --dry-run baseline ({baseline / 2**20:.0f} MiB): {(m['ckpttool'] - baseline) / 2**20:.0f} MiB "
           f"(predicted at most {predict_peak_bytes(plan, args.workers) / 2**20:.0f} MiB; goal 2 x largest piece + 64 MiB = "
           f"{(2 * largest_piece + 2**26) / 2**20:.0f} MiB)")
     if "torch" in commands:
         print(f"  ckpttool/torch: time {t['ckpttool'] / t['torch']:.2f}, peak RSS {m['ckpttool'] / m['torch']:.2f}")
-    shutil.rmtree(work, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

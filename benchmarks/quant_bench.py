@@ -13,10 +13,17 @@ inputs dropped before each run, medians of ``--runs``:
 - ``plain bf16``: ``ckpttool merge BF16 OUT`` of the dequantized output (byte copies of twice the bytes);
 - ``quantize``: ``ckpttool merge BF16 OUT --quantize fp8`` (amax, scale, divide, round, and the round trip).
 
-Wall time and peak RSS as in ``merge_bench.py`` (the command the only child of a small probe; start-up, plan and
-the headers-only audit of the output included). Peak RSS is also given above ``merge --dry-run``'s.
+Wall time, CPU time (user + system, all threads) and peak RSS as in ``merge_bench.py`` (the command the only child
+of a small probe; start-up, plan and the headers-only audit of the output included). Peak RSS is also given above
+``merge --dry-run``'s. CPU time is the figure to compare on a shared machine: other jobs stretch the wall time, not
+the CPU seconds the merge itself spends.
+
+``--codec`` first times the FP8 decoder alone (one thread, CPU seconds per GiB of FP8 codes decoded into
+bfloat16): a [11008, 4096] weight with 128x128 block scales, in chunks of 32 MiB of output as the executor cuts
+them (``CHUNK_BYTES``), its buffers reused from chunk to chunk.
 
     python benchmarks/quant_bench.py --size-gib 2 --runs 3
+    python benchmarks/quant_bench.py --codec --runs 0
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge_bench import drop_cache, measure
+from merge_bench import drop_cache
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, BLOCK = 4096, 11008, 32, 8, 32003, 128
 
@@ -88,13 +95,65 @@ def build(src: Path, size_gib: float) -> None:
     (src / "config.json").write_text(json.dumps(cfg))
 
 
+def measure(cmd: list[str]) -> tuple[float, int, float]:
+    """Wall seconds, peak RSS and CPU seconds (user + system) of ``cmd``, the only child of a small probe."""
+    probe = (
+        "import resource,subprocess,sys,time;t=time.perf_counter();subprocess.run(sys.argv[1:],check=True,"
+        "stdout=subprocess.DEVNULL,stderr=subprocess.DEVNULL);u=resource.getrusage(resource.RUSAGE_CHILDREN);"
+        "print(time.perf_counter()-t,u.ru_maxrss*1024,u.ru_utime+u.ru_stime)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True).stdout.split()
+    return float(out[0]), int(out[1]), float(out[2])
+
+
+def codec_cpu(repeats: int = 8) -> float:
+    """CPU seconds per GiB of FP8 codes the FP8 block decoder spends, on one thread (see the module docstring)."""
+    import time
+
+    import torch
+
+    from ckpttool.engine.executor import CHUNK_BYTES
+    from ckpttool.quant.decode import Fp8Blocks
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(INTER, HIDDEN, generator=g).mul_(100).clamp_(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(math.ceil(INTER / BLOCK), HIDDEN // BLOCK, generator=g).mul_(1e-4).add_(1e-5)
+    buffers: dict[str, torch.Tensor] = {}
+
+    def scratch(name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        kind = {"F32": torch.float32, "I32": torch.int32, "BF16": torch.bfloat16}[dtype]
+        n = math.prod(shape) * kind.itemsize
+        if name not in buffers or buffers[name].numel() < n:
+            buffers[name] = torch.empty(n, dtype=torch.uint8)
+        return buffers[name][:n].view(kind).reshape(shape)
+
+    decoder, rows = Fp8Blocks((BLOCK, BLOCK)), CHUNK_BYTES // (2 * HIDDEN)
+    out = torch.empty(rows, HIDDEN, dtype=torch.bfloat16)
+    start_cpu = None
+    for repeat in range(repeats + 1):  # the first pass allocates the buffers and is not timed
+        if repeat == 1:
+            start_cpu = time.process_time()
+        for start in range(0, INTER, rows):
+            stop = min(start + rows, INTER)
+            decoder.decode(values[start:stop], scales[start // BLOCK : -(-stop // BLOCK)], start, out[: stop - start], scratch)
+    return (time.process_time() - start_cpu) / (repeats * values.numel() / 2**30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=2.0)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-quant-bench"))
+    parser.add_argument("--codec", action="store_true", help="time the FP8 decoder alone first (CPU s per GiB)")
     args = parser.parse_args()
+    if args.codec:
+        per_gib = codec_cpu()
+        print(f"FP8 decoder: {per_gib:.2f} CPU s per GiB of FP8 codes ({per_gib / 2:.2f} per GiB of bfloat16 written), "
+              f"one thread")
+    if args.runs <= 0:
+        return
     work = args.workdir
     shutil.rmtree(work, ignore_errors=True)
     src, bf16, out = work / "fp8", work / "bf16", work / "out"
@@ -108,7 +167,7 @@ def main() -> None:
         "plain bf16": [*merge, str(bf16), str(out)],
         "quantize": [*merge, str(bf16), str(out), "--quantize", "fp8"],
     }
-    results: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
+    results: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
     for _ in range(args.runs):
         for name, cmd in commands.items():
             shutil.rmtree(out, ignore_errors=True)
@@ -120,12 +179,14 @@ def main() -> None:
             for name in commands}
     t = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
     m = {name: statistics.median(r[1] for r in runs) for name, runs in results.items()}
+    cpu = {name: statistics.median(r[2] for r in runs) for name, runs in results.items()}
     print(f"fp8 input {size['plain fp8'] / 2**30:.2f} GiB, bf16 input {size['plain bf16'] / 2**30:.2f} GiB; "
           f"{args.workers} workers; {args.runs} runs, medians")
     for name in commands:
-        print(f"  {name:10s} {t[name]:7.2f} s  peak RSS {m[name] / 2**20:6.0f} MiB "
+        print(f"  {name:10s} {t[name]:7.2f} s  CPU {cpu[name]:6.2f} s  peak RSS {m[name] / 2**20:6.0f} MiB "
               f"({(m[name] - baselines[name]) / 2**20:5.0f} MiB above --dry-run)")
-    print(f"  dequantize / plain fp8 = {t['dequantize'] / t['plain fp8']:.2f}")
+    print(f"  dequantize / plain fp8 = {t['dequantize'] / t['plain fp8']:.2f} (CPU {cpu['dequantize'] / cpu['plain fp8']:.2f}); "
+          f"dequantize / plain bf16 = {t['dequantize'] / t['plain bf16']:.2f} (CPU {cpu['dequantize'] / cpu['plain bf16']:.2f})")
     print(f"  quantize / plain bf16 = {t['quantize'] / t['plain bf16']:.2f}; quantize / plain fp8 = "
           f"{t['quantize'] / t['plain fp8']:.2f}")
     shutil.rmtree(work, ignore_errors=True)

@@ -6,14 +6,23 @@ on the meta device (no memory), which gives the in-memory names and global shape
 writes; tied weights are dropped as ``save_pretrained`` drops them. The answer (:class:`ModelInfo`) is plain
 data: readers use it where a format records no global shapes, the families (:mod:`ckpttool.families`) to
 name and cut tensors, the audit to check them.
+
+The answer is cached on disk. A config not in the cache is described by transformers in a short-lived subprocess
+(:data:`DESCRIBE_ENV` says otherwise), so that importing transformers and building the model (a few hundred MiB
+the allocator keeps) do not stay in the merging process and push its peak memory above the plan's prediction.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +30,7 @@ from typing import Any
 
 from . import jsonfile
 from .engine.layout import Shape
-from .errors import ConfigError, SourceError
+from .errors import ArgumentError, ConfigError, SourceError
 from .paths import JSON_LIMIT, link_escapes, read_source
 
 log = logging.getLogger(__name__)
@@ -102,10 +111,12 @@ def model_info(config: Mapping[str, object], *, label: str = "config.json") -> M
     """Build the architecture on the meta device and read its expected tensors; None if transformers lacks it.
 
     The answer depends only on the config and the transformers version, and importing transformers takes
-    seconds, so it is kept in a cache (``CKPTTOOL_CACHE``, default ``~/.cache/ckpttool``) keyed by both.
+    seconds, so it is kept in a cache (``CKPTTOOL_CACHE``, default ``~/.cache/ckpttool``) keyed by both. A config
+    not in the cache is described in a subprocess (see :data:`DESCRIBE_ENV`); the time it took is logged.
 
     Raises:
-        ConfigError: transformers knows the model type but cannot build it from this config.
+        ConfigError: transformers knows the model type but cannot build it from this config, or the subprocess
+            that describes it failed (the message names the config and the reason).
     """
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
@@ -120,7 +131,94 @@ def model_info(config: Mapping[str, object], *, label: str = "config.json") -> M
     return info
 
 
+#: where a config not in the cache is described: ``subprocess``, ``inline`` (this process), or unset: in a subprocess
+#: unless transformers is already imported here (its memory is spent; a subprocess would only add seconds)
+DESCRIBE_ENV = "CKPTTOOL_DESCRIBE"
+
+
 def _build(model_type: str, config: Mapping[str, object], label: str) -> ModelInfo | None:
+    """The description of a config not in the cache, where :data:`DESCRIBE_ENV` says; its time is logged.
+
+    Raises:
+        ConfigError: transformers cannot build the model, or the subprocess failed (the message says why).
+        ArgumentError: :data:`DESCRIBE_ENV` has another value.
+    """
+    mode = os.environ.get(DESCRIBE_ENV) or ("inline" if "transformers" in sys.modules else "subprocess")
+    if mode not in ("subprocess", "inline"):
+        raise ArgumentError(f"{DESCRIBE_ENV}={mode!r}: expected 'subprocess' or 'inline' (describe the architecture "
+                            "in this process)")
+    started, where = time.perf_counter(), "in this process"
+    if mode == "subprocess":
+        try:
+            info, peak = _describe_in_subprocess(model_type, config, label)
+            where = f"in a subprocess (peak RSS {peak / 2**20:.0f} MiB)"
+        except _CannotSpawn as e:
+            log.info("cannot start a subprocess to describe the architecture (%s): describing it in this process", e)
+            mode = "inline"
+    if mode == "inline":
+        info = _describe(model_type, config, label)
+    log.info("described the %s architecture of '%s' with transformers in %.1f s, %s; cached for the next run",
+             model_type, label, time.perf_counter() - started, where)
+    return info
+
+
+class _CannotSpawn(Exception):
+    """No subprocess can describe the config (no interpreter, no fork, a config that is not JSON)."""
+
+
+def _describe_in_subprocess(model_type: str, config: Mapping[str, object], label: str) -> tuple[ModelInfo | None, int]:
+    """:func:`_describe` in a fresh interpreter (:func:`_describe_main`): the description and the child's peak RSS;
+    :class:`_CannotSpawn` or :class:`ConfigError` as :func:`_build` says."""
+    try:
+        request = json.dumps({"config": config, "label": label})
+    except (TypeError, ValueError) as e:  # a config handed over by a library caller, with non-JSON values
+        raise _CannotSpawn(f"the config is not JSON: {e}") from None
+    if not sys.executable:
+        raise _CannotSpawn("no Python interpreter path (sys.executable is empty)")
+    package = str(Path(__file__).resolve().parent.parent)  # the same ckpttool, wherever it was imported from
+    code = f"import sys; sys.path.insert(0, {package!r}); from ckpttool.architecture import _describe_main; _describe_main()"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], input=request, capture_output=True, text=True)
+    except OSError as e:
+        raise _CannotSpawn(str(e)) from None
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    signals = {s.value: s.name for s in signal.Signals}
+    reason = (f"killed by {signals.get(-done.returncode, f'signal {-done.returncode}')}" if done.returncode < 0
+              else lines[-1] if lines else f"exit status {done.returncode}")
+    if done.returncode == 0:
+        try:
+            answer = json.loads(done.stdout)
+            error = answer.get("error")
+            info = None if answer.get("none") or error is not None else _from_doc(answer, config)
+            peak = int(answer.get("peak", 0))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            reason = f"its answer is not a description: {e}"
+        else:
+            if error is not None:  # transformers' own refusal, worded as in this process
+                raise ConfigError(str(error))
+            return info, peak
+    raise ConfigError(f"'{label}': describing the {model_type} architecture with transformers in a subprocess "
+                      f"failed ({reason}). Set {DESCRIBE_ENV}=inline to describe it in this process")
+
+
+def _describe_main() -> None:
+    """The subprocess of :func:`_describe_in_subprocess`: ``{"config", "label"}`` on stdin, one JSON document on
+    stdout: the cache entry of the description, or ``{"error": message}``; with the process's peak RSS."""
+    import resource
+
+    request = json.loads(sys.stdin.read())
+    config, label = request["config"], request["label"]
+    with contextlib.redirect_stdout(sys.stderr):  # whatever transformers prints must not mix with the answer
+        try:
+            answer = _to_doc(_describe(config["model_type"], config, label))
+        except ConfigError as e:
+            answer = {"error": str(e)}
+    answer["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    sys.stdout.write(json.dumps(answer))
+
+
+def _describe(model_type: str, config: Mapping[str, object], label: str) -> ModelInfo | None:
+    """Build the architecture on the meta device in this process and read its expected tensors."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -205,18 +303,29 @@ def _read_cache(path: Path, config: Mapping[str, object]) -> tuple[ModelInfo | N
         doc = jsonfile.loads(path.read_text())
         if doc is None or doc.get("none"):
             return (None,) if doc is not None else None
-        shapes = lambda m: {k: tuple(int(n) for n in v) for k, v in m.items()}  # noqa: E731
-        return (ModelInfo(doc["model_type"], dict(config), shapes(doc["memory"]), shapes(doc["disk"]),
-                          dict(doc["tied"]), doc.get("family"), shapes(doc["mtp"])),)
+        return (_from_doc(doc, config),)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def _write_cache(path: Path, info: ModelInfo | None) -> None:
-    doc = {"none": True} if info is None else {
+def _from_doc(doc: Mapping[str, Any], config: Mapping[str, object]) -> ModelInfo:
+    """The description a cache entry (:func:`_to_doc`) holds, for ``config``; KeyError, TypeError, ValueError or
+    AttributeError when it holds none."""
+    shapes = lambda m: {k: tuple(int(n) for n in v) for k, v in m.items()}  # noqa: E731
+    return ModelInfo(doc["model_type"], dict(config), shapes(doc["memory"]), shapes(doc["disk"]), dict(doc["tied"]),
+                     doc.get("family"), shapes(doc["mtp"]))
+
+
+def _to_doc(info: ModelInfo | None) -> dict[str, Any]:
+    """A description as a JSON document (a cache entry, and the subprocess's answer); ``{"none": true}`` for None."""
+    return {"none": True} if info is None else {
         "model_type": info.model_type, "memory": info.memory_shapes, "disk": info.disk_shapes, "tied": info.tied,
         "family": info.family, "mtp": info.mtp_shapes,
     }
+
+
+def _write_cache(path: Path, info: ModelInfo | None) -> None:
+    doc = _to_doc(info)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")

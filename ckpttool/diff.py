@@ -32,6 +32,8 @@ from .engine.executor import (
     piece_uses,
 )
 from .engine.plan import Plan, Target
+from .errors import ConfigError
+from .families.quantized import ASKS_TO_DEQUANTIZE, OR_KEEP_QUANTIZED
 from .merge import prepare
 
 EQUAL, DIFFERENT, ONLY_A, ONLY_B, SHAPE, DTYPE = "equal", "different", "only-a", "only-b", "shape", "dtype"
@@ -120,9 +122,8 @@ def diff(
         >>> diff("fixtures/llama_fsdp2_dcp/checkpoint", "fixtures/llama_tp2_dcp/checkpoint").equal  # doctest: +SKIP
         True
     """
-    dtype = "float32" if dequantize else None
-    plan_a = prepare(a, format=format_a, config=config, dtype=dtype).plan
-    plan_b = prepare(b, format=format_b, config=config_b if config_b is not None else config, dtype=dtype).plan
+    plan_a = _plan(a, format_a, config, dequantize)
+    plan_b = _plan(b, format_b, config_b if config_b is not None else config, dequantize)
     total = plan_a.nbytes + plan_b.nbytes
     tick = (lambda n: progress(n, total)) if progress else (lambda n: None)
     prints_a, prints_b = _fingerprints(plan_a, tick), _fingerprints(plan_b, tick)
@@ -147,6 +148,18 @@ def diff(
         differences.extend(_compare(plan_a, plan_b, compare))
     order = {n: i for i, n in enumerate(sorted(targets_a.keys() | targets_b.keys()))}
     return DiffResult(str(a), str(b), equal, tuple(sorted(differences, key=lambda d: order[d.name])), dequantize)
+
+
+def _plan(src: str | Path, format: str | None, config: str | Path | None, dequantize: bool) -> Plan:
+    """One side's plan: as a merge given ``dtype="float32"`` plans it when ``dequantize``, whose refusal of a
+    quantized checkpoint without a config is worded for the diff's own ``dequantize=True``."""
+    try:
+        return prepare(src, format=format, config=config, dtype="float32" if dequantize else None).plan
+    except ConfigError as e:
+        if not dequantize or ASKS_TO_DEQUANTIZE not in str(e):
+            raise
+        raise ConfigError(str(e).replace(ASKS_TO_DEQUANTIZE, "dequantize=True asks to compare dequantized values")
+                          .replace(OR_KEEP_QUANTIZED, "diff without dequantize=True to compare the stored bytes")) from None
 
 
 def _fingerprints(plan: Plan, tick: Callable[[int], None]) -> dict[str, str]:

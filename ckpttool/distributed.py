@@ -10,6 +10,7 @@ its message instead of waiting forever.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -33,11 +34,14 @@ class Group:
         self.rank, self.world = 0, 1
         self._group: Any = None
         self._owned = False
-        import torch.distributed as dist
-
-        running = dist.is_available() and dist.is_initialized()
+        # a group can run only once torch.distributed is imported: a merge outside torchrun (a dry run, an HF
+        # source) need not import torch for this
+        dist = sys.modules.get("torch.distributed")
+        running = dist is not None and dist.is_available() and dist.is_initialized()
         if not running and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return
+        import torch.distributed as dist
+
         wait = timedelta(seconds=timeout if timeout is not None else TIMEOUT)
         if not running:
             dist.init_process_group("gloo", timeout=wait)
@@ -65,8 +69,14 @@ class Group:
         return _settle(mine, everyone)
 
     def close(self) -> None:
+        if not self._owned and self._group is None:  # a group of one: nothing to destroy
+            return
         import torch.distributed as dist
 
+        try:  # every rank done with its last message before any tears its side down (gloo can abort otherwise)
+            dist.barrier(group=self._group)
+        except Exception:  # noqa: BLE001 - a peer already gone; tearing down is all that is left to do
+            pass
         if self._owned:
             dist.destroy_process_group()
         elif self._group is not None:  # the gloo group made beside a running job's own

@@ -1,31 +1,54 @@
-"""Element types by their safetensors names, the one spelling ckpttool uses in layouts and plans."""
+"""Element types by their safetensors names, the one spelling ckpttool uses in layouts and plans.
+
+Stdlib only: torch is imported when a torch dtype is asked for (:func:`torch_dtype`), so planning from headers
+(``merge --dry-run``, ``audit --no-data``) runs without it.
+"""
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections import Counter
 from collections.abc import Iterable
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import ArgumentError, SourceError
 
-#: safetensors dtype name -> torch dtype
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,  # power-of-two scales (OCP MX E8M0; 0xFF is NaN)
+if TYPE_CHECKING:
+    import torch
+
+#: safetensors dtype name -> (the name of its torch dtype, bytes per element)
+_TORCH_NAMES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),  # power-of-two scales (OCP MX E8M0; 0xFF is NaN)
 }
-_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+#: the safetensors dtype names ckpttool stores
+SAFETENSORS_DTYPES = frozenset(_TORCH_NAMES)
+#: bytes per element by safetensors dtype name (what :func:`itemsize` answers, for loops over 90k tensors)
+ITEMSIZES: dict[str, int] = {name: size for name, (_, size) in _TORCH_NAMES.items()}
+
+
+def _loaded_torch_dtype(value: object) -> bool:
+    """Whether ``value`` is a torch dtype: it can be one only once torch is imported, so this never imports it."""
+    torch_module = sys.modules.get("torch")
+    return torch_module is not None and isinstance(value, torch_module.dtype)
+
+
+@functools.cache
+def _names() -> dict[torch.dtype, str]:
+    return {torch_dtype(name): name for name in _TORCH_NAMES}
+
 
 #: spellings users type on the command line or find in configs -> safetensors name
 _ALIASES = {
@@ -45,18 +68,18 @@ def dtype_name(value: str | torch.dtype) -> str:
     Raises:
         SourceError: the dtype is not one ckpttool can store.
     """
-    if isinstance(value, torch.dtype):
-        if value in _NAMES:
-            return _NAMES[value]
+    if _loaded_torch_dtype(value):
+        if value in _names():
+            return _names()[value]
         raise SourceError(f"dtype {value} cannot be stored in safetensors by ckpttool")
     text = str(value).strip()
     if text.startswith("torch."):
         text = text[len("torch."):]
-    if text.upper() in TORCH_DTYPES:
+    if text.upper() in _TORCH_NAMES:
         return text.upper()
     if text.lower() in _ALIASES:
         return _ALIASES[text.lower()]
-    known = ", ".join(sorted(set(_ALIASES) | set(TORCH_DTYPES)))
+    known = ", ".join(sorted(set(_ALIASES) | set(_TORCH_NAMES)))
     raise SourceError(f"unknown dtype {value!r}; known: {known}")
 
 
@@ -78,7 +101,7 @@ def cast_dtype(value: str | torch.dtype | None) -> str | None:
     """
     if value is None:
         return None
-    if isinstance(value, torch.dtype):
+    if _loaded_torch_dtype(value):
         text = str(value).removeprefix("torch.")
     else:
         text = str(value).strip().lower().removeprefix("torch.")
@@ -99,11 +122,15 @@ def prevailing_float(dtypes: Iterable[str]) -> str | None:
 
 def itemsize(name: str) -> int:
     """Bytes per element of the dtype with this safetensors name."""
-    return TORCH_DTYPES[name].itemsize
+    return ITEMSIZES[name]
 
 
+@functools.cache
 def torch_dtype(name: str) -> torch.dtype:
-    return TORCH_DTYPES[name]
+    """The torch dtype of this safetensors name (imports torch)."""
+    import torch
+
+    return getattr(torch, _TORCH_NAMES[name][0])
 
 
 #: floating-point safetensors dtypes (the ones ``--dtype`` casts and the audit's dtype-mix check compares)

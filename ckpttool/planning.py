@@ -155,7 +155,7 @@ def plan_layout(
         specs = quantized_specs(specs, layout, quantize, source=layout.root, quant=quant, has_model=model is not None)
         own.append(f"quantized the Linear weights of the decoder layers to FP8 E4M3 in {quantize[0]}x{quantize[1]} "
                    "blocks with float32 weight_scale_inv; norms, embeddings, lm_head, routers and biases kept")
-    specs = sorted(specs, key=lambda s: natural(s.name))
+    specs = sorted(specs, key=_natural_name)
     keep = {s.name for s in specs if keeps_dtype(s.name)} if dtype is not None else set()
     plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes], keep_dtype=keep)
     return Planned(layout, config_path, config, model, plan, tuple(tied), adapter, tuple(adapter_notes), tuple(unplaced),
@@ -164,4 +164,11 @@ def plan_layout(
 
 def natural(name: str) -> list[object]:
     """Sort key that puts ``layers.2`` before ``layers.10``."""
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+    return [int(p) if p.isdigit() else p for p in _DIGITS.split(name)]
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _natural_name(spec: TargetSpec) -> list[object]:
+    return natural(spec.name)

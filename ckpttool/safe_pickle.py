@@ -12,8 +12,7 @@ import io
 import pickle
 from typing import Any
 
-import torch
-
+from .deferred import torch
 from .errors import PickleBombError, SourceError, UnsafePickleError
 from .pickle_bounds import EnumStandIn, bound_graph, budget, charge, charged, enum_member, ints, text
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from . import jsonfile
-from .dtypes import TORCH_DTYPES, itemsize
+from .dtypes import ITEMSIZES, SAFETENSORS_DTYPES, itemsize
 from .errors import SourceError
 from .paths import open_source
 
@@ -86,18 +86,50 @@ def read_header(path: str | os.PathLike[str], name: str | None = None) -> Header
         raise SourceError(f"'{label}': safetensors __metadata__ must map strings to strings")
     data_start = 8 + n
     buffer = size - data_start
-    entries: dict[str, Entry] = {}
-    for key, info in header.items():
-        entries[key] = _entry(label, key, info, data_start, buffer)
-    _check_contiguous(label, entries, data_start, size)
+    entries = _well_formed(header, data_start, buffer, size)
+    if entries is None:  # something is wrong: the checks one tensor at a time name it
+        entries = {key: _entry(label, key, info, data_start, buffer) for key, info in header.items()}
+        _check_contiguous(label, entries, data_start, size)
     return Header(entries, metadata, data_start)
+
+
+def _well_formed(header: dict[str, object], data_start: int, buffer: int, size: int) -> dict[str, Entry] | None:
+    """The entries of a header that passes every check of :func:`_entry` and :func:`_check_contiguous`, checked
+    a whole header at a time (a file of DeepSeek-V3 holds ~550 tensors, a checkpoint 90k); None when any check
+    fails, for those functions to find which and say so. Accepts only what they accept."""
+    try:
+        records = [(info["dtype"], info["shape"], info["data_offsets"]) for info in header.values()]
+        dtypes, shapes, offsets = zip(*records) if records else ((), (), ())
+        if not set(dtypes) <= SAFETENSORS_DTYPES or not set(map(type, shapes)) <= {list}:
+            return None
+        if not set(map(type, offsets)) <= {list} or not set(map(len, offsets)) <= {2}:
+            return None
+    except (TypeError, KeyError):  # a record that is no dict, lacks a field, or holds an unhashable dtype
+        return None
+    dims = [d for shape in shapes for d in shape]
+    bounds = [o for pair in offsets for o in pair]
+    if not set(map(type, dims)) <= {int} or not set(map(type, bounds)) <= {int} or min(dims, default=0) < 0:
+        return None
+    entries: dict[str, Entry] = {}
+    prod, itemsizes = math.prod, ITEMSIZES
+    for key, dtype, shape, (begin, end) in zip(header, dtypes, shapes, offsets):
+        if begin < 0 or end > buffer or end - begin != prod(shape) * itemsizes[dtype]:
+            return None
+        entries[key] = Entry(dtype, tuple(shape), data_start + begin, data_start + end)
+    spans = sorted(zip(bounds[0::2], bounds[1::2]))
+    position = 0
+    for begin, end in spans:  # the tensors tile the data buffer: no gap, no overlap, nothing after
+        if begin != position:
+            return None
+        position = end
+    return entries if position == size - data_start else None
 
 
 def _entry(label: str, key: str, info: object, data_start: int, buffer: int) -> Entry:
     if not isinstance(info, dict):
         raise SourceError(f"'{label}': tensor '{key}' has no dtype/shape/data_offsets record")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
         raise SourceError(f"'{label}': tensor '{key}' has unsupported dtype {dtype!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise SourceError(f"'{label}': tensor '{key}' has an invalid shape {shape!r}")

@@ -42,14 +42,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from . import jsonfile
 from .dtypes import dtype_name
 from .engine.layout import Fusion, Padding
 from .errors import SourceError
+
+if TYPE_CHECKING:  # a merge reads sidecars without torch; save_shard is given tensors, so torch is loaded then
+    import torch
 
 FORMAT = "ckpttool-sidecar"
 VERSION = 1

@@ -20,8 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-import torch
-
+from .deferred import torch
 from .dtypes import dtype_name, itemsize
 from .engine.layout import c_strides
 from .errors import PickleBombError, SourceError, UnsafePickleError

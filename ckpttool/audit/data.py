@@ -12,8 +12,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
-import torch
-
+from ..deferred import torch
 from ..engine.layout import Layout
 from ..engine.reference import PieceLoader
 from ..findings import Finding, TensorStats, finding

@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-import torch
-
+from ..deferred import torch
 from ..engine.plan import Plan, Target
 from ..findings import Finding, finding
 from ..planning import Planned, plan_layout

@@ -15,8 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 
-import torch
-
+from ..deferred import torch
 from ..engine.executor import Reader, buffer_sizes, build, chunks, piece_uses
 from ..engine.plan import Plan, Target
 from ..findings import TensorStats

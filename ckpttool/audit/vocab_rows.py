@@ -13,8 +13,7 @@ import hashlib
 import math
 from dataclasses import replace
 
-import torch
-
+from ..deferred import torch
 from ..dtypes import torch_dtype
 from ..engine.plan import Plan, Target
 from ..findings import Finding, finding

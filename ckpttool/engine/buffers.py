@@ -73,9 +73,9 @@ def buffer_sizes(chunk_list: Sequence[Chunk], cache: bool = True) -> dict[str, i
                 last = (chunk.target, _signature(chunk.target))
             key = (chunk.start, chunk.stop, chunk.nbytes, last[1])
             try:
-                found = seen.get(key)
-                if found is None:
-                    found = seen[key] = _chunk_sizes(chunk)
+                if key in seen:  # sized before, and already counted: the maxima cannot change
+                    continue
+                found = seen[key] = _chunk_sizes(chunk)
             except TypeError:  # a codec parameter that cannot be hashed: this chunk is sized alone
                 found = _chunk_sizes(chunk)
         for name, n in found.items():
@@ -88,10 +88,14 @@ def _signature(target: Target) -> tuple:
     """What :func:`_chunk_sizes` reads of a target: shapes, dtypes, the codec, and each copy's boxes and piece
     shape, dtype and encoding (not its file or key)."""
     dq, scale = target.dequant, target.scale
-    return (target.shape, target.dtype, target.source_dtype,
-            tuple((c.src, c.dst, c.piece.box.sizes, c.piece.dtype, c.piece.encoding) for c in target.copies),
+    return (target.shape, target.dtype, target.source_dtype, tuple(map(_copy_signature, target.copies)),
             None if dq is None else (dq.method, dq.params, dq.stored),
             None if scale is None else _signature(scale))
+
+
+def _copy_signature(c: Copy) -> tuple:
+    """A copy's boxes (as tuples: hashed at C speed) and its piece's shape, dtype and encoding."""
+    return (c.src.offsets, c.src.sizes, c.dst.offsets, c.dst.sizes, c.piece.box.sizes, c.piece.dtype, c.piece.encoding)
 
 
 def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
@@ -121,11 +125,28 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
     return sizes
 
 
+def _targets(chunk_list: Sequence[Chunk]) -> list[Target]:
+    """The targets of ``chunk_list``, each once (a target's chunks come one after another)."""
+    found: list[Target] = []
+    for chunk in chunk_list:
+        if not found or found[-1] is not chunk.target:
+            found.append(chunk.target)
+    return found
+
+
+def _read_copies(target: Target) -> tuple[tuple[Copy, ...], ...]:
+    """The copies the chunks of ``target`` read, whatever their rows (see :func:`_inputs`)."""
+    if target.dequant is None or target.scale is None:
+        return (target.copies,)
+    return (target.copies, target.scale.copies)
+
+
 def predict_peak_bytes(chunk_list: Sequence[Chunk], workers: int = 1) -> int:
     """Upper bound of the memory the streaming executor holds: per thread, its buffers at their largest
     (allocated once, at that size); plus whole ``torch.save`` pieces kept for later chunks (at most the
     loader's cache and one piece per thread)."""
     archives = {c.piece: math.prod(c.piece.box.sizes) * itemsize(c.piece.dtype)
-                for chunk in chunk_list for copies, _ in _inputs(chunk) for c in copies if c.piece.encoding != RAW}
+                for target in _targets(chunk_list) for copies in _read_copies(target) for c in copies
+                if c.piece.encoding != RAW}
     kept = min(sum(archives.values()), CACHE_BYTES) + workers * max(archives.values(), default=0)
     return workers * sum(buffer_sizes(chunk_list).values()) + kept + OVERHEAD_BYTES

@@ -67,6 +67,10 @@ def range_boxes(shape: Shape, start: int, stop: int) -> list[tuple[Box, int]]:
     return boxes
 
 
+#: the offsets of a whole box, by number of dims (one tuple each, shared)
+_ZEROS = tuple((0,) * n for n in range(8))
+
+
 @dataclass(frozen=True, slots=True)
 class Box:
     """A rectangular region of a tensor: ``offsets`` and ``sizes`` per dimension."""
@@ -80,7 +84,7 @@ class Box:
 
     @classmethod
     def whole(cls, shape: Shape) -> Box:
-        return cls((0,) * len(shape), tuple(shape))
+        return cls(_ZEROS[len(shape)] if len(shape) < len(_ZEROS) else (0,) * len(shape), tuple(shape))
 
     @property
     def ends(self) -> Shape:
@@ -105,6 +109,8 @@ class Box:
         return Box(tuple(o - d for o, d in zip(self.offsets, delta)), self.sizes)
 
     def inside(self, shape: Shape) -> bool:
+        if self.sizes == shape and not any(self.offsets):  # the whole tensor: most pieces and slices
+            return min(shape, default=0) >= 0
         if len(shape) != len(self.sizes):
             return False
         for o, s, n in zip(self.offsets, self.sizes, shape):
@@ -186,6 +192,8 @@ class TensorLayout:
     @property
     def true_shape(self) -> Shape:
         """The global shape with recorded padding removed."""
+        if not self.padding and type(self.global_shape) is tuple:
+            return self.global_shape
         shape = list(self.global_shape)
         for pad in self.padding:
             shape[pad.dim] = pad.true_size

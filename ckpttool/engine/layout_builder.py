@@ -69,6 +69,13 @@ class LayoutBuilder:
         fusion: Fusion | None = None,
     ) -> bool:
         """Record a global tensor; return False (and note a problem) if it contradicts an earlier record."""
+        if (type(global_shape) is tuple and not padding and fusion is None and type(fqn) is str
+                and fqn not in self._shape and set(map(type, global_shape)) <= _INT and min(global_shape, default=0) >= 0):
+            # the common case, checked at C speed: a new tensor, a shape of plain non-negative ints, no records
+            self._shape[fqn], self._dtype[fqn], self._first[fqn] = global_shape, dtype, where
+            self._pieces[fqn] = []
+            self._padding[fqn], self._fusion[fqn] = padding, fusion
+            return True
         if not isinstance(fqn, str):
             self.problem(f"{fqn!r:.60}: a tensor name that is not a string in {where}")
             return False
@@ -117,6 +124,20 @@ class LayoutBuilder:
             ok = False
         return ok
 
+    def add_whole(self, fqn: str, piece: Piece, *, where: str) -> None:
+        """Declare a tensor that ``piece`` holds whole (its shape is the piece's sizes, no padding, no fusion) and
+        add the piece: :meth:`declare` then :meth:`add`, in one step for the common case (an HF checkpoint is
+        90k such tensors)."""
+        box = piece.box
+        shape = box.sizes
+        if (type(fqn) is str and fqn not in self._shape and type(shape) is tuple and not any(box.offsets)
+                and set(map(type, shape)) <= _INT and min(shape, default=1) > 0):
+            self._shape[fqn], self._dtype[fqn], self._first[fqn] = shape, piece.dtype, where
+            self._pieces[fqn] = [piece]
+            self._padding[fqn], self._fusion[fqn] = (), None
+        elif self.declare(fqn, shape, piece.dtype, where=where):
+            self.add(fqn, piece)
+
     @property
     def declared(self) -> tuple[str, ...]:
         return tuple(self._shape)
@@ -154,16 +175,12 @@ class LayoutBuilder:
             raise SourceError(
                 "the checkpoint's metadata is inconsistent:\n" + "\n".join(f"  - {p}" for p in self._problems)
             )
+        # the per-tensor dicts are filled together (declare, add_whole), so they hold their fqns in one order
+        records = zip(self._shape.items(), self._dtype.values(), self._pieces.values(), self._padding.values(),
+                      self._fusion.values())
         tensors = {
-            fqn: TensorLayout(
-                fqn=fqn,
-                global_shape=self._shape[fqn],
-                dtype=self._dtype[fqn],
-                pieces=_in_order(self._pieces[fqn]),
-                padding=self._padding[fqn],
-                fusion=self._fusion[fqn],
-            )
-            for fqn in self._shape
+            fqn: TensorLayout(fqn, shape, dtype, tuple(pieces) if len(pieces) < 2 else _in_order(pieces), padding, fusion)
+            for (fqn, shape), dtype, pieces, padding, fusion in records
         }
         return Layout(
             root=self.root,
@@ -174,6 +191,9 @@ class LayoutBuilder:
             notes=tuple(self._notes) + tuple(notes),
             parallel=dict(self._parallel),
         )
+
+
+_INT = frozenset({int})
 
 
 def _in_order(pieces: list[Piece]) -> tuple[Piece, ...]:

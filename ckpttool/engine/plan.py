@@ -13,34 +13,16 @@ import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from ..dtypes import FLOAT_DTYPES, itemsize
-from ..errors import ArgumentError, CoverageError, SourceError
-from . import regions
+from ..dtypes import FLOAT_DTYPES, ITEMSIZES
+from ..errors import ArgumentError, CoverageError
 from .layout import Box, Layout, Piece, Shape, TensorLayout
-from .regions import map_region, squeeze, uncovered
+from .regions import uncovered
+from .tiling import Copy, Slice, check_tiling
 
-
-@dataclass(frozen=True, slots=True)
-class Slice:
-    """``src`` (a box of source tensor ``source``, global coordinates) fills ``dst`` (a box of the target).
-
-    The two boxes hold the same elements in the same order: their sizes agree once dims of size 1 are
-    dropped, so a stacked ``(E, I, H)`` tensor can give an ``(I, H)`` target.
-    """
-
-    source: str
-    src: Box
-    dst: Box
-
-    def __post_init__(self) -> None:
-        if squeeze(self.src.sizes) != squeeze(self.dst.sizes):
-            raise SourceError(
-                f"slice of '{self.source}' maps sizes {list(self.src.sizes)} onto {list(self.dst.sizes)}"
-            )
-
-    def dim_map(self) -> tuple[int | None, ...]:
-        """For each target dim, the source dim it comes from (None for an added dim of size 1)."""
-        return regions.dim_map(self.src, self.dst)
+__all__ = [  # Copy, Slice, check_tiling and uncovered live in .tiling and .regions; offered here from the start
+    "Copy", "Dequantize", "Plan", "Slice", "Target", "TargetSpec", "check_tiling", "identity_specs", "plan_covered",
+    "plan_merge", "tensor_specs", "uncovered",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +49,6 @@ class Dequantize:
 
 
 @dataclass(frozen=True, slots=True)
-class Copy:
-    """Copy ``src`` (a box in the piece's local coordinates) of ``piece`` to ``dst`` (a box of the target)."""
-
-    piece: Piece
-    src: Box
-    dst: Box
-
-
-@dataclass(frozen=True, slots=True)
 class Target:
     """One output tensor: its name, shape, output dtype, and the copies that fill it exactly once."""
 
@@ -91,7 +64,7 @@ class Target:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize(self.dtype)
+        return math.prod(self.shape) * ITEMSIZES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +155,10 @@ def tensor_specs(tensor: TensorLayout, name: str) -> list[TargetSpec]:
     """The targets one source tensor gives by default: itself (padding stripped), or its fused parts."""
     shape = tensor.true_shape
     if tensor.fusion is None:
-        return [TargetSpec(name, shape, (Slice(tensor.fqn, Box.whole(shape), Box.whole(shape)),))]
+        pieces = tensor.pieces  # one piece of the whole tensor (most): its box is the slice's, not a copy of it
+        box = pieces[0].box if len(pieces) == 1 else None
+        whole = box if box is not None and box.sizes == shape and not any(box.offsets) else Box.whole(shape)
+        return [TargetSpec(name, shape, (Slice(tensor.fqn, whole, whole),))]
     specs = []
     start = 0
     dim = tensor.fusion.dim
@@ -195,6 +171,9 @@ def tensor_specs(tensor: TensorLayout, name: str) -> list[TargetSpec]:
 
 
 def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[Target | None, list[str]]:
+    whole = _whole_copy(layout, spec, dtype) if len(spec.slices) == 1 and spec.dequant is None else None
+    if whole is not None:
+        return whole, []
     problems: list[str] = []
     copies: list[Copy] = []
     source_dtypes = set()
@@ -224,6 +203,24 @@ def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[T
     out_dtype = dtype if (dtype is not None and source_dtype in FLOAT_DTYPES) else source_dtype
     sources = tuple(dict.fromkeys(sl.source for sl in spec.slices))
     return Target(spec.name, spec.shape, out_dtype, source_dtype, tuple(copies), sources), problems
+
+
+def _whole_copy(layout: Layout, spec: TargetSpec, dtype: str | None) -> Target | None:
+    """The target :func:`_plan_target` plans when ``spec`` is one slice that is the whole of a one-piece source
+    tensor, copied as it is (most tensors of a checkpoint, and a plan can hold 90k of them), without the tiling
+    machinery; None for any other spec."""
+    sl = spec.slices[0]
+    tensor = layout.tensors.get(sl.source)
+    if tensor is None or len(tensor.pieces) != 1:
+        return None
+    piece = tensor.pieces[0]
+    box, src, dst = piece.box, sl.src, sl.dst
+    shape = box.sizes
+    if not (shape == src.sizes == dst.sizes == spec.shape == tensor.global_shape
+            and box.offsets == src.offsets == dst.offsets and not any(box.offsets) and min(shape, default=1) > 0):
+        return None
+    out_dtype = dtype if (dtype is not None and tensor.dtype in FLOAT_DTYPES) else tensor.dtype
+    return Target(spec.name, spec.shape, out_dtype, tensor.dtype, (Copy(piece, box, dst),), (sl.source,))
 
 
 def _plan_dequantized(layout: Layout, spec: TargetSpec, dq: Dequantize, copies: list[Copy], stored_dtype: str,
@@ -265,88 +262,3 @@ def _slice_copies(sl: Slice, pieces: Iterable[Piece]) -> list[Copy]:
                 sizes.append(common.sizes[s])
         copies.append(Copy(piece, common.shift(piece.box.offsets), Box(tuple(offsets), tuple(sizes))))
     return copies
-
-
-def check_tiling(
-    name: str,
-    shape: Shape,
-    copies: Sequence[Copy],
-    layout: Layout | None = None,
-    slices: Sequence[Slice] = (),
-) -> list[str]:
-    """Every problem that keeps ``copies`` from tiling a tensor of ``shape`` exactly once.
-
-    Out-of-bounds copies, overlaps (with the two pieces' files) and uncovered regions (with the files that
-    were expected to hold them, when the layout knows) are each one message.
-    """
-    if len(copies) == 1 and copies[0].dst.offsets == (0,) * len(shape) and copies[0].dst.sizes == shape:
-        return []  # one copy of the whole tensor: most tensors of a checkpoint, and a plan can hold 90k of them
-    problems = []
-    inside = []
-    for c in copies:
-        if c.dst.inside(shape):
-            inside.append(c)
-        else:
-            problems.append(
-                f"'{name}': piece in {c.piece.where()} writes offsets {list(c.dst.offsets)} sizes "
-                f"{list(c.dst.sizes)}, outside the tensor's shape {list(shape)}"
-            )
-    problems.extend(_overlaps(name, shape, inside))
-    for gap in uncovered(shape, [c.dst for c in inside])[:8]:
-        problems.append(_gap_message(name, shape, gap, inside, layout, slices))
-    return problems
-
-
-def _overlaps(name: str, shape: Shape, copies: Sequence[Copy]) -> list[str]:
-    if not shape:
-        return [f"'{name}': the scalar is covered {len(copies)} times"] if len(copies) > 1 else []
-    found = []
-    ordered = sorted(copies, key=lambda c: c.dst.offsets)
-    active: list[Copy] = []
-    for c in ordered:
-        active = [a for a in active if a.dst.ends[0] > c.dst.offsets[0]]
-        for a in active:
-            common = a.dst.intersect(c.dst)
-            if common is not None:
-                found.append(
-                    f"'{name}': {common.describe(shape)} covered twice, by {a.piece.where()} and "
-                    f"{c.piece.where()}. Are two checkpoints mixed in one directory?"
-                )
-                if len(found) >= 8:
-                    return found
-        active.append(c)
-    return found
-
-
-def _gap_message(
-    name: str, shape: Shape, gap: Box, copies: Sequence[Copy], layout: Layout | None, slices: Sequence[Slice]
-) -> str:
-    files = sorted({c.piece.file for c in copies})
-    found = (
-        f"found {len(copies)} piece{'s' if len(copies) != 1 else ''} in "
-        + ", ".join(f"'{f}'" for f in files[:6])
-        + (f" and {len(files) - 6} more files" if len(files) > 6 else "")
-        if copies
-        else "found no piece at all"
-    )
-    absent = []
-    if layout is not None:
-        for sl in slices:
-            region = _source_region(sl, gap)
-            for piece in layout.absent.get(sl.source, ()) if region is not None else ():
-                if region.intersect(piece.box) is not None:
-                    absent.append(piece.file)
-    if absent:
-        missing = ", ".join(f"'{f}'" for f in sorted(set(absent)))
-        cause = f"The metadata places them in {missing}, which is missing. Restore that file."
-    elif layout is not None and layout.missing:
-        missing = ", ".join(f"'{f}'" for f in layout.missing[:6])
-        cause = f"These files of the checkpoint are missing: {missing}. Restore them."
-    else:
-        cause = "Is a rank's file missing, or the checkpoint incomplete?"
-    return f"'{name}': {gap.describe(shape)} covered by no piece (shape {list(shape)}; {found}). {cause}"
-
-
-def _source_region(sl: Slice, box: Box) -> Box | None:
-    """The part of source tensor ``sl.source`` that fills ``box`` of the target, or None if ``sl`` misses it."""
-    return map_region(sl.src, sl.dst, box)

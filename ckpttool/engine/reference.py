@@ -15,8 +15,7 @@ from collections import Counter, OrderedDict
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
+from ..deferred import torch
 from ..dtypes import dtype_name, torch_dtype
 from ..errors import SourceError, UnsafePickleError
 from ..paths import open_source

@@ -30,6 +30,10 @@ from ..quant.formats import (
 
 #: the key of config.json a dequantizing merge removes
 CONFIG_KEY = "quantization_config"
+#: how a dequantizing merge without a config is refused: what asked, and what to do instead (``ckpttool diff``
+#: words them for its ``dequantize=True``)
+ASKS_TO_DEQUANTIZE = "dtype= asks to dequantize"
+OR_KEEP_QUANTIZED = "merge without a dtype to keep the checkpoint quantized"
 
 
 def with_quantized(model: ModelInfo, specs: Sequence[TargetSpec], quant: Quantization | None) -> ModelInfo:
@@ -57,9 +61,9 @@ def problems(specs: Sequence[TargetSpec], layout: Layout, quant: Quantization | 
     if dequantize and not has_config and quantized:
         found.append(Problem(
             "quant-config-missing", None,
-            f"dtype= asks to dequantize, but there is no config.json to say how: {len(quantized)} tensors are "
+            f"{ASKS_TO_DEQUANTIZE}, but there is no config.json to say how: {len(quantized)} tensors are "
             f"quantized ('{quantized[0]}', ...) and only the config's quantization_config gives their block size. Give "
-            "the release's config.json, or merge without a dtype to keep the checkpoint quantized",
+            f"the release's config.json, or {OR_KEEP_QUANTIZED}",
         ))
     return found
 
@@ -129,11 +133,15 @@ def dequantized(specs: Sequence[TargetSpec], layout: Layout, quant: Quantization
 def refusal(layout: Layout, found: Sequence[Problem]) -> ConfigError:
     """The error a merge raises for a quantized checkpoint whose tensors or config do not agree."""
     count = len(found)
+    # a live job's layout has no directory: its pieces are the ranks' tensors, and nothing on disk to audit
+    what = f"checkpoint in '{layout.root}'" if layout.root else f"tensors of the {layout.format} job"
     return ConfigError(
-        f"the quantized checkpoint in '{layout.root}' is inconsistent ({count} problem{'s' if count != 1 else ''}):\n"
+        f"the quantized {what} {'are' if not layout.root else 'is'} inconsistent "
+        f"({count} problem{'s' if count != 1 else ''}):\n"
         + "\n".join(f"  - {p.message}" for p in found[:40])
         + (f"\n  ... and {count - 40} more" if count > 40 else "")
-        + "\nckpttool never guesses a missing scale or a block size; `ckpttool audit` lists the same problems."
+        + "\nckpttool never guesses a missing scale or a block size"
+        + ("; `ckpttool audit` lists the same problems." if layout.root else ".")
     )
 
 

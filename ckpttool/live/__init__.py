@@ -7,6 +7,10 @@ ids, stage), the sidecar's vocabulary. The ranks exchange these descriptions (me
 the same coverage-checked plan the offline merge builds, so a missing piece stops every rank with the same
 message before a byte moves, and the output is the offline merge's, byte for byte.
 
+FP8 weights travel as bytes beside their scales (gloo's collectives refuse float8; point-to-point sends do not care),
+and a piece of an FP8 weight that does not start on a block boundary of the config's ``weight_block_size`` stops
+every rank with the offline merge's message, naming the tensor, the split and the block size.
+
 Output files are shared out among the ranks by bytes. Each writer gathers the pieces of its own tensors,
 bucket by bucket, with point-to-point sends from the ranks that hold them (uneven pieces need no padding;
 gloo's all_gather could not take them) and streams them to disk with the merge's writer while the next
@@ -100,7 +104,10 @@ def save_hf(
             plain tensor without a spec is taken as whole (a replica).
         max_shard_size: largest output file (``"5GB"``, bytes); files are shared out among the ranks.
         dtype: cast floating-point tensors to ``"bfloat16"``, ``"float16"`` or ``"float32"`` (aliases ``"bf16"``,
-            ``"fp16"``, ``"fp32"``); integer tensors are never cast; ``config.json`` names the dtype written.
+            ``"fp16"``, ``"fp32"``); integer tensors are never cast; ``config.json`` names the dtype written. FP8
+            weights (with their ``weight_scale_inv`` and a config whose ``quantization_config`` gives the block
+            size) are dequantized, as ``ckpttool merge --dtype`` does; without ``dtype`` they are written as they
+            are, scales beside them, and ``config.json`` keeps the ``quantization_config``.
         bucket_bytes: gathered bytes a rank holds at once, in two buckets (one written while the next arrives).
         timeout: seconds any rank waits for another before all of them give up.
         force: replace a non-empty destination.

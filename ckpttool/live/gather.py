@@ -102,11 +102,11 @@ class _Gather:
                         data = arena.local(self._region(copy))
                     else:
                         data = arena.receive(copy.src.sizes, copy.piece.dtype)
-                        ops.append(dist.P2POp(dist.irecv, data, holder, self._data_group(), tag))
+                        ops.append(dist.P2POp(dist.irecv, _wire(data), holder, self._data_group(), tag))
                     received.setdefault(copy.piece, []).append((copy.src, data))
                 elif holder == self.rank:
                     region = self._region(copy).to(self.device).contiguous()
-                    ops.append(dist.P2POp(dist.isend, region, writer, self._data_group(), tag))
+                    ops.append(dist.P2POp(dist.isend, _wire(region), writer, self._data_group(), tag))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -235,10 +235,11 @@ class _Arena:
 
 
 def _copies(targets: Sequence[Target]) -> Iterator[Copy]:
-    """The copies a bucket needs, each region of a piece once, in a order every rank agrees on."""
+    """The copies a bucket needs, each region of a piece once, in a order every rank agrees on: a dequantized
+    target's scales travel with its values (the writer computes it from both)."""
     seen: set[tuple[Piece, Box]] = set()
     for target in targets:
-        for copy in target.copies:
+        for copy in (*target.copies, *(target.scale.copies if target.scale is not None else ())):
             if (copy.piece, copy.src) not in seen:
                 seen.add((copy.piece, copy.src))
                 yield copy
@@ -266,6 +267,14 @@ def _rounds(buckets: Mapping[int, list[list[Target]]]) -> list[dict[int, list[Ta
     """Round k: every writer's k-th bucket."""
     count = max((len(b) for b in buckets.values()), default=0)
     return [{w: b[k] for w, b in sorted(buckets.items()) if k < len(b)} for k in range(count)]
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What travels for ``tensor``: its bytes for float8 (FP8 weights, E8M0 scales), which not every backend takes
+    as a dtype (gloo's collectives refuse them); the tensor itself otherwise."""
+    if tensor.element_size() == 1 and tensor.dtype.is_floating_point:
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def _acquire(slots: threading.Semaphore, writer: threading.Thread, failed: list[BaseException]) -> None:

@@ -20,8 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
+from ..deferred import torch
 from .decode import Scratch, scale_blocks, to_float32
 
 #: the largest finite float8_e4m3fn value
@@ -154,11 +153,11 @@ def _grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
 
 def _scratch_bytes(stored: tuple[int, ...], block: tuple[int, int]) -> dict[str, int]:
     """The temporaries of quantizing ``stored`` rows: float32 copy, absolute values, per-column block-row maxima,
-    the scales, and the FP8 codes' table indices of the round trip."""
+    the scales, and the FP8 codes' table indices of the round trip (one per two codes: :func:`.decode.to_float32`)."""
     n = math.prod(stored)
     grid = _grid(stored[0], stored[1], block)
     return {"work": n * 4, "abs": n * 4, "column-amax": grid[0] * stored[1] * 4, "scale-f32": math.prod(grid) * 4,
-            "index": n * 4}
+            "index": n // 2 * 4}
 
 
 def encoder(method: str, params: tuple[tuple[str, object], ...]) -> Fp8Values | Fp8Scales | None:

@@ -69,6 +69,7 @@ def scan(root: Path) -> Scan:
             headers[rel] = header
     if weight_map is None:
         weight_map = {key: SINGLE for key in headers[SINGLE].entries} if SINGLE in headers else {}
+    quoted = {rel: f"'{rel}'" for rel in headers}
     for key, rel in weight_map.items():
         header = headers.get(rel)
         if header is None:
@@ -80,8 +81,8 @@ def scan(root: Path) -> Scan:
             found.append(finding("index-wrong-file", f"'{INDEX}' puts '{key}' in '{rel}', but that file has no such tensor{also}",
                                  tensor=key, file=rel))
             continue
-        if builder.declare(key, entry.shape, entry.dtype, where=f"'{rel}'"):
-            builder.add(key, Piece(rel, key, Box.whole(entry.shape), entry.dtype, RAW, entry.begin, entry.end - entry.begin))
+        piece = Piece(rel, key, Box.whole(entry.shape), entry.dtype, RAW, entry.begin, entry.end - entry.begin)
+        builder.add_whole(key, piece, where=quoted[rel])
     _cross_check(root, weight_map, headers, total_size, found)
     return Scan(builder.build(), tuple(found))
 
@@ -125,9 +126,11 @@ def _cross_check(root: Path, weight_map: dict[str, str], headers: dict[str, Head
                  found: list[Finding]) -> None:
     """Tensors in two files, tensors no index entry names, files no index entry names, total_size."""
     holders: dict[str, list[str]] = {}
-    for rel, header in headers.items():
-        for key in header.entries:
-            holders.setdefault(key, []).append(rel)
+    stored = [key for header in headers.values() for key in header.entries]
+    if len(set(stored)) < len(stored) or not weight_map.keys() >= set(stored):  # else nothing to say here
+        for rel, header in headers.items():
+            for key in header.entries:
+                holders.setdefault(key, []).append(rel)
     for key, files in holders.items():
         if len(files) > 1:
             found.append(finding("tensor-duplicated", f"'{key}' is stored in {' and '.join(repr(f) for f in files)}",

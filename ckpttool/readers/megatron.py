@@ -30,11 +30,12 @@ from typing import Any, BinaryIO, ClassVar
 from .. import torch_save
 from ..architecture import ModelInfo
 from ..engine.layout import Layout, Padding, TensorLayout
-from ..errors import SourceError
+from ..errors import SourceError, UnsafePickleError
 from ..paths import inside, read_tag
 from ..pickle_bounds import EnumStandIn
 from ..safe_pickle import Record
 from ..validate import integer
+from . import megatron_fp8
 
 TRACKER = "latest_checkpointed_iteration.txt"
 #: tensors whose rows are the (padded) vocab
@@ -124,17 +125,24 @@ class ArgsAllow(Mapping[tuple[str, str], Any]):
            for module, names in _ENUM_MODULES.items() for name in names},
     }
 
+    def __init__(self, label: str = "checkpoint") -> None:
+        self.label = label  # the file whose pickle asks, for the refusal of Transformer Engine's classes
+
     def __getitem__(self, key: tuple[str, str]) -> Any:
         if key in self._EXACT:
             return self._EXACT[key]
         module = key[0]
         if module == "megatron" or module.startswith("megatron."):
             return Opaque
+        if megatron_fp8.is_te(module):
+            raise UnsafePickleError(megatron_fp8.refusal(self.label, f"{module}.{key[1]}"))
         raise KeyError(key)
 
     def __contains__(self, key: object) -> bool:
         try:
             self[key]  # type: ignore[index]
+        except UnsafePickleError:
+            raise
         except (KeyError, TypeError, ValueError):
             return False
         return True
@@ -157,7 +165,12 @@ def scan_checkpoint(f: BinaryIO, *, label: str) -> Any:
         UnsafePickleError: the pickle names a class outside the allow-list (nothing is executed).
         SourceError: not a readable ``torch.save`` archive.
     """
-    return torch_save.scan(f, label=label, allow=ALLOW)
+    return torch_save.scan(f, label=label, allow=ArgsAllow(label))
+
+
+def fp8_flags(args: Any) -> dict[str, Any]:
+    """The training arguments that record FP8 training (:data:`.megatron_fp8.FP8_ARGS`)."""
+    return {name: arg(args, name) for name in megatron_fp8.FP8_ARGS}
 
 
 def arg(args: Any, name: str, default: Any = None) -> Any:

@@ -33,7 +33,7 @@ from ..errors import SourceError
 from ..paths import JSON_LIMIT, open_source, read_source
 from ..safe_pickle import Record
 from ..validate import expect
-from . import dcp, megatron, megatron_args
+from . import dcp, megatron, megatron_args, megatron_fp8
 from .base import FormatReader
 
 NAME = "megatron-dist"
@@ -79,6 +79,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     layout = dcp.read(directory, model)
     args = _common_args(directory)
     prefix = "" if directory == root else f"{directory.relative_to(root)}/"
+    megatron_fp8.refuse_te_items(layout, directory, prefix)
     where = f"{prefix}{COMMON}"
     if model is not None:
         megatron_args.check_args(args, model, f"{prefix}{COMMON}")
@@ -91,6 +92,8 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                 padding[fqn] = found
     layout = megatron.with_padding(layout, padding)
     notes = list(layout.notes)
+    notes += megatron_fp8.torch_dist_notes(megatron.fp8_flags(args), {t.dtype for t in layout.tensors.values()},
+                                           directory / dcp.METADATA, f"{prefix}{dcp.METADATA}")
     if args is None:
         notes.append(f"no args in '{prefix}{COMMON}': parallel layout unknown, nothing checked against the config")
     if model is None:

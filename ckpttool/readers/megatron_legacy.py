@@ -46,7 +46,7 @@ from ..paths import open_source
 from ..safe_pickle import Record
 from ..torch_save import StoredTensor
 from ..validate import expect, integer
-from . import megatron, megatron_args
+from . import megatron, megatron_args, megatron_fp8
 from .base import FormatReader
 
 NAME = "megatron-legacy"
@@ -158,7 +158,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     notes = [f"skipped {reader.skipped} non-weight entries (_extra_state)"] if reader.skipped else []
     if model is None:
         notes.append("no config: tensor names are Megatron-Core's global names (pass --config for HuggingFace names)")
-    return builder.build(notes)
+    return megatron_fp8.with_notes(builder.build(notes), megatron.fp8_flags(args))
 
 
 def _lost_stage(file: str, rank: _Rank, args: Any, parallel: dict[str, int]) -> str:

@@ -1,0 +1,126 @@
+"""Regions of a checkpoint's pieces, read for the streaming executor (:mod:`ckpttool.engine.executor`).
+
+A region of a piece of raw bytes is read with one ``pread`` of the smallest byte range that holds it, into a
+buffer of the calling thread, and seen as a strided tensor; a piece stored as a ``torch.save`` archive is loaded
+whole and kept until its last use. The executor's direct path (chunks copied whole from their file) reads byte
+runs into the same buffer (:meth:`Reader.read_into`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+
+from ..deferred import torch
+from ..dtypes import itemsize, torch_dtype
+from ..errors import SourceError
+from ..paths import open_source, source_os_error
+from ..quant.encode import RoundTrip
+from .layout import RAW, Box, Piece, c_strides
+from .reference import PieceLoader
+
+__all__ = ["Reader"]
+
+
+class Reader:
+    """Regions of pieces, read with ``pread`` into per-thread buffers; safe to share between threads.
+
+    Pieces stored as ``torch.save`` archives (ones that could not be located as raw bytes) are loaded whole
+    and kept until their last use (``uses``). ``sizes`` (see :func:`~ckpttool.engine.buffers.buffer_sizes`) sizes each thread's
+    buffers once, so growing them never leaves freed buffers behind in the thread's heap.
+    """
+
+    def __init__(self, root: str | Path, uses: Counter[Piece], sizes: dict[str, int] | None = None) -> None:
+        self.root = Path(root)
+        self._sizes = sizes or {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._loader = PieceLoader(root, Counter({p: n for p, n in uses.items() if p.encoding != RAW}))
+        self.round_trips: dict[str, RoundTrip] = {}  # per quantized target (see :mod:`ckpttool.quant.encode`)
+
+    def record(self, name: str, measured: RoundTrip) -> None:
+        with self._lock:
+            self.round_trips[name] = self.round_trips[name] + measured if name in self.round_trips else measured
+
+    def region(self, piece: Piece, box: Box, sizes: tuple[int, ...], dims: tuple[int | None, ...]) -> torch.Tensor:
+        """``box`` of ``piece`` (local coordinates) as a tensor of shape ``sizes``: dim ``d`` is the piece's dim
+        ``dims[d]`` (None: an added dim of size 1). A view of this thread's buffer, valid until its next read."""
+        if piece.encoding != RAW:
+            with self._lock:
+                tensor = self._loader.load(piece)
+            return tensor[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))].reshape(sizes)
+        shape = piece.box.sizes
+        strides = c_strides(shape)
+        first = sum(o * st for o, st in zip(box.offsets, strides))
+        last = sum((o + s - 1) * st for o, s, st in zip(box.offsets, box.sizes, strides))
+        size = itemsize(piece.dtype)
+        nbytes = (last - first + 1) * size
+        buffer = self._buffer("read", nbytes)
+        try:
+            got = os.preadv(self._fd(piece.file), [memoryview(buffer)[:nbytes]], piece.byte_offset + first * size)
+        except OSError as e:
+            raise source_os_error(piece.file, e) from None
+        if got != nbytes:
+            raise SourceError(
+                f"'{piece.file}': '{piece.key}' needs {nbytes} bytes at offset {piece.byte_offset + first * size} but "
+                f"only {got} are there; the file is truncated"
+            )
+        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(torch_dtype(piece.dtype))
+        # a dim of size 1 takes the stride C order gives it: any stride indexes it, but torch views the bytes of
+        # a tensor (``.view(torch.uint8)``) only when its last stride is 1, so a one-element tensor needs it too
+        filler = c_strides(sizes)
+        return torch.as_strided(flat, sizes, [strides[s] if s is not None else filler[d] for d, s in enumerate(dims)])
+
+    @property
+    def run_bytes(self) -> int:
+        """The most bytes of direct chunks (see :func:`_direct`) one run may gather: the read buffer's predicted
+        size (0 when none was given, or nothing is read from files: then every chunk is built)."""
+        return self._sizes.get("read", 0)
+
+    def read_into(self, view: memoryview, piece: Piece, offset: int) -> None:
+        """Fill ``view`` with the bytes at ``offset`` of ``piece``'s file (a run of a direct chunk)."""
+        try:
+            got = os.preadv(self._fd(piece.file), [view], offset)
+        except OSError as e:
+            raise source_os_error(piece.file, e) from None
+        if got != len(view):
+            raise SourceError(
+                f"'{piece.file}': '{piece.key}' needs {len(view)} bytes at offset {offset} but only {got} are there; "
+                "the file is truncated"
+            )
+
+    def run_buffer(self, nbytes: int) -> memoryview:
+        """This thread's read buffer, for a run of direct chunks of ``nbytes``."""
+        return memoryview(self._buffer("read", nbytes))[:nbytes]
+
+    def scratch(self, name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        """A tensor of ``shape`` on this thread's buffer ``name``, reused from chunk to chunk (allocating a
+        fresh one per chunk lets each thread's heap grow)."""
+        nbytes = math.prod(shape) * itemsize(dtype)
+        flat = torch.frombuffer(self._buffer(name, nbytes), dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return flat.view(torch_dtype(dtype)).reshape(shape)
+
+    def _buffer(self, name: str, nbytes: int) -> bytearray:
+        buffers = self._local.__dict__.setdefault("buffers", {})
+        buffer = buffers.get(name)
+        if buffer is None or len(buffer) < nbytes:  # once, at the largest size this thread will need
+            buffer = buffers[name] = bytearray(max(nbytes, self._sizes.get(name, 0), 1))
+        return buffer
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                with open_source(self.root / file, file) as handle:  # a regular file, or a SourceError
+                    fd = os.dup(handle.fileno())
+                self._fds[file] = fd
+            return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
