@@ -107,7 +107,7 @@ _ENUM_MODULES = {
 }
 
 
-class ArgsAllow(Mapping[tuple[str, str], Any]):
+class ArgsAllow(megatron_fp8.RefusingAllowList):
     """The classes Megatron-LM's ``model_optim_rng.pt`` and ``common.pt`` pickles name, as stand-ins:
     ``argparse.Namespace`` -> :class:`Record`; megatron's own enums and numpy's RNG state -> :class:`Opaque`.
     Nothing is imported; anything else is refused by :func:`ckpttool.torch_save.scan`."""
@@ -137,15 +137,6 @@ class ArgsAllow(Mapping[tuple[str, str], Any]):
         if megatron_fp8.is_te(module):
             raise UnsafePickleError(megatron_fp8.refusal(self.label, f"{module}.{key[1]}"))
         raise KeyError(key)
-
-    def __contains__(self, key: object) -> bool:
-        try:
-            self[key]  # type: ignore[index]
-        except UnsafePickleError:
-            raise
-        except (KeyError, TypeError, ValueError):
-            return False
-        return True
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
         return iter(self._EXACT)

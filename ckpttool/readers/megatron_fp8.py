@@ -69,7 +69,21 @@ def refuse_te_items(layout: Layout, directory: Path, prefix: str) -> None:
             torch_save.scan(f, piece.byte_offset, piece.byte_length, label=label, allow=_TeItems(label, piece.key))
 
 
-class _TeItems(Mapping[tuple[str, str], Any]):
+class RefusingAllowList(Mapping[tuple[str, str], Any]):
+    """An allow-list of pickled classes whose lookup may refuse a class by name: ``in`` lets the refusal
+    (:class:`UnsafePickleError`) through rather than answering False, so the message names the class."""
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[name]  # type: ignore[index]
+        except UnsafePickleError:
+            raise
+        except (KeyError, TypeError, ValueError):
+            return False
+        return True
+
+
+class _TeItems(RefusingAllowList):
     """The allow-list of a torch_dist item: nothing beyond tensors; Transformer Engine's classes refused by name."""
 
     def __init__(self, label: str, key: str) -> None:
@@ -85,15 +99,6 @@ class _TeItems(Mapping[tuple[str, str], Any]):
                 "(nothing was executed); save with Transformer Engine before 2.16, or without --fp8-param-gather"
             )
         raise KeyError(name)
-
-    def __contains__(self, name: object) -> bool:
-        try:
-            self[name]  # type: ignore[index]
-        except UnsafePickleError:
-            raise
-        except (KeyError, TypeError, ValueError):
-            return False
-        return True
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
         return iter(())
