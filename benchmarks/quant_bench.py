@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge_bench import drop_cache
+from merge_bench import drop_cache, measure
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, BLOCK = 4096, 11008, 32, 8, 32003, 128
 
@@ -93,17 +93,6 @@ def build(src: Path, size_gib: float) -> None:
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}))
     (src / "config.json").write_text(json.dumps(cfg))
-
-
-def measure(cmd: list[str]) -> tuple[float, int, float]:
-    """Wall seconds, peak RSS and CPU seconds (user + system) of ``cmd``, the only child of a small probe."""
-    probe = (
-        "import resource,subprocess,sys,time;t=time.perf_counter();subprocess.run(sys.argv[1:],check=True,"
-        "stdout=subprocess.DEVNULL,stderr=subprocess.DEVNULL);u=resource.getrusage(resource.RUSAGE_CHILDREN);"
-        "print(time.perf_counter()-t,u.ru_maxrss*1024,u.ru_utime+u.ru_stime)"
-    )
-    out = subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True).stdout.split()
-    return float(out[0]), int(out[1]), float(out[2])
 
 
 def codec_cpu(repeats: int = 8) -> float:

@@ -15,13 +15,11 @@ fsdp=2: ``(Replicate(), Shard(0))``) and ``hsdp_tp`` (dp=2 x fsdp=1 x tp=2: DTen
 
 from __future__ import annotations
 
-import argparse
-import os
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gloo_worker import join
 from split_worker import LLAMA, fsdp2, load_and_run, report, scrambled, tp_plan
 
 MESHES = {"hsdp": (2, 2, 1), "hsdp_tp": (2, 1, 2)}  # (dp, fsdp, tp)
@@ -50,22 +48,13 @@ def torch_save(name: str, splits: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--splits", type=Path, required=True)
-    args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(args.rank),
-                      WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world, timeout=timedelta(seconds=180))
+    splits = join("splits", timeout=180).directory
     for name in MESHES:
-        torch_save(name, args.splits)
+        torch_save(name, splits)
         dist.barrier()
         model = scrambled(LLAMA)
         parallelize(model, *MESHES[name])
-        report(name, load_and_run(model, args.splits / name), LLAMA)
+        report(name, load_and_run(model, splits / name), LLAMA)
         dist.barrier()
     dist.destroy_process_group()
 

@@ -15,14 +15,12 @@ without communication. The live gather itself moves pieces with point-to-point s
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gloo_worker import run_scenarios
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_worker import fsdp2, tp_plan  # noqa: E402
@@ -106,23 +104,7 @@ SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
-    args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(args.rank),
-                      WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world, timeout=timedelta(seconds=120))
-    for name in args.scenarios:
-        SCENARIOS[name](args.out, args.world)
-        dist.barrier()
-        if args.rank == 0:
-            print(f"DONE {name}", flush=True)
-    dist.destroy_process_group()
+    run_scenarios(SCENARIOS, "out", timeout=120)
 
 
 if __name__ == "__main__":

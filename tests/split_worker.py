@@ -12,15 +12,13 @@ the negative controls, ``REFUSED <scenario>: <error>`` when the load fails.
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gloo_worker import run_scenarios
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 LLAMA = FIXTURES / "llama_fsdp2_dcp" / "reference"
@@ -200,26 +198,9 @@ SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--splits", type=Path, required=True)
-    parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
-    args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(args.rank),
-                      WORLD_SIZE=str(args.world), LOCAL_RANK=str(args.rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world, timeout=timedelta(seconds=180))
-    for name in args.scenarios:
-        SCENARIOS[name](args.splits, args.world)
-        dist.barrier()
-    # every rank has passed the last barrier, its results printed: leave without tearing gloo down. After the
-    # missing-file control (a load that fails on every rank) gloo's teardown sometimes aborts a rank ("terminate
-    # called without an active exception", seen once in CI), which says nothing about the split under test
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # after the missing-file control (a load that fails on every rank) gloo's teardown sometimes aborts a rank
+    # ("terminate called without an active exception", seen once in CI): leave without it
+    run_scenarios(SCENARIOS, "splits", timeout=180, announce=False, tear_down=False)
 
 
 if __name__ == "__main__":
