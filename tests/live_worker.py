@@ -110,6 +110,24 @@ def scenario_moe(out: Path, world: int) -> None:
     save_hf(state, out / "moe", config=model.config, max_shard_size="80KB")
 
 
+def scenario_empty(out: Path, world: int) -> None:
+    """Tensors with no elements, sharded or replicated, beside one split unevenly so that a rank holds none of
+    it: the empty ones are written with their shapes, none is dropped."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckpttool.live import save_hf
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {
+        "rows.empty": distribute_tensor(torch.zeros(0, 4), mesh, [Shard(0)]),
+        "cols.empty": distribute_tensor(torch.zeros(4, 0), mesh, [Shard(0)]),
+        "plain.empty": torch.zeros(0),
+        "uneven": distribute_tensor(torch.arange(4.0).reshape(1, 4), mesh, [Shard(0)]),
+    }
+    save_hf(state, out / "empty")
+
+
 def scenario_hf_tp(out: Path, world: int) -> None:
     """A transformers DistributedConfig(tp_size=N) model."""
     from transformers import AutoModelForCausalLM

@@ -84,7 +84,7 @@ def four(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     out = tmp_path_factory.mktemp("live2")
-    codes, outputs, _ = launch(2, out, "tp", "hf_tp", "partial")
+    codes, outputs, _ = launch(2, out, "tp", "hf_tp", "partial", "empty")
     assert codes == [0, 0], "\n".join(outputs)
     return out, outputs
 
@@ -126,6 +126,13 @@ def test_tensor_parallel_with_an_uneven_vocab(two):
 
 def test_transformers_distributed_config_model(two):
     assert_is_reference(two[0] / "hf_tp", LLAMA)
+
+
+def test_tensors_with_no_elements_are_written_not_dropped(two):
+    got = load_output(two[0] / "empty")
+    assert {name: tuple(t.shape) for name, t in got.items()} == {
+        "rows.empty": (0, 4), "cols.empty": (4, 0), "plain.empty": (0,), "uneven": (1, 4)}
+    assert torch.equal(got["uneven"], torch.arange(4.0).reshape(1, 4))
 
 
 def test_a_partial_dtensor_is_refused(two):

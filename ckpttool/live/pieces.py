@@ -8,6 +8,7 @@ tensor's region comes from its :class:`~ckpttool.sidecar.PieceSpec`, or it is ta
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,8 +59,8 @@ def _describe(state: Mapping[str, Any], specs: Mapping[str, PieceSpec]) -> tuple
                 f"'{fqn}': the local tensor of shape {list(local.shape)} at offsets {list(offsets)} does not fit "
                 f"the global shape {list(global_shape)}"
             )
-        if local.numel() == 0:
-            continue
+        if local.numel() == 0 and math.prod(global_shape) != 0:
+            continue  # this rank's empty share of an unevenly split tensor: the others hold all of it
         held.append(_Held(fqn, global_shape, dtype, offsets, tuple(local.shape), spec))
         views[(fqn, offsets)] = local.detach()
     notes = [f"skipped {skipped} entries that are not tensors"] if skipped else []
