@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from . import jsonfile
 from .dtypes import ITEMSIZES, SAFETENSORS_DTYPES, itemsize
 from .errors import SourceError
+from .frozen import quick_init
 from .paths import open_source
 
 #: headers larger than this are refused before being read (safetensors itself uses the same bound)
 MAX_HEADER_BYTES = 100_000_000
 
 
+@quick_init  # built 90k times in a plan: see ckpttool.frozen
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One tensor of a safetensors file: dtype, shape, and absolute byte range in the file."""
