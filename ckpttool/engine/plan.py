@@ -10,7 +10,8 @@ experts to per-expert tensors and fused gate/up splits are all just slices.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Sequence
+import operator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..dtypes import FLOAT_DTYPES, ITEMSIZES
@@ -22,7 +23,7 @@ from .tiling import Copy, Slice, check_tiling
 
 __all__ = [  # Copy, Slice, check_tiling and uncovered live in .tiling and .regions; offered here from the start
     "Copy", "Dequantize", "Plan", "Slice", "Target", "TargetSpec", "check_tiling", "identity_specs", "plan_covered",
-    "plan_merge", "tensor_specs", "uncovered",
+    "plan_merge", "target_sizes", "tensor_specs", "uncovered",
 ]
 
 
@@ -81,10 +82,18 @@ class Plan:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.targets)
+        return sum(target_sizes(self.targets))
 
     def largest_target_bytes(self) -> int:
-        return max((t.nbytes for t in self.targets), default=0)
+        return max(target_sizes(self.targets), default=0)
+
+
+def target_sizes(targets: Sequence[Target]) -> Iterator[int]:
+    """Each target's :attr:`Target.nbytes`, computed at C speed (a plan sums 90k of them more than once)."""
+    return map(operator.mul, map(math.prod, map(_SHAPE, targets)), map(ITEMSIZES.__getitem__, map(_DTYPE, targets)))
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 
 def plan_merge(
