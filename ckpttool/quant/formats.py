@@ -25,6 +25,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import compress, repeat
 
 from ..errors import ConfigError
 from ..frozen import quick_init
@@ -171,7 +172,8 @@ def _links(present: frozenset[str]) -> tuple[tuple[Link, ...], tuple[str, ...], 
     found: list[Link] = []
     orphans: list[str] = []
     lonely: list[str] = []
-    for name in sorted(present):
+    # only names with one of the suffixes count (found at C speed: a checkpoint holds 90k names), in sorted order
+    for name in sorted(compress(present, map(str.endswith, present, repeat(_SUFFIXES)))):
         if name.endswith(FP8_SCALE_SUFFIX):
             weight = name[: -len(FP8_SCALE_SUFFIX)]
             if weight in present:
@@ -187,6 +189,9 @@ def _links(present: frozenset[str]) -> tuple[tuple[Link, ...], tuple[str, ...], 
         elif name.endswith(BLOCKS_SUFFIX) and name[: -len(BLOCKS_SUFFIX)] + SCALES_SUFFIX not in present:
             lonely.append(name)
     return tuple(found), tuple(lonely), tuple(orphans)
+
+
+_SUFFIXES = (FP8_SCALE_SUFFIX, SCALES_SUFFIX, BLOCKS_SUFFIX)
 
 
 def fp8_scale_shape(shape: Shape, block: tuple[int, int]) -> Shape:
