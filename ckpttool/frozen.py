@@ -46,7 +46,8 @@ def quick_init(cls: T) -> T:
         lines.append(f"    _set_{f.name}(self, {f.name})")
     if hasattr(cls, "__post_init__"):
         lines.append("    self.__post_init__()")
-    exec(f"def __init__(self, {', '.join(names)}):\n" + ("\n".join(lines) or "    pass") + "\n", namespace)
+    source = f"def __init__(self, {', '.join(names)}):\n" + ("\n".join(lines) or "    pass") + "\n"
+    exec(source, namespace)  # noqa: S102 -- as dataclasses builds __init__: source made of the fields' names only
     init = namespace["__init__"]
     init.__annotations__ = {**{f.name: f.type for f in dataclasses.fields(cls)}, "return": None}
     init.__qualname__ = f"{cls.__qualname__}.__init__"  # type: ignore[attr-defined]

@@ -147,7 +147,12 @@ def plan_covered(
     targets: list[Target] = []
     failed: list[tuple[TargetSpec, list[str]]] = []
     for spec in specs:
-        target, found = _plan_target(layout, spec, None if spec.name in keep_dtype else dtype)
+        cast = None if spec.name in keep_dtype else dtype
+        target = _whole_copy(layout, spec, cast) if len(spec.slices) == 1 and spec.dequant is None else None
+        if target is not None:  # most targets: one piece copied whole (_plan_target would try it first too)
+            targets.append(target)
+            continue
+        target, found = _plan_target(layout, spec, cast)
         if found:
             failed.append((spec, found))
         elif target is not None:
@@ -228,8 +233,11 @@ def _whole_copy(layout: Layout, spec: TargetSpec, dtype: str | None) -> Target |
     piece = tensor.pieces[0]
     box, src, dst = piece.box, sl.src, sl.dst
     shape = box.sizes
-    if not (shape == src.sizes == dst.sizes == spec.shape == tensor.global_shape
-            and box.offsets == src.offsets == dst.offsets and not any(box.offsets) and min(shape, default=1) > 0):
+    if box is src and box is dst:  # one box object, as identity_specs and the readers give it: compared once
+        if not (shape == spec.shape == tensor.global_shape and not any(box.offsets) and min(shape, default=1) > 0):
+            return None
+    elif not (shape == src.sizes == dst.sizes == spec.shape == tensor.global_shape
+              and box.offsets == src.offsets == dst.offsets and not any(box.offsets) and min(shape, default=1) > 0):
         return None
     out_dtype = dtype if (dtype is not None and tensor.dtype in FLOAT_DTYPES) else tensor.dtype
     return Target(spec.name, spec.shape, out_dtype, tensor.dtype, (Copy(piece, box, dst),), (sl.source,))
