@@ -35,6 +35,7 @@ from .families.quantized import refusal as quantization_refusal
 from .quant.checks import Problem
 from .quant.formats import read_quantization
 from .readers import read_layout
+from .startup import planned
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +159,7 @@ def plan_layout(
     specs = sorted(specs, key=_natural_name)
     keep = {s.name for s in specs if keeps_dtype(s.name)} if dtype is not None else set()
     plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes], keep_dtype=keep)
+    planned()  # the command's collector runs again, and never walks this plan (ckpttool.startup)
     return Planned(layout, config_path, config, model, plan, tuple(tied), adapter, tuple(adapter_notes), tuple(unplaced),
                    tuple(mismatches), tuple(uncovered), tuple(mtp_missing), quantization=tuple(quant_problems))
 

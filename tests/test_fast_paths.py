@@ -114,3 +114,22 @@ def test_a_link_with_a_problem_among_sound_ones_is_named_where_it_was():
     assert [(p.code, p.tensor) for p in found] == [
         ("quant-scale-shape", "l2.weight_scale_inv"), ("quant-scale-shape", "l5.weight_scale_inv")]
     assert "'l2.weight_scale_inv' has shape [3, 2], but 'l2.weight' [32, 32] in 16x16 blocks" in found[0].message
+
+
+def _gc_after(argv: list[str], code: str) -> list[str]:
+    """What a fresh interpreter whose argv is ``argv`` (the command's, when argv[0] is ``ckpttool``) prints."""
+    import subprocess
+    import sys
+
+    probe = f"import sys\nsys.argv = {argv!r}\nimport gc\nimport ckpttool\n{code}"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_a_planning_command_collects_no_garbage_until_its_plan_is_built():
+    plan = f"print(gc.isenabled(), gc.get_freeze_count() > 0)\nckpttool.prepare({str(fixture_dir(FIXTURE_NAMES[0]) / 'checkpoint')!r})\n"
+    shown = "print(gc.isenabled(), gc.get_freeze_count() > 0, gc.get_threshold()[0])"
+    assert _gc_after(["ckpttool", "merge", "x", "--dry-run"], plan + shown) == ["False", "False", "True", "True", "100000"]
+    assert _gc_after(["ckpttool", "-v", "audit", "x"], shown) == ["False", "False", "100000"]
+    # a command that plans nothing, and a program that imports ckpttool: the collector as it was
+    assert _gc_after(["ckpttool", "verify", "x"], shown) == ["True", "False", "100000"]
+    assert _gc_after(["program.py", "merge"], plan + shown) == ["True", "False", "True", "False", "700"]
