@@ -133,3 +133,26 @@ def test_a_planning_command_collects_no_garbage_until_its_plan_is_built():
     # a command that plans nothing, and a program that imports ckpttool: the collector as it was
     assert _gc_after(["ckpttool", "verify", "x"], shown) == ["True", "False", "100000"]
     assert _gc_after(["program.py", "merge"], plan + shown) == ["True", "False", "True", "False", "700"]
+
+
+def test_a_family_rule_applies_where_it_matches_whatever_the_filter_before_it():
+    from ckpttool.engine.layout import TensorLayout
+    from ckpttool.engine.plan import tensor_specs
+    from ckpttool.families import mixtral, qwen2_moe
+    from ckpttool.families.rules import Rename, _any_rule, cut
+
+    backref = (Rename(r"^(\w+)\.\1$", r"\1.twice"), Rename(r"^x(?i:Y)$", "xy"))
+    names = ["m.layers.0.mlp.gate.weight", "m.layers.0.mlp.experts.gate_up_proj", "m.layers.0.mlp.experts.down_proj",
+             "m.layers.0.mlp.experts.0.down_proj.weight", "a.a", "a.b", "xy", "xY", "m.mlp.experts.down_proj.x"]
+    for rules in (mixtral.RULES, qwen2_moe.RULES, backref):
+        for name in names:
+            tensor = TensorLayout(name, (2, 4, 3), "F32", ())
+            expected = tensor_specs(tensor, name)
+            for rule in rules:  # the rules as cut applied them before any filter
+                match = __import__("re").match(rule.pattern, name)
+                if match is not None:
+                    expected = (tensor_specs(tensor, match.expand(rule.replacement)) if isinstance(rule, Rename)
+                                else cut(tensor, name, (rule,)))
+                    break
+            assert cut(tensor, name, rules) == expected
+    assert _any_rule(backref).pattern == ""  # a backreference: no alternation, every rule tried
