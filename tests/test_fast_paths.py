@@ -156,3 +156,11 @@ def test_a_family_rule_applies_where_it_matches_whatever_the_filter_before_it():
                     break
             assert cut(tensor, name, rules) == expected
     assert _any_rule(backref).pattern == ""  # a backreference: no alternation, every rule tried
+
+
+def test_links_of_shapes_given_as_lists_are_checked_one_by_one():
+    quant = read_quantization({"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}})
+    tensors = {"a.weight": ("F8_E4M3", [32, 32]), "a.weight_scale_inv": ("F32", [3, 2]),
+               "b.weight": ("F8_E4M3", [32, 32]), "b.weight_scale_inv": ("F32", (2, 2))}
+    assert [(p.code, p.tensor) for p in check_tensors(tensors, quant, has_config=True)] == [
+        ("quant-scale-shape", "a.weight_scale_inv")]

@@ -57,8 +57,12 @@ def problems(specs: Sequence[TargetSpec], layout: Layout, quant: Quantization | 
     ``dequantize`` (a merge given a dtype), also quantized tensors without a config that says how to dequantize
     them (a plain cast would turn float32 scales into bfloat16 and leave FP8 values unscaled)."""
     get = layout.tensors.get  # _dtype, inline: 90k targets
-    dtypes = {s.name: None if (t := get(s.slices[0].source) if s.slices else None) is None else t.dtype for s in specs}
-    tensors = {s.name: (dtype, s.shape) for s in specs if (dtype := dtypes[s.name]) is not None}
+    if len(set(map(_NAME, specs))) == len(specs):  # each name once (always, but for a broken adapter): one pass
+        tensors = {s.name: (t.dtype, s.shape) for s in specs
+                   if (t := get(s.slices[0].source) if s.slices else None) is not None}
+    else:  # a name twice: its last spec's dtype (or none) for every spec of it, as _dtype per name has it
+        dtypes = {s.name: None if (t := get(s.slices[0].source) if s.slices else None) is None else t.dtype for s in specs}
+        tensors = {s.name: (dtype, s.shape) for s in specs if (dtype := dtypes[s.name]) is not None}
     found = check_tensors(tensors, quant, has_config=has_config)
     found += _split_problems(specs, layout, quant)
     if dequantize and not has_config and (quantized := sorted(tensors_quantized(tensors))):
@@ -104,7 +108,7 @@ def _split_problems(specs: Sequence[TargetSpec], layout: Layout, quant: Quantiza
     return found
 
 
-_PIECES = attrgetter("pieces")
+_PIECES, _NAME = attrgetter("pieces"), attrgetter("name")
 
 
 def scale_names(names: Sequence[str]) -> set[str]:

@@ -74,14 +74,18 @@ def check_tensors(tensors: Mapping[str, tuple[str, Shape]], quant: Quantization 
             "transformers would build quantized layers and find no scales. Remove quantization_config",
         ))
     # _check_link reads a link's method and its two tensors' dtypes and shapes (and names, for its messages):
-    # each such key is checked once, and the links of a key it finds nothing wrong with are sound
+    # each such key is checked once, under stand-in names, and the links of a key it finds nothing wrong with
+    # are sound; the others are checked again under their names, in order
     get = tensors.__getitem__
-    keys = list(zip(map(_METHOD, found), map(get, map(_WEIGHT, found)), map(get, map(_SCALE, found))))
-    first = dict(zip(reversed(keys), reversed(range(len(keys)))))  # each key -> the index of its first link
-    sound = {key for key, i in first.items() if not _check_link(*_NAMED(found[i]), tensors, quant)}
-    if len(sound) < len(first):
-        for link, key in zip(found, keys):
-            if key not in sound:
+    try:
+        keys = set(zip(map(_METHOD, found), map(get, map(_WEIGHT, found)), map(get, map(_SCALE, found))))
+    except TypeError:  # a shape given as a list (no caller does): every link checked on its own
+        keys, sound = {None}, set()
+    else:
+        sound = {key for key in keys if not _check_link(key[0], "w", "s", {"w": key[1], "s": key[2]}, quant)}
+    if len(sound) < len(keys):
+        for link in found:
+            if not sound or (link.method, tensors[link.weight], tensors[link.scale]) not in sound:
                 problems.extend(_check_link(link.method, link.weight, link.scale, tensors, quant))
     for name in sorted(quantized) if quant.not_converted else ():  # with no modules_to_not_convert, each is converted
         module = name.removesuffix(BLOCKS_SUFFIX).rsplit(".", 1)[0]
@@ -96,7 +100,6 @@ def check_tensors(tensors: Mapping[str, tuple[str, Shape]], quant: Quantization 
 
 _FIRST = itemgetter(0)
 _METHOD, _WEIGHT, _SCALE = attrgetter("method"), attrgetter("weight"), attrgetter("scale")
-_NAMED = attrgetter("method", "weight", "scale")
 
 
 def tensors_quantized(tensors: Mapping[str, tuple[str, Shape]]) -> set[str]:
