@@ -143,7 +143,8 @@ def plan_layout(
             dropped = [s.name for s in tied]
             own.append(f"dropped {', '.join(dropped)}: tied to {', '.join(model.tied[n] for n in dropped)} "
                          "(as save_pretrained does)")
-        mismatches = compare_with_model({s.name: s.shape for s in specs}, with_quantized(model, specs, quant))
+        shapes = {s.name: s.shape for s in specs}
+        mismatches = compare_with_model(shapes, with_quantized(model, specs, quant, shapes=shapes))
         mtp_missing = mtp_absent([s.name for s in specs], model)
         if mtp_missing:
             own.append(mtp_missing_note(mtp_missing, model))

@@ -15,7 +15,7 @@ from dataclasses import replace
 from operator import attrgetter
 
 from ..architecture import ModelInfo
-from ..engine.layout import Layout
+from ..engine.layout import Layout, Shape
 from ..engine.plan import Dequantize, TargetSpec
 from ..errors import ConfigError
 from . import mtp
@@ -37,12 +37,14 @@ ASKS_TO_DEQUANTIZE = "dtype= asks to dequantize"
 OR_KEEP_QUANTIZED = "merge without a dtype to keep the checkpoint quantized"
 
 
-def with_quantized(model: ModelInfo, specs: Sequence[TargetSpec], quant: Quantization | None) -> ModelInfo:
+def with_quantized(model: ModelInfo, specs: Sequence[TargetSpec], quant: Quantization | None, *,
+                   shapes: Mapping[str, Shape] | None = None) -> ModelInfo:
     """``model`` expecting the quantized tensors ``specs`` hold (the scales of its weights, MXFP4 tensors as
-    ``_blocks`` and ``_scales``), for :func:`~ckpttool.families.compare_with_model`."""
+    ``_blocks`` and ``_scales``), for :func:`~ckpttool.families.compare_with_model`; ``shapes``: the specs' shapes
+    by name, when the caller has them."""
     if quant is None:  # nothing is expected but the architecture's own tensors
         return model
-    present = {s.name: s.shape for s in specs}
+    present = {s.name: s.shape for s in specs} if shapes is None else shapes
     layers = mtp.expected(model)  # the MTP layers the source holds carry scales like the main ones
     held = {name: shape for n in mtp.held(present, layers) for name, shape in layers[n].items()}
     expected = expected_shapes({**model.disk_shapes, **held}, present, quant)

@@ -26,6 +26,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from itertools import compress, repeat
+from operator import attrgetter
 
 from ..errors import ConfigError
 from ..frozen import quick_init
@@ -192,6 +193,7 @@ def _links(present: frozenset[str]) -> tuple[tuple[Link, ...], tuple[str, ...], 
 
 
 _SUFFIXES = (FP8_SCALE_SUFFIX, SCALES_SUFFIX, BLOCKS_SUFFIX)
+_SCALE, _WEIGHT = attrgetter("scale"), attrgetter("weight")
 
 
 def fp8_scale_shape(shape: Shape, block: tuple[int, int]) -> Shape:
@@ -229,14 +231,17 @@ def expected_shapes(disk: Mapping[str, Shape], present: Mapping[str, Shape], qua
     if quant is None:
         return expected
     found, lonely, _ = links(present)
-    for link in found:
-        if link.method == FP8 and quant.method == FP8 and link.weight in disk:
-            expected[link.scale] = present[link.scale]
-        elif link.method == MXFP4 and quant.method == MXFP4 and link.logical in disk:
-            shapes = mxfp4_stored_shapes(disk[link.logical])
-            if shapes is not None:
-                del expected[link.logical]
-                expected[link.weight], expected[link.scale] = shapes[0], present[link.scale]
+    if quant.method == FP8:  # the scales of the FP8 weights the architecture has, in order, at C speed (30k)
+        fp8 = [link for link in found if link.method == FP8]
+        scales = list(compress(map(_SCALE, fp8), map(disk.__contains__, map(_WEIGHT, fp8))))
+        expected.update(zip(scales, map(present.__getitem__, scales)))
+    else:
+        for link in found:
+            if link.method == MXFP4 and quant.method == MXFP4 and link.logical in disk:
+                shapes = mxfp4_stored_shapes(disk[link.logical])
+                if shapes is not None:
+                    del expected[link.logical]
+                    expected[link.weight], expected[link.scale] = shapes[0], present[link.scale]
     for name in lonely:  # a _blocks without its _scales is named by check_tensors, not as unexpected
         base = name.removesuffix(BLOCKS_SUFFIX)
         shapes = mxfp4_stored_shapes(disk[base]) if quant.method == MXFP4 and base in expected else None
