@@ -56,7 +56,7 @@ _held = False
 
 def collect_rarely() -> None:
     """Run the cyclic garbage collector less often, when this process is the command; not at all while a
-    command that plans (:data:`PLANNING_COMMANDS`) builds its plan.
+    command that plans (:data:`PLANNING_COMMANDS`, not under torchrun) builds its plan.
 
     A plan of a 90k-tensor checkpoint allocates millions of small objects (boxes, pieces, copies) that are never
     garbage, and with the default thresholds every full collection walks them all again: half the time of a
@@ -70,7 +70,9 @@ def collect_rarely() -> None:
 
         gc.set_threshold(*COLLECT_THRESHOLDS)
         command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-        if command in PLANNING_COMMANDS and gc.isenabled():
+        # not under torchrun: its process groups' objects are collected as they always were (a split held the
+        # collector off, froze them and aborted in gloo's teardown)
+        if command in PLANNING_COMMANDS and gc.isenabled() and "WORLD_SIZE" not in os.environ:
             global _held
             gc.disable()
             _held = True

@@ -116,12 +116,12 @@ def test_a_link_with_a_problem_among_sound_ones_is_named_where_it_was():
     assert "'l2.weight_scale_inv' has shape [3, 2], but 'l2.weight' [32, 32] in 16x16 blocks" in found[0].message
 
 
-def _gc_after(argv: list[str], code: str) -> list[str]:
+def _gc_after(argv: list[str], code: str, first: str = "") -> list[str]:
     """What a fresh interpreter whose argv is ``argv`` (the command's, when argv[0] is ``ckpttool``) prints."""
     import subprocess
     import sys
 
-    probe = f"import sys\nsys.argv = {argv!r}\nimport gc\nimport ckpttool\n{code}"
+    probe = f"import sys\nsys.argv = {argv!r}\nimport gc\n{first}\nimport ckpttool\n{code}"
     return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
 
 
@@ -132,6 +132,8 @@ def test_a_planning_command_collects_no_garbage_until_its_plan_is_built():
     assert _gc_after(["ckpttool", "-v", "audit", "x"], shown) == ["False", "False", "100000"]
     # a command that plans nothing, and a program that imports ckpttool: the collector as it was
     assert _gc_after(["ckpttool", "verify", "x"], shown) == ["True", "False", "100000"]
+    torchrun = "import os\nos.environ['WORLD_SIZE'] = '2'"  # its process groups are collected as they always were
+    assert _gc_after(["ckpttool", "split", "x"], plan + shown, torchrun) == ["True", "False", "True", "False", "100000"]
     assert _gc_after(["program.py", "merge"], plan + shown) == ["True", "False", "True", "False", "700"]
 
 
