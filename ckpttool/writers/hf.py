@@ -262,9 +262,8 @@ def file_layout(out: OutputFile) -> tuple[bytes, list[Chunk]]:
 
 
 def predict_peak_bytes(plan: Plan, workers: int = 1) -> int:
-    """The most memory the writer holds at once (see :func:`ckpttool.engine.executor.predict_peak_bytes`), from the
-    chunks of the targets that can change it (:func:`~ckpttool.engine.buffers.distinct_targets`)."""
-    chunk_list = [c for t in distinct_targets(plan.targets) for c in chunks(t, 0)]
+    """The most memory the writer holds at once (see :func:`ckpttool.engine.executor.predict_peak_bytes`)."""
+    chunk_list = [c for t in distinct_targets(plan.targets) for c in chunks(t, 0)]  # the targets that can change it
     return stream_peak_bytes(chunk_list, workers)
 
 
