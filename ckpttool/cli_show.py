@@ -47,10 +47,24 @@ def print_result(result: MergeResult, verbose: int) -> None:
     for note in plan.notes:
         click.echo(f"note: {escaped(note)}")
     if result.dry_run or verbose:
+        shapes: dict[tuple[int, ...], str] = {}  # a checkpoint has few shapes and 90k tensors
+        lines = []
         for t in plan.targets:
-            shape = "x".join(str(n) for n in t.shape) or "scalar"
+            dims = t.shape if type(t.shape) is tuple else tuple(t.shape)
+            shape = shapes.get(dims)
+            if shape is None:
+                shape = shapes[dims] = "x".join(map(str, dims)) or "scalar"
             pieces = f"{len(t.copies)} piece{'s' if len(t.copies) != 1 else ''}"
-            click.echo(f"  {shown(t.name)}  {t.dtype} [{shape}]  <- {', '.join(map(shown, t.sources))} ({pieces})")
+            lines.append(f"  {shown(t.name)}  {t.dtype} [{shape}]  <- {', '.join(map(shown, t.sources))} ({pieces})")
+            if len(lines) == ECHO_LINES:
+                click.echo("\n".join(lines))
+                lines.clear()
+        if lines:
+            click.echo("\n".join(lines))
+
+
+#: the tensor lines of a dry run are printed this many at a time (one write each)
+ECHO_LINES = 4096
 
 
 #: tensors listed under a cause in the terminal; ``--json`` lists them all

@@ -2,7 +2,8 @@
 
 A dry run of a 90k-tensor checkpoint prints ~2.6M JSON values, one per line. On Python 3.11 the C encoder does
 not indent, so ``json.dumps(indent=2)`` runs the pure-Python one, a generator per value: half a second. Here
-lists of strings or of numbers, the bulk of such a document, are joined at C speed and everything else is
+lists of strings or of numbers, the bulk of such a document, are joined at C speed, a list of records (dicts
+with the same keys: a plan's targets) is written a column at a time (:func:`_records`), and everything else is
 written in one pass. Any value this module does not write itself (a subclass, a non-string key, a type JSON has
 no spelling for) hands the whole document back to ``json.dumps``, so the text, and every error, are its own.
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import chain, repeat
 from json.encoder import encode_basestring_ascii as _string
+from operator import itemgetter
 from typing import Any
 
 _INF = float("inf")
@@ -92,6 +95,10 @@ def _write(value: Any, parts: list[str], newline: str) -> None:
             parts.append(text)
             return
         inner = newline + "  "
+        records = _records(value, inner)
+        if records is not None:
+            parts.append("[" + inner + records + newline + "]")
+            return
         opening = "[" + inner
         for item in value:
             parts.append(opening)
@@ -126,3 +133,57 @@ def _flat(value: Any, newline: str) -> str | None:
 
 
 _STR, _INT = {str}, {int}
+
+
+def _records(value: Any, newline: str) -> str | None:
+    """The text of the items of a list of dicts that have the same string keys in the same order, each dict
+    written at ``newline`` and followed by a comma but the last; None for any other list. Each key's values are
+    written together, as a column: strings and integers at C speed, lists of one value likewise, other lists once
+    per distinct value, any other value on its own."""
+    if len(value) < 2 or type(value[0]) is not dict or not value[0] or set(map(type, value)) != {dict}:
+        return None
+    keys = set(map(tuple, value))
+    if len(keys) != 1:
+        return None
+    (names,) = keys
+    if set(map(type, names)) != _STR:
+        return None
+    inner = newline + "  "
+    columns: list[Any] = []
+    for i, key in enumerate(names):
+        opening = ("{" if i == 0 else ",") + inner + _string(key) + ": "
+        columns.append(chain([opening], repeat(newline + "}," + newline + opening)) if i == 0 else repeat(opening))
+        columns.append(_column(list(map(itemgetter(key), value)), inner))
+    return "".join(chain.from_iterable(zip(*columns))) + newline + "}"
+
+
+def _column(cells: list[Any], newline: str) -> list[str]:
+    """The texts of ``cells``, each a value written at ``newline`` (see :func:`_records`)."""
+    kinds = set(map(type, cells))
+    if kinds == _STR:
+        return list(map(_string, cells))
+    if kinds == _INT:
+        return list(map(int.__repr__, cells))
+    if kinds <= _LISTS:
+        inner = newline + "  "
+        if set(map(len, cells)) == {1}:  # one item each (a target's one source): written a column too
+            single = _column(list(map(itemgetter(0), cells)), inner)
+            return list(map("".join, zip(repeat("[" + inner), single, repeat(newline + "]"))))
+        items = set(map(type, chain.from_iterable(cells)))
+        if items == _STR or items == _INT or not items:  # shapes: few distinct ones
+            cells = list(map(tuple, cells))
+            texts = {cell: _flat(cell, newline) for cell in set(cells)}
+            return list(map(texts.__getitem__, cells))
+    return [_cell(cell, newline) for cell in cells]
+
+
+def _cell(value: Any, newline: str) -> str:
+    text = _flat(value, newline)
+    if text is not None:
+        return text
+    parts: list[str] = []
+    _write(value, parts, newline)
+    return "".join(parts)
+
+
+_LISTS = {list, tuple}

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .architecture import ModelInfo, read_config
-from .audit import check
 from .distributed import Group, share_out
 from .dtypes import cast_dtype, dtype_name, prevailing_float
 from .engine.plan import Plan
@@ -333,6 +332,8 @@ def _names_another(value: object, dtype: str) -> bool:
 
 def _audit_output(staging: Path, dest: Path, has_config: bool, config_label: str | None, model: ModelInfo | None) -> Report:
     """The shape audit (headers only) of what was written; its report goes beside the weights."""
+    from .audit import check  # imported when a merge writes (a dry run needs none of the audit)
+
     config_path = staging / "config.json" if has_config else None
     config = read_config(config_path) if config_path is not None else None
     report = replace(check(staging, config_path=config_path, config=config, model=model, data=False),

@@ -35,6 +35,7 @@ from .families.quantized import refusal as quantization_refusal
 from .quant.checks import Problem
 from .quant.formats import read_quantization
 from .readers import read_layout
+from .startup import planned
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +143,8 @@ def plan_layout(
             dropped = [s.name for s in tied]
             own.append(f"dropped {', '.join(dropped)}: tied to {', '.join(model.tied[n] for n in dropped)} "
                          "(as save_pretrained does)")
-        mismatches = compare_with_model({s.name: s.shape for s in specs}, with_quantized(model, specs, quant))
+        shapes = {s.name: s.shape for s in specs}
+        mismatches = compare_with_model(shapes, with_quantized(model, specs, quant, shapes=shapes))
         mtp_missing = mtp_absent([s.name for s in specs], model)
         if mtp_missing:
             own.append(mtp_missing_note(mtp_missing, model))
@@ -158,6 +160,7 @@ def plan_layout(
     specs = sorted(specs, key=_natural_name)
     keep = {s.name for s in specs if keeps_dtype(s.name)} if dtype is not None else set()
     plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes], keep_dtype=keep)
+    planned()  # the command's collector runs again, and never walks this plan (ckpttool.startup)
     return Planned(layout, config_path, config, model, plan, tuple(tied), adapter, tuple(adapter_notes), tuple(unplaced),
                    tuple(mismatches), tuple(uncovered), tuple(mtp_missing), quantization=tuple(quant_problems))
 

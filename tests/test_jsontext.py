@@ -54,3 +54,29 @@ def test_a_value_json_cannot_write_raises_what_json_dumps_raises():
     cycle.append(cycle)
     with pytest.raises(ValueError, match="Circular reference detected"):
         dumps(cycle)
+
+
+records = st.lists(st.fixed_dictionaries({
+    "name": st.text(max_size=4), "shape": st.lists(st.integers(), max_size=3) | st.tuples(st.integers()),
+    "one": st.lists(scalars | st.lists(st.integers(), max_size=2), min_size=1, max_size=1),
+    "%s é": values, "n": st.integers() | st.booleans(),
+}), min_size=2, max_size=5)
+
+
+@given(records)
+def test_lists_of_records_with_the_same_keys_are_written_as_json_dumps_writes_them(value):
+    assert dumps(value) == json.dumps(value, indent=2)
+    assert dumps({"targets": value, "nested": [value, value]}) == json.dumps({"targets": value, "nested": [value, value]}, indent=2)
+
+
+@pytest.mark.parametrize("value", [
+    [{"a": 1, "b": [1, 2]}, {"a": 2, "b": []}],
+    [{"a": [[1]], "b": [{"x": 1}]}, {"a": [[2, 3]], "b": [{"y": 2.5}]}],
+    [{"a": ["x"]}, {"a": [1]}, {"a": [None]}, {"a": [[]]}, {"a": [{}]}],
+    [{"a": 1}, {"b": 1}],
+    [{"a": 1, "b": 2}, {"b": 2, "a": 1}],  # the same keys in another order: not one table
+    [{"a": 1}, {"a": 2}, [3]],
+    [{"a": Color.RED}, {"a": 1}],
+])
+def test_lists_of_records_and_lists_that_look_like_them(value):
+    assert dumps(value) == json.dumps(value, indent=2)

@@ -8,7 +8,7 @@ another file), so :func:`buffer_sizes` computes each distinct chunk signature on
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..dtypes import itemsize
@@ -139,6 +139,27 @@ def _read_copies(target: Target) -> tuple[tuple[Copy, ...], ...]:
     if target.dequant is None or target.scale is None:
         return (target.copies,)
     return (target.copies, target.scale.copies)
+
+
+def distinct_targets(targets: Iterable[Target]) -> list[Target]:
+    """``targets`` less those that change no prediction: of the targets that are one whole raw piece copied whole
+    (most of a checkpoint's), one per shape and dtypes; every other target. Their chunks give
+    :func:`predict_peak_bytes` the same figure as all the targets' chunks: a chunk's sizes depend only on its rows
+    and its target's signature (:func:`_signature`), and the chunks of such a target on its shape and dtypes."""
+    seen: set[tuple] = set()
+    found: list[Target] = []
+    for target in targets:
+        copies = target.copies
+        if len(copies) == 1 and target.dequant is None and target.scale is None:
+            copy = copies[0]
+            box, piece = copy.src, copy.piece
+            if box is copy.dst and box is piece.box and piece.encoding == RAW:  # the boxes of a whole copy are one
+                key = (target.shape, target.dtype, target.source_dtype, box.offsets, box.sizes, piece.dtype)
+                if key in seen:
+                    continue
+                seen.add(key)
+        found.append(target)
+    return found
 
 
 def predict_peak_bytes(chunk_list: Sequence[Chunk], workers: int = 1) -> int:

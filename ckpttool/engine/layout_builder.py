@@ -4,7 +4,9 @@ which checks that everything agrees and raises every inconsistency at once."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from itertools import chain, repeat
+from operator import attrgetter
 
 from ..errors import SourceError
 from .layout import Fusion, Layout, Padding, Piece, Shape, TensorLayout
@@ -138,6 +140,26 @@ class LayoutBuilder:
         elif self.declare(fqn, shape, piece.dtype, where=where):
             self.add(fqn, piece)
 
+    def add_wholes(self, fqns: Sequence[str], pieces: Sequence[Piece], wheres: Sequence[str]) -> None:
+        """:meth:`add_whole` for each fqn, its piece and where it is, in that order: checked and recorded at C speed
+        when every one is the common case (new names, shapes of positive ints, pieces at offset 0), else one at a
+        time (an HF checkpoint: 90k tensors in one call)."""
+        boxes = list(map(_BOX, pieces))
+        shapes = list(map(_SIZES, boxes))
+        if (len(fqns) == len(pieces) == len(wheres) and set(map(type, fqns)) <= _STR and set(map(type, shapes)) <= _TUPLE
+                and len(set(fqns)) == len(fqns) and self._shape.keys().isdisjoint(fqns)
+                and not any(map(any, map(_OFFSETS, boxes))) and set(map(type, chain.from_iterable(shapes))) <= _INT
+                and min(chain.from_iterable(shapes), default=1) > 0):
+            self._shape.update(zip(fqns, shapes))
+            self._dtype.update(zip(fqns, map(_DTYPE, pieces)))
+            self._first.update(zip(fqns, wheres))
+            self._pieces.update(zip(fqns, map(list, zip(pieces))))
+            self._padding.update(zip(fqns, repeat(())))
+            self._fusion.update(zip(fqns, repeat(None)))
+            return
+        for fqn, piece, where in zip(fqns, pieces, wheres, strict=True):
+            self.add_whole(fqn, piece, where=where)
+
     @property
     def declared(self) -> tuple[str, ...]:
         return tuple(self._shape)
@@ -176,12 +198,18 @@ class LayoutBuilder:
                 "the checkpoint's metadata is inconsistent:\n" + "\n".join(f"  - {p}" for p in self._problems)
             )
         # the per-tensor dicts are filled together (declare, add_whole), so they hold their fqns in one order
-        records = zip(self._shape.items(), self._dtype.values(), self._pieces.values(), self._padding.values(),
-                      self._fusion.values())
-        tensors = {
-            fqn: TensorLayout(fqn, shape, dtype, tuple(pieces) if len(pieces) < 2 else _in_order(pieces), padding, fusion)
-            for (fqn, shape), dtype, pieces, padding, fusion in records
-        }
+        if max(map(len, self._pieces.values()), default=0) < 2:  # no pieces to sort: built at C speed
+            tensors = dict(zip(self._shape, map(
+                TensorLayout, self._shape, self._shape.values(), self._dtype.values(), map(tuple, self._pieces.values()),
+                self._padding.values(), self._fusion.values())))
+        else:
+            records = zip(self._shape.items(), self._dtype.values(), self._pieces.values(), self._padding.values(),
+                          self._fusion.values())
+            tensors = {
+                fqn: TensorLayout(fqn, shape, dtype, tuple(pieces) if len(pieces) < 2 else _in_order(pieces), padding,
+                                  fusion)
+                for (fqn, shape), dtype, pieces, padding, fusion in records
+            }
         return Layout(
             root=self.root,
             format=self.format,
@@ -194,6 +222,8 @@ class LayoutBuilder:
 
 
 _INT = frozenset({int})
+_STR, _TUPLE = frozenset({str}), frozenset({tuple})
+_BOX, _SIZES, _OFFSETS, _DTYPE = attrgetter("box"), attrgetter("sizes"), attrgetter("offsets"), attrgetter("dtype")
 
 
 def _in_order(pieces: list[Piece]) -> tuple[Piece, ...]:

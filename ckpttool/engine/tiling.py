@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import SourceError
+from ..frozen import quick_init
 from . import regions
 from .layout import Box, Layout, Piece, Shape
 from .regions import map_region, squeeze, uncovered
 
 
+@quick_init  # built 90k times in a plan: see ckpttool.frozen
 @dataclass(frozen=True, slots=True)
 class Slice:
     """``src`` (a box of source tensor ``source``, global coordinates) fills ``dst`` (a box of the target).
@@ -36,6 +38,7 @@ class Slice:
         return regions.dim_map(self.src, self.dst)
 
 
+@quick_init  # built 90k times in a plan: see ckpttool.frozen
 @dataclass(frozen=True, slots=True)
 class Copy:
     """Copy ``src`` (a box in the piece's local coordinates) of ``piece`` to ``dst`` (a box of the target)."""

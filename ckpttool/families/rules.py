@@ -58,6 +58,8 @@ def cut(tensor: TensorLayout, name: str, rules: Rules) -> list[TargetSpec]:
     Raises:
         ConfigError: a stacked tensor cannot be split as its rule says.
     """
+    if rules and _filter(rules).match(name) is None:  # no rule applies: one match, not one per rule
+        return tensor_specs(tensor, name)
     for rule in rules:
         match = _compiled(rule.pattern).match(name)
         if match is None:
@@ -70,6 +72,35 @@ def cut(tensor: TensorLayout, name: str, rules: Rules) -> list[TargetSpec]:
 
 #: a rule's pattern, compiled once (re.match looks it up in re's own cache at every call: 90k names, each rule)
 _compiled = functools.cache(re.compile)
+
+
+def _filter(rules: Rules) -> re.Pattern[str]:
+    """:func:`_any_rule` of ``rules``, the last one asked for found by identity (hashing a family's rules, frozen
+    dataclasses, takes longer than the match it saves)."""
+    global _last_filter
+    last = _last_filter  # one tuple, replaced whole: threads planning apart never see half of another's
+    if last[0] is rules:
+        return last[1]
+    pattern = _any_rule(tuple(rules))
+    _last_filter = (rules, pattern)
+    return pattern
+
+
+_last_filter: tuple[object, re.Pattern[str]] = (None, re.compile(""))
+
+
+@functools.cache
+def _any_rule(rules: Rules) -> re.Pattern[str]:
+    """A pattern that matches a name where some rule's pattern matches it: their alternation, when each pattern
+    is plain enough to stand in one (no backreference, conditional or inline flag that the others' groups would
+    change); else one that matches every name, so that each rule is tried."""
+    patterns = [rule.pattern for rule in rules]
+    if not any(re.search(r"\\\d|\(\?P=|\(\?\(|\(\?[aiLmsux]", p) for p in patterns):
+        try:
+            return re.compile("|".join(f"(?:{p})" for p in patterns))
+        except re.error:
+            pass
+    return re.compile("")
 
 
 def memory_slices(name: str, shape: Shape, rules: Rules) -> list[Slice]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter, itemgetter
 
 from .formats import (
     BLOCKS_SUFFIX,
@@ -48,19 +50,19 @@ def check_tensors(tensors: Mapping[str, tuple[str, Shape]], quant: Quantization 
                          f"{SCALES_SUFFIX}' is not in the checkpoint: its values cannot be decoded. Restore the scales")
                  for name in lonely]
     scaled = {link.weight for link in found}
-    for name, (dtype, _) in sorted(tensors.items()):
-        if dtype in FP8_DTYPES and name not in scaled:
-            problems.append(Problem(
-                "quant-scale-missing", name,
-                f"'{name}' is {dtype} (FP8) but '{fp8_scale_name(name)}' is not in the checkpoint: its values cannot "
-                "be dequantized (transformers would use them without a scale). Restore the scale tensor",
-            ))
-    quantized = sorted(tensors_quantized(tensors))
+    fp8 = list(compress(tensors, map(FP8_DTYPES.__contains__, map(_FIRST, tensors.values()))))  # at C speed
+    for name in [] if scaled.issuperset(fp8) else sorted(set(fp8) - scaled):
+        problems.append(Problem(
+            "quant-scale-missing", name,
+            f"'{name}' is {tensors[name][0]} (FP8) but '{fp8_scale_name(name)}' is not in the checkpoint: its values "
+            "cannot be dequantized (transformers would use them without a scale). Restore the scale tensor",
+        ))
+    quantized = scaled.union(fp8, lonely)  # tensors_quantized(tensors), from what is known here
     if quant is None:
         if has_config and quantized:
             problems.append(Problem(
                 "quant-config-missing", None,
-                f"{len(quantized)} tensors are quantized ({_some(quantized)}) but the config has no "
+                f"{len(quantized)} tensors are quantized ({_some(sorted(quantized))}) but the config has no "
                 "quantization_config: transformers would load the stored values as plain weights, without their "
                 "scales. Add the release's quantization_config to config.json",
             ))
@@ -71,9 +73,21 @@ def check_tensors(tensors: Mapping[str, tuple[str, Shape]], quant: Quantization 
             f"'{quant.label}' declares {quant.describe()} (quantization_config) but no tensor is quantized: "
             "transformers would build quantized layers and find no scales. Remove quantization_config",
         ))
-    for link in found:
-        problems.extend(_check_link(link.method, link.weight, link.scale, tensors, quant))
-    for name in quantized:
+    # _check_link reads a link's method and its two tensors' dtypes and shapes (and names, for its messages):
+    # each such key is checked once, under stand-in names, and the links of a key it finds nothing wrong with
+    # are sound; the others are checked again under their names, in order
+    get = tensors.__getitem__
+    try:
+        keys = set(zip(map(_METHOD, found), map(get, map(_WEIGHT, found)), map(get, map(_SCALE, found))))
+    except TypeError:  # a shape given as a list (no caller does): every link checked on its own
+        keys, sound = {None}, set()
+    else:
+        sound = {key for key in keys if not _check_link(key[0], "w", "s", {"w": key[1], "s": key[2]}, quant)}
+    if len(sound) < len(keys):
+        for link in found:
+            if not sound or (link.method, tensors[link.weight], tensors[link.scale]) not in sound:
+                problems.extend(_check_link(link.method, link.weight, link.scale, tensors, quant))
+    for name in sorted(quantized) if quant.not_converted else ():  # with no modules_to_not_convert, each is converted
         module = name.removesuffix(BLOCKS_SUFFIX).rsplit(".", 1)[0]
         if not quant.converts(module):
             problems.append(Problem(
@@ -82,6 +96,10 @@ def check_tensors(tensors: Mapping[str, tuple[str, Shape]], quant: Quantization 
                 "would load its stored values as a plain weight, without the scales. Remove it from the list",
             ))
     return problems
+
+
+_FIRST = itemgetter(0)
+_METHOD, _WEIGHT, _SCALE = attrgetter("method"), attrgetter("weight"), attrgetter("scale")
 
 
 def tensors_quantized(tensors: Mapping[str, tuple[str, Shape]]) -> set[str]:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine.buffers import distinct_targets
 from ..engine.executor import (
     CHUNK_BYTES,
     Chunk,
@@ -30,7 +31,7 @@ from ..engine.executor import (
 )
 from ..engine.executor import predict_peak_bytes as stream_peak_bytes
 from ..engine.executor import write_file as stream_file
-from ..engine.plan import Plan, Target
+from ..engine.plan import Plan, Target, target_sizes
 from ..errors import ArgumentError, OutputError, SourceError
 from ..paths import link_escapes
 from ..quant.encode import RoundTrip
@@ -50,7 +51,7 @@ class OutputFile:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.targets)
+        return sum(target_sizes(self.targets))
 
 
 #: size units: decimal as huggingface_hub (``5GB`` is 5 * 1000**3 bytes), binary with an ``i`` (``5GiB``)
@@ -84,15 +85,19 @@ def _shard_size(value: str | int) -> int:
 
 
 def assign_files(plan: Plan, max_shard_size: str | int = "5GB") -> list[OutputFile]:
-    """Split the plan's targets into ``model-0000i-of-0000N.safetensors`` files, as huggingface_hub does."""
+    """Split the plan's targets into ``model-0000i-of-0000N.safetensors`` files, as huggingface_hub does: all in
+    ``model.safetensors`` when they fit in one file (decided here, without importing huggingface_hub)."""
+    by_name = {t.name: t for t in plan.targets}
+    limit = _shard_size(max_shard_size)
+    if by_name and sum(target_sizes(list(by_name.values()))) <= limit:  # no tensor tips a file over: one file
+        return [OutputFile("model.safetensors", tuple(by_name.values()))]
     from huggingface_hub import split_state_dict_into_shards_factory
 
-    by_name = {t.name: t for t in plan.targets}
     split = split_state_dict_into_shards_factory(
         by_name,
         get_storage_size=lambda t: t.nbytes,
         filename_pattern="model{suffix}.safetensors",
-        max_shard_size=_shard_size(max_shard_size),
+        max_shard_size=limit,
     )
     return [OutputFile(name, tuple(by_name[n] for n in names)) for name, names in split.filename_to_tensors.items()]
 
@@ -258,7 +263,7 @@ def file_layout(out: OutputFile) -> tuple[bytes, list[Chunk]]:
 
 def predict_peak_bytes(plan: Plan, workers: int = 1) -> int:
     """The most memory the writer holds at once (see :func:`ckpttool.engine.executor.predict_peak_bytes`)."""
-    chunk_list = [c for t in plan.targets for c in chunks(t, 0)]
+    chunk_list = [c for t in distinct_targets(plan.targets) for c in chunks(t, 0)]  # the targets that can change it
     return stream_peak_bytes(chunk_list, workers)
 
 
