@@ -5,6 +5,7 @@ weight is its dequantized values (:func:`data_plan`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -35,9 +36,13 @@ class ScaleCheck:
         for block in blocks(chunk):
             self.total += block.numel()
             if block.dtype == torch.uint8:
-                self.counts["NaN"] += int((block == E8M0_NAN).sum())
+                if int(block.max()) == E8M0_NAN:  # the largest byte: none is NaN unless the largest is
+                    self.counts["NaN"] += int((block == E8M0_NAN).sum())
                 continue
             x = block.float()
+            lo, hi = torch.aminmax(x)  # NaN in a block makes both NaN
+            if float(lo) > 0 and float(hi) < math.inf:  # every scale positive and finite (most): nothing to count
+                continue
             self.counts["NaN"] += int(torch.isnan(x).sum())
             self.counts["infinite"] += int(torch.isinf(x).sum())
             self.counts["zero"] += int((x == 0).sum())
