@@ -27,6 +27,10 @@ R = TypeVar("R", covariant=True)
 
 
 class Accumulator(Protocol[R]):
+    """Takes a target's chunks in C order (:meth:`add`), then gives its result. One that also has
+    ``add_bytes(view: memoryview)`` is given the bytes of chunks read straight from their file instead (a
+    fingerprint needs no tensor)."""
+
     def add(self, chunk: torch.Tensor) -> None: ...
 
     def result(self) -> R: ...
@@ -41,8 +45,15 @@ def fold(plan: Plan, start: Callable[[Target], Accumulator[R]], on_bytes: Callab
     try:
         for target, chunk_list in zip(plan.targets, chunk_lists):
             accumulator = start(target)
+            add_bytes = getattr(accumulator, "add_bytes", None)
             for chunk in chunk_list:
-                accumulator.add(_values(chunk, reader))
+                view = _read_direct(chunk, reader)
+                if view is None:
+                    accumulator.add(build(chunk, reader))
+                elif add_bytes is not None:
+                    add_bytes(view)
+                else:
+                    accumulator.add(_as_tensor(view, chunk))
                 on_bytes(chunk.nbytes)
             results.append(accumulator.result())
     finally:
@@ -51,15 +62,28 @@ def fold(plan: Plan, start: Callable[[Target], Accumulator[R]], on_bytes: Callab
 
 
 def _values(chunk: Chunk, reader: Reader) -> torch.Tensor:
-    """What :func:`~ckpttool.engine.executor.build` gives for ``chunk``; a chunk that lies in its file as it is
-    (the executor's direct chunks, :func:`~ckpttool.engine.executor._direct`) is read with one ``pread`` into the
-    reader's buffer and seen as a tensor, without the region arithmetic: most of the cost of a small tensor."""
+    """What :func:`~ckpttool.engine.executor.build` gives for ``chunk`` (read directly when it can be, see
+    :func:`_read_direct`)."""
+    view = _read_direct(chunk, reader)
+    return build(chunk, reader) if view is None else _as_tensor(view, chunk)
+
+
+def _read_direct(chunk: Chunk, reader: Reader) -> memoryview | None:
+    """The bytes of a chunk that lies in its file as it is (the executor's direct chunks,
+    :func:`~ckpttool.engine.executor._direct`), read with one ``pread`` into the reader's buffer (valid until its
+    next read), without the region arithmetic of :func:`~ckpttool.engine.executor.build`: most of the cost of a
+    small tensor. None for a chunk that must be built."""
     at = _direct(chunk) if 0 < chunk.nbytes <= reader.run_bytes else None
     if at is None:
-        return build(chunk, reader)
-    target = chunk.target
+        return None
     view = reader.run_buffer(chunk.nbytes)
-    reader.read_into(view, target.copies[0].piece, at)
+    reader.read_into(view, chunk.target.copies[0].piece, at)
+    return view
+
+
+def _as_tensor(view: memoryview, chunk: Chunk) -> torch.Tensor:
+    """The chunk's bytes ``view`` as :func:`~ckpttool.engine.executor.build` gives the chunk: its dtype, its rows."""
+    target = chunk.target
     values = torch.frombuffer(view, dtype=torch.uint8).view(torch_dtype(target.dtype))
     return values.reshape((chunk.stop - chunk.start, *target.shape[1:]) if target.shape else ())
 
@@ -103,6 +127,10 @@ class Fingerprint:
     def add(self, chunk: torch.Tensor) -> None:
         for block in blocks(chunk):
             self._digest.update(block.view(torch.uint8).numpy())
+
+    def add_bytes(self, view: memoryview) -> None:
+        """The chunk's elements in C order, as bytes: hashed as :meth:`add` hashes them."""
+        self._digest.update(view)
 
     def result(self) -> str:
         return self._digest.hexdigest()
