@@ -88,9 +88,17 @@ def test_blocks_cut_large_tensors_and_keep_small_ones_whole() -> None:
     assert [b.numel() for b in blocks(large)] == [BLOCK_ELEMENTS, 5]
 
 
-def _scale_check(values: torch.Tensor) -> dict[str, int]:
-    check = ScaleCheck(Target("w_scale", tuple(values.shape), "F32", "F32", (), ()))
-    check.add(values)
+NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float64: "F64", torch.uint8: "U8"}
+
+
+def _scale_check(values: torch.Tensor, as_bytes: bool) -> dict[str, int]:
+    """The counts of a scale check given ``values`` as a tensor, or as the bytes a direct read gives."""
+    dtype = NAMES[values.dtype]
+    check = ScaleCheck(Target("w_scale", tuple(values.shape), dtype, dtype, (), ()))
+    if as_bytes:
+        check.add_bytes(memoryview(bytearray(values.reshape(-1).view(torch.uint8).numpy().tobytes())))
+    else:
+        check.add(values)
     assert check.total == values.numel()
     return check.counts
 
@@ -100,15 +108,17 @@ def _scale_check(values: torch.Tensor) -> dict[str, int]:
     [-1e-30, 1.0], [float("nan"), float("inf"), 0.0, -2.0, 1.0], [3.4e38, 1e-45],
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_scale_check_counts_as_the_full_count(values: list[float], dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_scale_check_counts_as_the_full_count(values: list[float], dtype: torch.dtype, as_bytes: bool) -> None:
     x = torch.tensor(values, dtype=dtype)
     y = x.float()
     expected = {"NaN": int(torch.isnan(y).sum()), "infinite": int(torch.isinf(y).sum()),
                 "zero": int((y == 0).sum()), "negative": int((y < 0).sum())}
-    assert _scale_check(x) == expected
+    assert _scale_check(x, as_bytes) == expected
 
 
 @pytest.mark.parametrize("values", [[0, 127, 254], [255, 3, 255], [255]])
-def test_scale_check_counts_e8m0_nan_bytes(values: list[int]) -> None:
-    counts = _scale_check(torch.tensor(values, dtype=torch.uint8))
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_scale_check_counts_e8m0_nan_bytes(values: list[int], as_bytes: bool) -> None:
+    counts = _scale_check(torch.tensor(values, dtype=torch.uint8), as_bytes)
     assert counts == {"NaN": values.count(255), "infinite": 0, "zero": 0, "negative": 0}
