@@ -61,13 +61,6 @@ def fold(plan: Plan, start: Callable[[Target], Accumulator[R]], on_bytes: Callab
     return results
 
 
-def _values(chunk: Chunk, reader: Reader) -> torch.Tensor:
-    """What :func:`~ckpttool.engine.executor.build` gives for ``chunk`` (read directly when it can be, see
-    :func:`_read_direct`)."""
-    view = _read_direct(chunk, reader)
-    return build(chunk, reader) if view is None else _as_tensor(view, chunk)
-
-
 def _read_direct(chunk: Chunk, reader: Reader) -> memoryview | None:
     """The bytes of a chunk that lies in its file as it is (the executor's direct chunks,
     :func:`~ckpttool.engine.executor._direct`), read with one ``pread`` into the reader's buffer (valid until its
