@@ -25,8 +25,10 @@ def shape_findings(mismatches: Iterable[Mismatch], model: ModelInfo) -> list[Fin
     mismatches = list(mismatches)
     missing = {m.name for m in mismatches if m.kind == "missing"}
     found: list[Finding] = []
-    grouped = _missing_layers(missing, model.disk_shapes, found)
-    grouped |= _missing_experts(missing - grouped, model.disk_shapes, found)
+    grouped: set[str] = set()
+    if missing:  # grouping walks every expected name: 90k of DeepSeek-V3's, for nothing when none is missing
+        grouped = _missing_layers(missing, model.disk_shapes, found)
+        grouped |= _missing_experts(missing - grouped, model.disk_shapes, found)
     tie = model.config.get("tie_word_embeddings")
     for m in mismatches:
         if m.kind == "missing" and m.name not in grouped:
