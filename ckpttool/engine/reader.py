@@ -8,6 +8,7 @@ runs into the same buffer (:meth:`Reader.read_into`).
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import threading
@@ -41,6 +42,7 @@ class Reader:
         self._local = threading.local()
         self._loader = PieceLoader(root, Counter({p: n for p, n in uses.items() if p.encoding != RAW}))
         self.round_trips: dict[str, RoundTrip] = {}  # per quantized target (see :mod:`ckpttool.quant.encode`)
+        self._in_kernel = hasattr(os, "copy_file_range")  # until a file system refuses it
 
     def record(self, name: str, measured: RoundTrip) -> None:
         with self._lock:
@@ -92,6 +94,26 @@ class Reader:
                 f"'{piece.file}': '{piece.key}' needs {len(view)} bytes at offset {offset} but only {got} are there; "
                 "the file is truncated"
             )
+
+    def copy_out(self, piece: Piece, offset: int, out: int, at: int, nbytes: int) -> int:
+        """Copy ``nbytes`` at ``offset`` of ``piece``'s file to offset ``at`` of the file ``out`` inside the kernel
+        (``copy_file_range``) and return how many were copied: fewer when it stops (the source ends, an error) or
+        cannot be used (then never again). The caller copies the rest through a buffer, which names any error."""
+        done = 0
+        if not self._in_kernel:
+            return done
+        source = self._fd(piece.file)
+        while done < nbytes:
+            try:
+                n = os.copy_file_range(source, out, nbytes - done, offset + done, at + done)
+            except OSError as e:
+                if e.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF):
+                    self._in_kernel = False  # file systems (or a kernel) that cannot
+                return done
+            if n == 0:  # the source ends: a truncation, named by the read that follows
+                return done
+            done += n
+        return done
 
     def run_buffer(self, nbytes: int) -> memoryview:
         """This thread's read buffer, for a run of direct chunks of ``nbytes``."""

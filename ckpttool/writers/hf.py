@@ -3,7 +3,7 @@
 Everything is written into a staging directory beside the destination (see :mod:`ckpttool.writers.destination`),
 verified, and renamed into place at the end; on an error the staging directory is removed, so the
 destination never holds a partial checkpoint. A journal in the staging directory records every output file
-finished so far with its sha256, so a merge killed after hours continues with ``--resume`` where it stopped,
+finished so far with its digest, so a merge killed after hours continues with ``--resume`` where it stopped,
 re-checking what it keeps.
 """
 
@@ -28,6 +28,7 @@ from ..engine.executor import (
     file_digest,
     piece_uses,
 )
+from ..engine.digest import checks
 from ..engine.executor import predict_peak_bytes as stream_peak_bytes
 from ..engine.executor import write_file as stream_file
 from ..engine.plan import Plan, Target
@@ -97,13 +98,18 @@ def assign_files(plan: Plan, max_shard_size: str | int = "5GB") -> list[OutputFi
     return [OutputFile(name, tuple(by_name[n] for n in names)) for name, names in split.filename_to_tensors.items()]
 
 
+#: the journal's format; a journal of another (its digests made another way, see :mod:`ckpttool.engine.digest`)
+#: is never trusted: its files are written again
+JOURNAL_VERSION = 2
+
+
 class Journal:
-    """The output files finished so far, with their sizes and digests (sha256 of the header and of each
-    chunk, see :mod:`ckpttool.engine.executor`), for one plan.
+    """The output files finished so far, with their sizes and digests (see :mod:`ckpttool.engine.digest`), for
+    one plan.
 
     Each writing process keeps its own journal file, rewritten atomically after each file; all journals of
     the same plan are read together. Journals of another plan (the source, the options or ckpttool
-    changed) are ignored, so a resume never mixes two merges.
+    changed) or of another :data:`JOURNAL_VERSION` are ignored, so a resume never mixes two merges.
     """
 
     def __init__(self, directory: Path, plan_id: str, rank: int = 0) -> None:
@@ -129,7 +135,7 @@ class Journal:
 
     def _save(self) -> None:
         temporary = self.path.with_name(self.path.name + ".tmp")
-        write_text(temporary, json.dumps({"version": 1, "plan": self.plan_id, "files": self.mine}, indent=1))
+        write_text(temporary, json.dumps({"version": JOURNAL_VERSION, "plan": self.plan_id, "files": self.mine}, indent=1))
         os.replace(temporary, self.path)
 
 
@@ -137,26 +143,27 @@ def recorded(directory: Path, plan_id: str) -> dict[str, dict[str, object]]:
     """The files every journal of ``plan_id`` in ``directory`` records as finished."""
     files: dict[str, dict[str, object]] = {}
     for path in directory.glob(JOURNAL_GLOB):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            continue
-        if isinstance(doc, dict) and doc.get("plan") == plan_id and isinstance(doc.get("files"), dict):
+        doc = _journal(path, plan_id)
+        if doc is not None and isinstance(doc.get("files"), dict):
             files.update(doc["files"])
     return files
+
+
+def _journal(path: Path, plan_id: str) -> dict | None:
+    """The journal at ``path`` when it is one of ``plan_id`` in this :data:`JOURNAL_VERSION`, else None."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    ours = isinstance(doc, dict) and doc.get("plan") == plan_id and doc.get("version") == JOURNAL_VERSION
+    return doc if ours else None
 
 
 def clean_staging(directory: Path, plan_id: str) -> None:
     """Remove what no journal of ``plan_id`` holds: half-written files, another plan's files and journals, an
     old index or report. Done once, before any process writes."""
     keep = set(recorded(directory, plan_id))
-    for path in directory.glob(JOURNAL_GLOB):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            doc = None
-        if isinstance(doc, dict) and doc.get("plan") == plan_id:
-            keep.add(path.name)
+    keep.update(path.name for path in directory.glob(JOURNAL_GLOB) if _journal(path, plan_id) is not None)
     for leftover in directory.iterdir():
         if leftover.name not in keep:
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
@@ -220,9 +227,9 @@ def write_weights(
     try:
         for out, (prefix, chunk_list) in zip(mine, layouts):
             path = directory / out.name
-            spans = [c.nbytes for c in chunk_list]
             size = len(prefix) + out.nbytes
-            compute = lambda path=path, prefix=prefix, spans=spans: file_digest(path, len(prefix), spans)  # noqa: E731
+            compute = lambda path=path, prefix=prefix, chunk_list=chunk_list: file_digest(  # noqa: E731
+                path, len(prefix), checks(chunk_list, reader))
             if journal.kept(out.name, path, size, compute):
                 kept += 1
                 on_bytes(out.nbytes)
