@@ -266,3 +266,43 @@ def test_verify_passes_when_copied_chunks_are_sound(tmp_path, copy_small, copy_c
     assert copy_calls
     assert_is_the_reference(tmp_path / "hf")
 
+
+
+def test_threads_copy_into_a_file_one_at_a_time_with_their_sources_read_ahead(tmp_path, monkeypatch, copy_small):
+    """A thread waiting for the file's lock in the kernel spins: the copies into one file take turns, and each
+    thread has its sources read ahead before its turn."""
+    import threading
+    import time
+
+    plan = ckpttool.prepare(fixture_dir("mixtral_fsdp2_dcp") / "checkpoint").plan
+    real, active, most, events = os.copy_file_range, [0], [0], []
+    guard = threading.Lock()
+
+    def slow(src, dst, count, offset_src, offset_dst):
+        with guard:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            events.append(("copy", src, offset_src))
+        time.sleep(0.002)  # long enough for another thread to come in, were it let in
+        try:
+            return real(src, dst, count, offset_src, offset_dst)
+        finally:
+            with guard:
+                active[0] -= 1
+
+    real_fadvise = os.posix_fadvise
+
+    def fadvise(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            with guard:
+                events.append(("ahead", fd, offset))
+        return real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "copy_file_range", slow)
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    stream(plan, tmp_path / "out.safetensors", workers=3, chunk_bytes=300)
+    copied = [e for e in events if e[0] == "copy"]
+    assert len(copied) > 10 and most[0] == 1
+    for _, fd, offset in copied:
+        assert ("ahead", fd, offset) in events[:events.index(("copy", fd, offset))]
+    assert_is_what_the_reference_assembles(plan, tmp_path / "out.safetensors")

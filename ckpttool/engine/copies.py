@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 from ..dtypes import itemsize
 from .buffers import Chunk, _rows
@@ -62,17 +63,28 @@ def _extent(offsets: Sequence[int], sizes: Sequence[int], strides: Sequence[int]
     return first, sum((n - 1) * st for n, st in zip(sizes, strides)) + 1
 
 
-def copy_chunk(fd: int, at: int, spans: Sequence[Span], reader: Reader) -> None:
+def copy_chunk(fd: int, at: int, spans: Sequence[Span], reader: Reader, lock: AbstractContextManager) -> None:
     """Copy a chunk's ``spans`` to offset ``at`` of ``fd`` file to file, inside the kernel; what it cannot copy so
     (another file system, a source that ends, an error) goes through the thread's read buffer, whose read names
-    a truncated or unreadable source and whose write an output error."""
-    for piece, start, rel, nbytes in spans:
-        done = reader.copy_out(piece, start, fd, at + rel, nbytes)
-        while done < nbytes:
-            view = reader.run_buffer(min(nbytes - done, max(reader.run_bytes, 2**20)))
-            reader.read_into(view, piece, start + done)
-            write_all(fd, view, at + rel + done)
-            done += len(view)
+    a truncated or unreadable source and whose write an output error.
+
+    A write holds the file's lock in the kernel, and a thread waiting for it spins on the other CPU (a fifth of
+    the CPU time of a 2 GiB merge on 2 threads): so the threads copy into one file under ``lock``, one at a time,
+    each having its sources read ahead first (the disk reads while the other copies)."""
+    for piece, start, _, nbytes in spans:
+        reader.read_ahead(piece, start, nbytes)
+    with lock:
+        for piece, start, rel, nbytes in spans:
+            _copy_span(fd, at + rel, piece, start, nbytes, reader)
+
+
+def _copy_span(fd: int, at: int, piece: Piece, start: int, nbytes: int, reader: Reader) -> None:
+    done = reader.copy_out(piece, start, fd, at, nbytes)
+    while done < nbytes:
+        view = reader.run_buffer(min(nbytes - done, max(reader.run_bytes, 2**20)))
+        reader.read_into(view, piece, start + done)
+        write_all(fd, view, at + done)
+        done += len(view)
 
 
 def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:

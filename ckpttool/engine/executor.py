@@ -32,6 +32,7 @@ import contextlib
 import errno
 import math
 import os
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -251,7 +252,7 @@ def write_file(
                 spans = copied(batch[i])
                 if spans is not None and on_chunk is None:
                     at = len(prefix) + batch[i].offset
-                    copy_chunk(fd, at, spans, reader)
+                    copy_chunk(fd, at, spans, reader, copying)
                     _start_writeback(fd, at, nbytes)
                     yield COPIED
                     i += 1
@@ -284,6 +285,7 @@ def write_file(
                 i += len(starts)
 
         digest = running(prefix)
+        copying = threading.Lock() if workers > 1 else contextlib.nullcontext()
         batches = _batches(chunk_list)
         with ThreadPoolExecutor(max_workers=workers) if workers > 1 else contextlib.nullcontext() as pool:
             # one thread writes as it goes (progress after each run); threads take whole batches

@@ -115,6 +115,14 @@ class Reader:
             done += n
         return done
 
+    def read_ahead(self, piece: Piece, offset: int, nbytes: int) -> None:
+        """Have the disk read ``nbytes`` at ``offset`` of ``piece``'s file into the page cache, without waiting (a
+        hint, where the system takes it)."""
+        try:
+            os.posix_fadvise(self._fd(piece.file), offset, nbytes, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):  # no posix_fadvise (macOS), or a file that refuses it
+            pass
+
     def run_buffer(self, nbytes: int) -> memoryview:
         """This thread's read buffer, for a run of direct chunks of ``nbytes``."""
         return memoryview(self._buffer("read", nbytes))[:nbytes]
