@@ -41,7 +41,8 @@ from pathlib import Path
 from ..deferred import torch
 from ..dtypes import itemsize
 from ..quant.codecs import codec
-from .buffers import Chunk, _inputs, _row_box, _rows, buffer_sizes, predict_peak_bytes
+from .buffers import Chunk, _inputs, _row_box, _rows, _targets, buffer_sizes, predict_peak_bytes
+from . import copies as file_copies
 from .copies import copied, copy_chunk, write_all
 from .digest import COPIED, FromSource, crc_token, recheck, running
 from .digest import WINDOW as DIGEST_WINDOW
@@ -104,6 +105,8 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
     """How many chunks read each piece of ``torch.save`` bytes (kept loaded until its last one); pieces of raw
     bytes, read in place, are not counted."""
     uses: Counter[Piece] = Counter()
+    if all(c.piece.encoding == RAW for t in _targets(chunk_list) for c in _every_copy(t)):
+        return uses  # the common case, told in one pass over the targets: every piece is raw bytes
     archived: dict[int, bool] = {}  # by the target's id: hashing a target hashes all its copies
     for chunk in chunk_list:
         target = chunk.target
@@ -115,6 +118,10 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
             for copies, rows in _inputs(chunk):
                 uses.update(c.piece for c in copies if c.piece.encoding != RAW and c.dst.intersect(rows) is not None)
     return uses
+
+
+def _every_copy(target: Target) -> tuple[Copy, ...]:
+    return target.copies if target.scale is None else (*target.copies, *target.scale.copies)
 
 
 def build(chunk: Chunk, reader: Reader) -> torch.Tensor:
@@ -249,7 +256,7 @@ def write_file(
             i = 0
             while i < len(batch):
                 nbytes = batch[i].nbytes
-                spans = copied(batch[i])
+                spans = copied(batch[i]) if nbytes >= file_copies.COPY_BYTES else None
                 if spans is not None and on_chunk is None:
                     at = len(prefix) + batch[i].offset
                     copy_chunk(fd, at, spans, reader, copying)
@@ -281,7 +288,9 @@ def write_file(
                 for chunk, view in zip(batch[i:i + len(starts)], views):
                     if on_chunk is not None:
                         on_chunk(chunk, view)
-                    yield COPIED if copied(chunk) is not None else crc_token(view)  # a token as file_digest makes it
+                    # the token file_digest makes: a chunk that could be copied (here built for on_chunk) is checked
+                    # against its source
+                    yield COPIED if chunk.nbytes >= file_copies.COPY_BYTES and copied(chunk) is not None else crc_token(view)
                 i += len(starts)
 
         digest = running(prefix)

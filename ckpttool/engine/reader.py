@@ -142,6 +142,9 @@ class Reader:
         return buffer
 
     def _fd(self, file: str) -> int:
+        fd = self._fds.get(file)  # a file opened before: no lock (a dict's get is atomic, and fds are only added)
+        if fd is not None:
+            return fd
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:

@@ -174,25 +174,39 @@ def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
     and the size and modification time of every source file it reads."""
     stats = []
     every = [*plan.targets, *(t.scale for t in plan.targets if t.scale is not None)]  # a scale's files too
-    for rel in sorted({c.piece.file for t in every for c in t.copies}):
+    sources = sorted({c.piece.file for t in every for c in t.copies})
+    for rel in sources:
         try:
             st = (Path(plan.root) / rel).stat()
         except OSError as e:
             raise SourceError(f"'{rel}': cannot read: {e.strerror or e}") from None
         stats.append([rel, st.st_size, st.st_mtime_ns])
-    # tuples encode as JSON arrays, as lists do: the text (and the id) is the same without copying them
-    layout = [
-        (out.name, [(t.name, t.dtype, t.shape, [(c.piece.file, c.piece.key, c.piece.byte_offset, c.piece.byte_length,
-                                                 c.src.offsets, c.src.sizes, c.dst.offsets, c.dst.sizes)
-                                                for c in t.copies],
-                     "None" if t.dequant is None else repr(t.dequant),
-                     [(c.piece.file, c.piece.key, c.piece.byte_offset) for c in t.scale.copies] if t.scale is not None else [])
-                    for t in out.targets])
-        for out in files
-    ]
     text = json.dumps({"ckpttool": __version__, "chunk": CHUNK_BYTES, "root": str(Path(plan.root).resolve()),
-                       "files": layout, "sources": stats})
-    return hashlib.sha256(text.encode()).hexdigest()
+                       "sources": stats})
+    digest = hashlib.sha256(text.encode())
+    index = {rel: i for i, rel in enumerate(sources)}
+    for out in files:
+        digest.update(_layout_text(out, index).encode())
+    return digest.hexdigest()
+
+
+def _layout_text(out: OutputFile, index: Mapping[str, int]) -> str:
+    """The file's name, then a line per target (name, dtype, shape) and per copy (its source file's number in
+    ``index``, key when it is not the target's name, byte range, boxes), its dequantization and its scale's copies:
+    text that tells two layouts apart (names and keys quoted by ``repr``), made at a few million lines a second."""
+    parts = [json.dumps(out.name)]
+    for t in out.targets:
+        parts.append(f"\n{t.name!r} {t.dtype} {t.shape}")
+        for c in t.copies:
+            p = c.piece
+            key = "" if p.key == t.name else repr(p.key)
+            parts.append(f"\n {index[p.file]} {key} {p.byte_offset} {p.byte_length} {c.src.offsets}{c.src.sizes}"
+                         f"{c.dst.offsets}{c.dst.sizes}")
+        if t.dequant is not None:
+            parts.append(f"\n {t.dequant!r}")
+        if t.scale is not None:
+            parts.extend(f"\n s {index[c.piece.file]} {c.piece.key!r} {c.piece.byte_offset}" for c in t.scale.copies)
+    return "".join(parts)
 
 
 def write_weights(
