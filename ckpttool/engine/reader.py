@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import math
+import mmap
 import os
 import threading
 from collections import Counter
@@ -134,11 +135,19 @@ class Reader:
         flat = torch.frombuffer(self._buffer(name, nbytes), dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
         return flat.view(torch_dtype(dtype)).reshape(shape)
 
-    def _buffer(self, name: str, nbytes: int) -> bytearray:
+    def _buffer(self, name: str, nbytes: int) -> bytearray | mmap.mmap:
+        """This thread's buffer ``name``: allocated once, at the largest size it will need, as a private anonymous
+        map, so only the pages a chunk uses are ever touched (a bytearray writes zeros over all of it: the 32 MiB
+        read buffer of a thread that only copies file to file, and a few small tensors through the buffer)."""
         buffers = self._local.__dict__.setdefault("buffers", {})
         buffer = buffers.get(name)
-        if buffer is None or len(buffer) < nbytes:  # once, at the largest size this thread will need
-            buffer = buffers[name] = bytearray(max(nbytes, self._sizes.get(name, 0), 1))
+        if buffer is None or len(buffer) < nbytes:
+            size = max(nbytes, self._sizes.get(name, 0), 1)
+            try:
+                buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except (AttributeError, OSError):  # no anonymous maps here
+                buffer = bytearray(size)
+            buffers[name] = buffer
         return buffer
 
     def _fd(self, file: str) -> int:
