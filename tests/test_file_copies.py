@@ -306,3 +306,27 @@ def test_threads_copy_into_a_file_one_at_a_time_with_their_sources_read_ahead(tm
     for _, fd, offset in copied:
         assert ("ahead", fd, offset) in events[:events.index(("copy", fd, offset))]
     assert_is_what_the_reference_assembles(plan, tmp_path / "out.safetensors")
+
+
+def test_thread_buffers_are_maps_made_once_at_their_predicted_size(tmp_path):
+    """An anonymous map is zero pages until written: a thread that copies file to file, or reads a few small
+    tensors, touches only what it uses of its buffers (a bytearray writes all of them)."""
+    import mmap
+
+    plan = ckpttool.prepare(fixture_dir(FIXTURE) / "checkpoint").plan
+    chunk_list = [c for t in plan.targets for c in chunks(t, 0, 200)]
+    sizes = buffer_sizes(chunk_list)
+    reader = Reader(plan.root, piece_uses(chunk_list), sizes)
+    try:
+        write_file(tmp_path / "out.safetensors", b"", chunk_list, reader)
+        buffers = reader._local.buffers
+        assert set(buffers) <= set(sizes) and "read" in buffers
+        for name, buffer in buffers.items():
+            assert isinstance(buffer, mmap.mmap) and len(buffer) == sizes[name], name
+        first = buffers["read"]
+        reader.run_buffer(10)
+        assert reader._local.buffers["read"] is first  # not made again for a smaller use
+        reader.run_buffer(len(first) + 1)
+        assert len(reader._local.buffers["read"]) == len(first) + 1
+    finally:
+        reader.close()
