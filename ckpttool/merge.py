@@ -218,7 +218,8 @@ def merge(
         extras: list[str] = []
         report, kept, restored = None, 0, None
         if dest is not None and not dry_run:
-            on_bytes = (lambda n: progress(n, plan.nbytes)) if progress else (lambda n: None)
+            total = plan.nbytes  # once: a sum over every target, and on_bytes is called per chunk (90k and more)
+            on_bytes = (lambda n: progress(n, total)) if progress else (lambda n: None)
             owner = share_out([f.nbytes for f in files], group.world)
             mine = [f for f, rank in zip(files, owner) if rank == group.rank]
             identity = plan_id(plan, files)
