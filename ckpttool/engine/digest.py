@@ -6,7 +6,7 @@ in a buffer gives its CRC-32 (as strong as sha256 against damage, at 3 times its
 file (:mod:`ckpttool.engine.copies`) is never seen as it is written, so it gives a fixed token; computed again,
 it gives that token only when its bytes equal their source's byte for byte, which the journal's plan identity
 (sizes and modification times of the sources) says are unchanged. A journal of another scheme is not trusted
-(see :class:`ckpttool.writers.hf.Journal`).
+(see :class:`ckpttool.writers.journal.Journal`).
 """
 
 from __future__ import annotations
