@@ -168,7 +168,7 @@ def merge(
         audit: audit what was written (headers, names and shapes against the config, index, dtypes), write
             the report to ``ckpttool-audit.json`` beside it, and refuse to publish when it finds errors.
         resume: continue an interrupted merge of the same plan: output files it finished are kept once their
-            sha256 is checked again; the rest are written.
+            digest is checked again (chunks copied file to file against their source); the rest are written.
         verify: read every written file back from disk and compare its digest with the bytes written.
         workers: threads reading and writing chunks at once.
         progress: called as ``progress(bytes_just_written, total_bytes)`` after each tensor.

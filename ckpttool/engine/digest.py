@@ -1,12 +1,12 @@
 """The digest of an output file, taken as it is written and computed again on ``--resume`` and ``--verify``.
 
 It checks that a file still holds what was written (a damaged disk, a file changed since), nothing more: the
-sha256 of :data:`DIGEST_SCHEME`, of the header's sha256, then one token per chunk in file order. A chunk built
-in a buffer gives its CRC-32 (as strong as sha256 against damage, at 3 times its speed). A chunk copied file to
-file (:mod:`ckpttool.engine.copies`) is never seen as it is written, so it gives a fixed token; computed again,
-it gives that token only when its bytes equal their source's byte for byte, which the journal's plan identity
-(sizes and modification times of the sources) says are unchanged. A journal of another scheme is not trusted
-(see :class:`ckpttool.writers.journal.Journal`).
+sha256 of :data:`DIGEST_SCHEME`, of the header's sha256, then one token per chunk in file order. A chunk built in
+a buffer gives its CRC-32 (damage goes unseen with odds of 1 in 2**32; no proof against tampering, which the
+journal never was), at 3 times sha256's speed. A chunk copied file to file (:mod:`ckpttool.engine.copies`) is
+never seen as it is written, so it gives a fixed token; computed again, it gives that token only when its bytes
+equal their source's byte for byte, sources that the journal's plan identity (their sizes and modification times)
+says are unchanged. A journal of another scheme is not trusted (see :class:`ckpttool.writers.journal.Journal`).
 """
 
 from __future__ import annotations
