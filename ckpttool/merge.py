@@ -167,7 +167,7 @@ def merge(
         audit: audit what was written (headers, names and shapes against the config, index, dtypes), write
             the report to ``ckpttool-audit.json`` beside it, and refuse to publish when it finds errors.
         resume: continue an interrupted merge of the same plan: output files it finished are kept once their
-            sha256 is checked again; the rest are written.
+            digest is checked again (chunks copied file to file against their source); the rest are written.
         verify: read every written file back from disk and compare its digest with the bytes written.
         workers: threads reading and writing chunks at once.
         progress: called as ``progress(bytes_just_written, total_bytes)`` after each tensor.
@@ -217,7 +217,8 @@ def merge(
         extras: list[str] = []
         report, kept, restored = None, 0, None
         if dest is not None and not dry_run:
-            on_bytes = (lambda n: progress(n, plan.nbytes)) if progress else (lambda n: None)
+            total = plan.nbytes  # once: a sum over every target, and on_bytes is called per chunk (90k and more)
+            on_bytes = (lambda n: progress(n, total)) if progress else (lambda n: None)
             owner = share_out([f.nbytes for f in files], group.world)
             mine = [f for f, rank in zip(files, owner) if rank == group.rank]
             identity = plan_id(plan, files)

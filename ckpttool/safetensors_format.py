@@ -190,6 +190,10 @@ _NOT_COVERED = "the safetensors library refuses a file whose tensors do not cove
 def encode_header(entries: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Mapping[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """Build the header bytes for tensors laid out in the given order.
 
+    The text is ``json.dumps(header, separators=(",", ":"))`` of ``{"__metadata__": ..., name: {"dtype", "shape",
+    "data_offsets"}, ...}``, written entry by entry (a 90k-tensor header: a fifth of the time of building the
+    dicts and encoding them; tests/test_file_copies.py compares the two).
+
     Args:
         entries: name -> (dtype, shape), in the order the data will be written.
         metadata: the ``__metadata__`` map.
@@ -197,6 +201,29 @@ def encode_header(entries: Mapping[str, tuple[str, tuple[int, ...]]], metadata: 
     Returns:
         The full prefix (8-byte length + padded JSON) and each tensor's ``(begin, end)`` relative to the buffer.
     """
+    if "__metadata__" in entries:  # a tensor of that name would replace the metadata: the dicts say how
+        return _encode_header_dicts(entries, metadata)
+    offsets: dict[str, tuple[int, int]] = {}
+    parts = ['{"__metadata__":', json.dumps(dict(metadata), separators=(",", ":"))]
+    quote, shapes = json.encoder.encode_basestring_ascii, {}
+    pos = 0
+    for name, (dtype, shape) in entries.items():
+        nbytes = math.prod(shape) * itemsize(dtype)
+        offsets[name] = (pos, pos + nbytes)
+        key = (dtype, shape)
+        head = shapes.get(key)
+        if head is None:  # the entry's text up to its offsets, once per dtype and shape
+            head = shapes[key] = f':{{"dtype":{quote(dtype)},"shape":[{",".join(map(str, shape))}],"data_offsets":['
+        parts.append(f",{quote(name)}{head}{pos},{pos + nbytes}]}}")
+        pos += nbytes
+    parts.append("}")
+    text = "".join(parts).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, offsets
+
+
+def _encode_header_dicts(entries: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Mapping[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """:func:`encode_header` by building the header's dicts and encoding them."""
     offsets: dict[str, tuple[int, int]] = {}
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     pos = 0

@@ -12,24 +12,27 @@ A computed target (:class:`~ckpttool.engine.plan.Dequantize`: dequantized, or FP
 is not copied: the source and scale rows its codec (:mod:`ckpttool.quant.codecs`) names are gathered the same way,
 and the codec writes the chunk's values, with its temporaries on the thread's buffers too.
 
-Each chunk's sha256 is taken as it is written; a file's digest is the sha256 of its header's sha256 followed
-by its chunks' sha256 in file order, so it can be computed again from the file alone (:func:`file_digest`).
+Each chunk's token is taken as it is written, and a file's digest made of them (:mod:`ckpttool.engine.digest`),
+so it can be computed again from the file and its sources (:func:`file_digest`).
 
 Regions are read by a :class:`~ckpttool.engine.reader.Reader` and laid into a chunk with numpy's copy on the
 worker's own thread (:func:`_place`). A checkpoint of many small tensors costs per tensor, not per byte, so the
 threads take chunks in batches (:func:`_batches`, one task per few MiB instead of one per chunk), and a target
 that is one raw piece copied whole in its own dtype (:func:`_direct`) skips torch: its bytes are read straight
 into place in a run of such chunks, written with one ``pwrite`` (a run is at most the thread's read buffer, so
-the memory is as predicted). A large write has its write-back started at once (:func:`_start_writeback`).
+the memory is as predicted). A large chunk whose bytes lie in its pieces' files as the output holds them (a
+dim-0 split in the output's dtype: each piece gives whole rows, one run of bytes) is copied file to file inside
+the kernel, as ``cp`` does (:mod:`ckpttool.engine.copies`). A large write has its write-back started at once
+(:func:`_start_writeback`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import math
 import os
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +41,11 @@ from pathlib import Path
 from ..deferred import torch
 from ..dtypes import itemsize
 from ..quant.codecs import codec
-from .buffers import Chunk, _inputs, _row_box, _rows, buffer_sizes, predict_peak_bytes
+from .buffers import Chunk, _inputs, _row_box, _rows, _targets, buffer_sizes, predict_peak_bytes
+from . import copies as file_copies
+from .copies import copied, copy_chunk, write_all
+from .digest import COPIED, FromSource, crc_token, recheck, running
+from .digest import WINDOW as DIGEST_WINDOW
 from .layout import RAW, Box, Piece
 from .plan import Copy, Target
 from .reader import Reader
@@ -80,13 +87,17 @@ def _compute_row_bytes(target: Target, row: int) -> int:
     return max(row, (b - a) * math.prod(target.dequant.stored[1:]) * 4)
 
 
-def file_digest(path: Path, prefix_len: int, spans: Sequence[int]) -> str:
-    """The digest :func:`write_file` returns, computed again from the file: ``spans`` are the chunk sizes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        digest.update(hashlib.sha256(f.read(prefix_len)).digest())
-        for n in spans:
-            digest.update(hashlib.sha256(f.read(n)).digest())
+def file_digest(path: Path, prefix_len: int, spans: Sequence[int | FromSource]) -> str:
+    """The digest :func:`write_file` returns, computed again from the file: ``spans`` says how, chunk by chunk:
+    its size, or for a chunk copied file to file where from (see :func:`ckpttool.engine.digest.checks`), to
+    compare it with its source. Read with ``read``, never mapped (a file cut short under a map could end the
+    process)."""
+    size = min(DIGEST_WINDOW, max((s if isinstance(s, int) else DIGEST_WINDOW for s in spans), default=0))
+    buffers = (bytearray(size), bytearray(size if any(not isinstance(s, int) for s in spans) else 0))
+    with open(path, "rb", buffering=0) as f:
+        digest = running(f.read(prefix_len))
+        for check in spans:
+            digest.update(recheck(f, check, buffers))
     return digest.hexdigest()
 
 
@@ -94,6 +105,8 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
     """How many chunks read each piece of ``torch.save`` bytes (kept loaded until its last one); pieces of raw
     bytes, read in place, are not counted."""
     uses: Counter[Piece] = Counter()
+    if all(c.piece.encoding == RAW for t in _targets(chunk_list) for c in _every_copy(t)):
+        return uses  # the common case, told in one pass over the targets: every piece is raw bytes
     archived: dict[int, bool] = {}  # by the target's id: hashing a target hashes all its copies
     for chunk in chunk_list:
         target = chunk.target
@@ -105,6 +118,10 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
             for copies, rows in _inputs(chunk):
                 uses.update(c.piece for c in copies if c.piece.encoding != RAW and c.dst.intersect(rows) is not None)
     return uses
+
+
+def _every_copy(target: Target) -> tuple[Copy, ...]:
+    return target.copies if target.scale is None else (*target.copies, *target.scale.copies)
 
 
 def build(chunk: Chunk, reader: Reader) -> torch.Tensor:
@@ -231,14 +248,23 @@ def write_file(
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # a file system without it
                     raise
-        _write_all(fd, prefix, 0)
+        write_all(fd, prefix, 0)
 
         def run(batch: Sequence[Chunk]) -> Iterator[bytes]:
-            """Write the batch a run at a time (a chunk built alone, or direct chunks read into place), and yield
-            each chunk's sha256 once its run is written."""
+            """Write the batch a run at a time (a chunk copied file to file or built alone, or direct chunks read
+            into place), and yield each chunk's CRC-32 once its run is written."""
             i = 0
             while i < len(batch):
-                nbytes = batch[i].nbytes  # a run lives in the read buffer: it takes no more than predicted
+                nbytes = batch[i].nbytes
+                spans = copied(batch[i]) if nbytes >= file_copies.COPY_BYTES else None
+                if spans is not None and on_chunk is None:
+                    at = len(prefix) + batch[i].offset
+                    copy_chunk(fd, at, spans, reader, copying)
+                    _start_writeback(fd, at, nbytes)
+                    yield COPIED
+                    i += 1
+                    continue
+                # a run lives in the read buffer: it takes no more than predicted
                 starts = [_direct(batch[i]) if nbytes <= reader.run_bytes else None]
                 while starts[0] is not None and i + len(starts) < len(batch):
                     after = batch[i + len(starts)]
@@ -249,23 +275,26 @@ def write_file(
                     nbytes += after.nbytes
                 if starts[0] is None:
                     views = [memoryview(build(batch[i], reader).reshape(-1).view(torch.uint8).numpy())]
-                    _write_all(fd, views[0], len(prefix) + batch[i].offset)
+                    write_all(fd, views[0], len(prefix) + batch[i].offset)
                 else:
                     whole, views, at = reader.run_buffer(nbytes), [], 0
                     for chunk, start in zip(batch[i:i + len(starts)], starts):
                         views.append(whole[at:at + chunk.nbytes])
                         reader.read_into(views[-1], chunk.target.copies[0].piece, start)
                         at += chunk.nbytes
-                    _write_all(fd, whole, len(prefix) + batch[i].offset)
+                    write_all(fd, whole, len(prefix) + batch[i].offset)
                 if nbytes >= WRITEBACK_BYTES:
                     _start_writeback(fd, len(prefix) + batch[i].offset, nbytes)
                 for chunk, view in zip(batch[i:i + len(starts)], views):
                     if on_chunk is not None:
                         on_chunk(chunk, view)
-                    yield hashlib.sha256(view).digest()
+                    # the token file_digest makes: a chunk that could be copied (here built for on_chunk) is checked
+                    # against its source
+                    yield COPIED if chunk.nbytes >= file_copies.COPY_BYTES and copied(chunk) is not None else crc_token(view)
                 i += len(starts)
 
-        digest = hashlib.sha256(hashlib.sha256(prefix).digest())
+        digest = running(prefix)
+        copying = threading.Lock() if workers > 1 else contextlib.nullcontext()
         batches = _batches(chunk_list)
         with ThreadPoolExecutor(max_workers=workers) if workers > 1 else contextlib.nullcontext() as pool:
             # one thread writes as it goes (progress after each run); threads take whole batches
@@ -289,10 +318,3 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
     except (OSError, AttributeError):  # no posix_fadvise (macOS), or a file system that refuses it
         pass
-
-
-def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n

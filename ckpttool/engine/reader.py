@@ -8,7 +8,9 @@ runs into the same buffer (:meth:`Reader.read_into`).
 
 from __future__ import annotations
 
+import errno
 import math
+import mmap
 import os
 import threading
 from collections import Counter
@@ -41,6 +43,7 @@ class Reader:
         self._local = threading.local()
         self._loader = PieceLoader(root, Counter({p: n for p, n in uses.items() if p.encoding != RAW}))
         self.round_trips: dict[str, RoundTrip] = {}  # per quantized target (see :mod:`ckpttool.quant.encode`)
+        self._in_kernel = hasattr(os, "copy_file_range")  # until a file system refuses it
 
     def record(self, name: str, measured: RoundTrip) -> None:
         with self._lock:
@@ -93,6 +96,34 @@ class Reader:
                 "the file is truncated"
             )
 
+    def copy_out(self, piece: Piece, offset: int, out: int, at: int, nbytes: int) -> int:
+        """Copy ``nbytes`` at ``offset`` of ``piece``'s file to offset ``at`` of the file ``out`` inside the kernel
+        (``copy_file_range``) and return how many were copied: fewer when it stops (the source ends, an error) or
+        cannot be used (then never again). The caller copies the rest through a buffer, which names any error."""
+        done = 0
+        if not self._in_kernel:
+            return done
+        source = self._fd(piece.file)
+        while done < nbytes:
+            try:
+                n = os.copy_file_range(source, out, nbytes - done, offset + done, at + done)
+            except OSError as e:
+                if e.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF):
+                    self._in_kernel = False  # file systems (or a kernel) that cannot
+                return done
+            if n == 0:  # the source ends: a truncation, named by the read that follows
+                return done
+            done += n
+        return done
+
+    def read_ahead(self, piece: Piece, offset: int, nbytes: int) -> None:
+        """Have the disk read ``nbytes`` at ``offset`` of ``piece``'s file into the page cache, without waiting (a
+        hint, where the system takes it)."""
+        try:
+            os.posix_fadvise(self._fd(piece.file), offset, nbytes, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):  # no posix_fadvise (macOS), or a file that refuses it
+            pass
+
     def run_buffer(self, nbytes: int) -> memoryview:
         """This thread's read buffer, for a run of direct chunks of ``nbytes``."""
         return memoryview(self._buffer("read", nbytes))[:nbytes]
@@ -104,14 +135,25 @@ class Reader:
         flat = torch.frombuffer(self._buffer(name, nbytes), dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
         return flat.view(torch_dtype(dtype)).reshape(shape)
 
-    def _buffer(self, name: str, nbytes: int) -> bytearray:
+    def _buffer(self, name: str, nbytes: int) -> bytearray | mmap.mmap:
+        """This thread's buffer ``name``: allocated once, at the largest size it will need, as a private anonymous
+        map, so only the pages a chunk uses are ever touched (a bytearray writes zeros over all of it: the 32 MiB
+        read buffer of a thread that only copies file to file, and a few small tensors through the buffer)."""
         buffers = self._local.__dict__.setdefault("buffers", {})
         buffer = buffers.get(name)
-        if buffer is None or len(buffer) < nbytes:  # once, at the largest size this thread will need
-            buffer = buffers[name] = bytearray(max(nbytes, self._sizes.get(name, 0), 1))
+        if buffer is None or len(buffer) < nbytes:
+            size = max(nbytes, self._sizes.get(name, 0), 1)
+            try:
+                buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except (AttributeError, OSError):  # no anonymous maps here
+                buffer = bytearray(size)
+            buffers[name] = buffer
         return buffer
 
     def _fd(self, file: str) -> int:
+        fd = self._fds.get(file)  # a file opened before: no lock (a dict's get is atomic, and fds are only added)
+        if fd is not None:
+            return fd
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:

@@ -3,13 +3,12 @@
 Everything is written into a staging directory beside the destination (see :mod:`ckpttool.writers.destination`),
 verified, and renamed into place at the end; on an error the staging directory is removed, so the
 destination never holds a partial checkpoint. A journal in the staging directory records every output file
-finished so far with its sha256, so a merge killed after hours continues with ``--resume`` where it stopped,
+finished so far with its digest, so a merge killed after hours continues with ``--resume`` where it stopped,
 re-checking what it keeps.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -21,7 +20,6 @@ from pathlib import Path
 
 from ..engine.buffers import distinct_targets
 from ..engine.executor import (
-    CHUNK_BYTES,
     Chunk,
     Reader,
     buffer_sizes,
@@ -29,6 +27,7 @@ from ..engine.executor import (
     file_digest,
     piece_uses,
 )
+from ..engine.digest import checks
 from ..engine.executor import predict_peak_bytes as stream_peak_bytes
 from ..engine.executor import write_file as stream_file
 from ..engine.plan import Plan, Target, target_sizes
@@ -36,8 +35,14 @@ from ..errors import ArgumentError, OutputError, SourceError
 from ..paths import link_escapes
 from ..quant.encode import RoundTrip
 from ..safetensors_format import encode_header, read_header
-from ..version import __version__
-from .destination import EXTRA_FILES, INDEX, JOURNAL_GLOB, journal_name
+from .destination import EXTRA_FILES, INDEX, journal_name
+from .journal import JOURNAL_VERSION, Journal, clean_staging, plan_id, recorded, write_text
+
+__all__ = [  # the journal's names (ckpttool.writers.journal) are offered here too
+    "JOURNAL_VERSION", "SIZE_HELP", "SIZE_UNITS", "Journal", "OutputFile", "assign_files", "check_written", "clean_staging",
+    "file_layout", "find_extras", "journal_name", "parse_size", "plan_id", "predict_peak_bytes", "recorded",
+    "write_extras", "write_index", "write_text", "write_weights",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,97 +107,6 @@ def assign_files(plan: Plan, max_shard_size: str | int = "5GB") -> list[OutputFi
     return [OutputFile(name, tuple(by_name[n] for n in names)) for name, names in split.filename_to_tensors.items()]
 
 
-class Journal:
-    """The output files finished so far, with their sizes and digests (sha256 of the header and of each
-    chunk, see :mod:`ckpttool.engine.executor`), for one plan.
-
-    Each writing process keeps its own journal file, rewritten atomically after each file; all journals of
-    the same plan are read together. Journals of another plan (the source, the options or ckpttool
-    changed) are ignored, so a resume never mixes two merges.
-    """
-
-    def __init__(self, directory: Path, plan_id: str, rank: int = 0) -> None:
-        self.path = directory / journal_name(rank)
-        self.plan_id = plan_id
-        self.files = recorded(directory, plan_id)
-        self.mine: dict[str, dict[str, object]] = {}
-        self._save()
-
-    def kept(self, name: str, path: Path, nbytes: int, digest: Callable[[], str]) -> bool:
-        """True when ``name`` was finished by an earlier run and still has its recorded size and digest."""
-        record = self.files.get(name)
-        if not isinstance(record, dict) or record.get("bytes") != nbytes or not path.is_file():
-            return False
-        if path.stat().st_size != nbytes or digest() != record.get("digest"):
-            self.files.pop(name)
-            return False
-        return True
-
-    def record(self, name: str, nbytes: int, digest: str) -> None:
-        self.files[name] = self.mine[name] = {"bytes": nbytes, "digest": digest}
-        self._save()
-
-    def _save(self) -> None:
-        temporary = self.path.with_name(self.path.name + ".tmp")
-        write_text(temporary, json.dumps({"version": 1, "plan": self.plan_id, "files": self.mine}, indent=1))
-        os.replace(temporary, self.path)
-
-
-def recorded(directory: Path, plan_id: str) -> dict[str, dict[str, object]]:
-    """The files every journal of ``plan_id`` in ``directory`` records as finished."""
-    files: dict[str, dict[str, object]] = {}
-    for path in directory.glob(JOURNAL_GLOB):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            continue
-        if isinstance(doc, dict) and doc.get("plan") == plan_id and isinstance(doc.get("files"), dict):
-            files.update(doc["files"])
-    return files
-
-
-def clean_staging(directory: Path, plan_id: str) -> None:
-    """Remove what no journal of ``plan_id`` holds: half-written files, another plan's files and journals, an
-    old index or report. Done once, before any process writes."""
-    keep = set(recorded(directory, plan_id))
-    for path in directory.glob(JOURNAL_GLOB):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            doc = None
-        if isinstance(doc, dict) and doc.get("plan") == plan_id:
-            keep.add(path.name)
-    for leftover in directory.iterdir():
-        if leftover.name not in keep:
-            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-
-
-def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
-    """A digest of everything that decides the output bytes: ckpttool's version, the plan, the file split,
-    and the size and modification time of every source file it reads."""
-    stats = []
-    every = [*plan.targets, *(t.scale for t in plan.targets if t.scale is not None)]  # a scale's files too
-    for rel in sorted({c.piece.file for t in every for c in t.copies}):
-        try:
-            st = (Path(plan.root) / rel).stat()
-        except OSError as e:
-            raise SourceError(f"'{rel}': cannot read: {e.strerror or e}") from None
-        stats.append([rel, st.st_size, st.st_mtime_ns])
-    # tuples encode as JSON arrays, as lists do: the text (and the id) is the same without copying them
-    layout = [
-        (out.name, [(t.name, t.dtype, t.shape, [(c.piece.file, c.piece.key, c.piece.byte_offset, c.piece.byte_length,
-                                                 c.src.offsets, c.src.sizes, c.dst.offsets, c.dst.sizes)
-                                                for c in t.copies],
-                     "None" if t.dequant is None else repr(t.dequant),
-                     [(c.piece.file, c.piece.key, c.piece.byte_offset) for c in t.scale.copies] if t.scale is not None else [])
-                    for t in out.targets])
-        for out in files
-    ]
-    text = json.dumps({"ckpttool": __version__, "chunk": CHUNK_BYTES, "root": str(Path(plan.root).resolve()),
-                       "files": layout, "sources": stats})
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def write_weights(
     plan: Plan,
     mine: Sequence[OutputFile],
@@ -225,9 +139,9 @@ def write_weights(
     try:
         for out, (prefix, chunk_list) in zip(mine, layouts):
             path = directory / out.name
-            spans = [c.nbytes for c in chunk_list]
             size = len(prefix) + out.nbytes
-            compute = lambda path=path, prefix=prefix, spans=spans: file_digest(path, len(prefix), spans)  # noqa: E731
+            compute = lambda path=path, prefix=prefix, chunk_list=chunk_list: file_digest(  # noqa: E731
+                path, len(prefix), checks(chunk_list, reader))
             if journal.kept(out.name, path, size, compute):
                 kept += 1
                 on_bytes(out.nbytes)
@@ -308,14 +222,6 @@ def check_written(path: Path, out: OutputFile, prefix_len: int, header: bytes | 
     if header is not None:
         raise OutputError(f"'{out.name}': its header on disk differs from the header written (offsets or metadata); "
                           "the disk or file system corrupted it. Nothing was published")
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write a small output file; a failure is an :class:`OutputError`."""
-    try:
-        path.write_text(text)
-    except OSError as e:
-        raise OutputError(f"'{path.name}': cannot write: {e.strerror or e}; nothing was published") from None
 
 
 def write_extras(directory: Path, config: Mapping[str, object] | None, search: Sequence[Path], dtype: str | None) -> list[str]:
