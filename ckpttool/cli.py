@@ -158,7 +158,7 @@ def main() -> None:
 @click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
 @click.option("--no-audit", is_flag=True, help="Do not audit the output (by default audit errors stop the publish).")
-@click.option("--resume", is_flag=True, help="Continue an interrupted merge: keep the output files it finished (sha256 checked).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted merge: keep the output files it finished (each checked again).")
 @click.option("--verify", is_flag=True, help="Read every written file back from disk and compare its digest.")
 @click.option("--verify-forward", is_flag=True, help="Before publishing, load OUT with transformers strictly and run a "
               "forward (see ckpttool verify); a problem stops the publish.")

@@ -33,7 +33,7 @@ def print_result(result: MergeResult, verbose: int) -> None:
     if result.extras:
         click.echo(f"  + {', '.join(result.extras)}")
     if result.kept_files:
-        click.echo(f"resumed:  kept {result.kept_files} of {len(result.files)} files of the interrupted merge (sha256 checked)")
+        click.echo(f"resumed:  kept {result.kept_files} of {len(result.files)} files of the interrupted merge (each checked again)")
     worst = result.worst_round_trip()
     if worst is not None:
         name, trip = worst

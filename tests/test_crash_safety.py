@@ -102,7 +102,7 @@ def test_resume_rechecks_and_rewrites_a_damaged_file(tmp_path):
     data[-1] ^= 0xFF
     damaged.write_bytes(bytes(data))
     result = ckpttool.merge(src, out, max_shard_size=SHARD, resume=True)
-    assert result.kept_files == len(finished) - 1  # the damaged one failed its sha256 check and was rewritten
+    assert result.kept_files == len(finished) - 1  # the damaged one failed its digest check and was rewritten
     assert_is_the_reference(out)
 
 
@@ -135,7 +135,7 @@ def test_cli_resume_reports_the_kept_files(cli, tmp_path):
     kept = len(json.loads((staging_dirs(out)[0] / journal_name(0)).read_text())["files"])
     result = cli("merge", src, out, "--max-shard-size", SHARD, "--resume")
     assert result.exit_code == 0, result.output
-    assert f"resumed:  kept {kept} of 4 files of the interrupted merge (sha256 checked)" in result.stdout
+    assert f"resumed:  kept {kept} of 4 files of the interrupted merge (each checked again)" in result.stdout
 
 
 def test_a_run_without_resume_starts_over(tmp_path):

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine.buffers import distinct_targets
@@ -30,12 +29,13 @@ from ..engine.executor import (
 from ..engine.digest import checks
 from ..engine.executor import predict_peak_bytes as stream_peak_bytes
 from ..engine.executor import write_file as stream_file
-from ..engine.plan import Plan, Target, target_sizes
+from ..engine.plan import Plan, target_sizes
 from ..errors import ArgumentError, OutputError, SourceError
 from ..paths import link_escapes
 from ..quant.encode import RoundTrip
 from ..safetensors_format import encode_header, read_header
 from .destination import EXTRA_FILES, INDEX, journal_name
+from .files import OutputFile
 from .journal import JOURNAL_VERSION, Journal, clean_staging, plan_id, recorded, write_text
 
 __all__ = [  # the journal's names (ckpttool.writers.journal) are offered here too
@@ -45,18 +45,6 @@ __all__ = [  # the journal's names (ckpttool.writers.journal) are offered here t
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class OutputFile:
-    """One safetensors file of the output: its name and the targets it holds, in write order."""
-
-    name: str
-    targets: tuple[Target, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(target_sizes(self.targets))
 
 
 #: size units: decimal as huggingface_hub (``5GB`` is 5 * 1000**3 bytes), binary with an ``i`` (``5GiB``)

@@ -9,16 +9,13 @@ import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..engine.executor import CHUNK_BYTES
 from ..engine.plan import Plan
 from ..errors import OutputError, SourceError
 from ..version import __version__
 from .destination import JOURNAL_GLOB, journal_name
-
-if TYPE_CHECKING:
-    from .hf import OutputFile
+from .files import OutputFile
 
 __all__ = ["JOURNAL_VERSION", "Journal", "clean_staging", "plan_id", "recorded", "write_text"]
 
