@@ -17,7 +17,7 @@ from pathlib import Path
 from .architecture import ModelInfo, find_config, model_info, read_config
 from .config_sizes import census, check_config_sizes
 from .engine.layout import Layout
-from .engine.plan import Plan, TargetSpec, identity_specs, plan_covered
+from .engine.plan import Plan, Target, TargetSpec, identity_specs, plan_covered
 from .errors import CoverageError
 from .families import (
     Mismatch,
@@ -70,6 +70,8 @@ class Planned:
     uncovered: tuple[tuple[TargetSpec, list[str]], ...] = ()
     mtp_missing: tuple[int, ...] = ()
     quantization: tuple[Problem, ...] = ()
+    #: the family's targets before they were planned (quantized weights and scales apart)
+    specs: tuple[TargetSpec, ...] = ()
 
     @property
     def generic(self) -> bool:
@@ -148,6 +150,7 @@ def plan_layout(
         mtp_missing = mtp_absent([s.name for s in specs], model)
         if mtp_missing:
             own.append(mtp_missing_note(mtp_missing, model))
+    mapped = tuple(specs)
     quant_problems = quantization_problems(specs, layout, quant, has_config=config is not None, dequantize=dtype is not None)
     if dtype is not None and quant is not None and not quant_problems:
         specs = dequantized(specs, layout, quant)
@@ -162,7 +165,7 @@ def plan_layout(
     plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes], keep_dtype=keep)
     planned()  # the command's collector runs again, and never walks this plan (ckpttool.startup)
     return Planned(layout, config_path, config, model, plan, tuple(tied), adapter, tuple(adapter_notes), tuple(unplaced),
-                   tuple(mismatches), tuple(uncovered), tuple(mtp_missing), quantization=tuple(quant_problems))
+                   tuple(mismatches), tuple(uncovered), tuple(mtp_missing), quantization=tuple(quant_problems), specs=mapped)
 
 
 def natural(name: str) -> list[object]:
@@ -175,3 +178,15 @@ _DIGITS = re.compile(r"(\d+)")
 
 def _natural_name(spec: TargetSpec) -> list[object]:
     return natural(spec.name)
+
+
+def dequantized_targets(planned: Planned, dtype: str) -> tuple[Target, ...]:
+    """The computed targets a plan of the same source given ``dtype`` holds for its quantized weights (what
+    :func:`plan_layout` with ``dtype`` plans for them), planned alone. ``planned`` must have a config and no
+    quantization problem; () when its config declares no quantization."""
+    quant = read_quantization(planned.config, str(planned.config_path or "config.json")) if planned.config is not None else None
+    if quant is None or planned.quantization:
+        return ()
+    specs = [s for s in dequantized(planned.specs, planned.layout, quant) if s.dequant is not None]
+    keep = {s.name for s in specs if keeps_dtype(s.name)}
+    return plan_covered(planned.layout, specs, dtype=dtype, keep_dtype=keep)[0].targets
