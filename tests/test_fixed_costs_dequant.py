@@ -119,7 +119,13 @@ def test_scratch_tensors_are_reused_until_their_buffer_grows(tmp_path):
 
 @pytest.mark.parametrize("fixture", [QWEN3, DEEPSEEK, GPT_OSS])
 def test_the_audits_dequantized_targets_are_those_of_a_whole_plan(fixture):
-    planned = plan_source(checkpoint(fixture))
+    merged = plan_source(checkpoint(fixture))
+    assert merged.specs is None  # a merge does not hold them
+    with pytest.raises(ValueError):
+        dequantized_targets(merged, "F32")
+    planned = plan_layout(merged.layout, config_path=merged.config_path, config=merged.config, model=merged.model,
+                          keep_specs=True)
+    assert planned.plan == merged.plan
     full = plan_layout(planned.layout, config_path=planned.config_path, config=planned.config, model=planned.model,
                        dtype="F32").plan
     expected = tuple(t for t in full.targets if t.dequant is not None)
