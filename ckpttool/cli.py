@@ -230,7 +230,7 @@ def audit_command(
         except OSError as e:
             _fail(f"'{html_path}': cannot write the HTML report: {e.strerror or e}", as_json)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        click.echo(json_text(report.to_json()))
     else:
         print_report(report, quiet)
     sys.exit(EXIT_OK if report.ok else EXIT_AUDIT)
@@ -260,7 +260,7 @@ def diff_command(
         dequantize=dequantize,
     ), bar)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json_text(result.to_json()))
     else:
         for d in result.differences:
             click.echo(f"  {shown(d.name)}: {escaped(d.describe())}")
@@ -290,7 +290,7 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
     result = _run(as_json, lambda: verify(out, against=ref, tokens=tokens, text=text,
                                           tolerance=tolerance))
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json_text(result.to_json()))
     else:
         for line in result.lines():
             click.echo(escaped(line))

@@ -17,7 +17,7 @@ from pathlib import Path
 from .architecture import ModelInfo, find_config, model_info, read_config
 from .config_sizes import census, check_config_sizes
 from .engine.layout import Layout
-from .engine.plan import Plan, TargetSpec, identity_specs, plan_covered
+from .engine.plan import Plan, Target, TargetSpec, identity_specs, plan_covered
 from .errors import CoverageError
 from .families import (
     Mismatch,
@@ -70,6 +70,9 @@ class Planned:
     uncovered: tuple[tuple[TargetSpec, list[str]], ...] = ()
     mtp_missing: tuple[int, ...] = ()
     quantization: tuple[Problem, ...] = ()
+    #: the family's targets before they were planned (quantized weights and scales apart), when asked for
+    #: (``keep_specs``: the audit's :func:`dequantized_targets`); None otherwise (a merge frees them)
+    specs: tuple[TargetSpec, ...] | None = None
 
     @property
     def generic(self) -> bool:
@@ -115,14 +118,15 @@ def plan_source(
 def plan_layout(
     layout: Layout, *, config_path: Path | None, config: dict[str, object] | None, model: ModelInfo | None,
     dtype: str | None = None, notes: Iterable[str] = (), no_config: str = "no config.json found",
-    quantize: tuple[int, int] | None = None,
+    quantize: tuple[int, int] | None = None, keep_specs: bool = False,
 ) -> Planned:
     """Map ``layout`` to HuggingFace names with its family's adapter (``model`` given) or keep its names
     (generic), and plan every target; ``dtype`` is a safetensors name to cast floating tensors to (except the
     tensors the families keep, :func:`~ckpttool.families.keeps_dtype`); ``notes`` follow the plan's own;
     ``no_config`` says why there is no config, for the generic note. A quantized source is kept quantized, or
     dequantized to ``dtype`` when one is given (:mod:`ckpttool.families.quantized`); a plain one is quantized to
-    FP8 in ``quantize`` blocks when given (:mod:`ckpttool.families.quantize`)."""
+    FP8 in ``quantize`` blocks when given (:mod:`ckpttool.families.quantize`). ``keep_specs`` keeps the mapped
+    targets on the result (:attr:`Planned.specs`)."""
     quant = read_quantization(config, str(config_path or "config.json")) if config is not None else None
     if model is None:
         specs = identity_specs(layout)
@@ -148,6 +152,7 @@ def plan_layout(
         mtp_missing = mtp_absent([s.name for s in specs], model)
         if mtp_missing:
             own.append(mtp_missing_note(mtp_missing, model))
+    mapped = tuple(specs) if keep_specs else None
     quant_problems = quantization_problems(specs, layout, quant, has_config=config is not None, dequantize=dtype is not None)
     if dtype is not None and quant is not None and not quant_problems:
         specs = dequantized(specs, layout, quant)
@@ -162,7 +167,7 @@ def plan_layout(
     plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes], keep_dtype=keep)
     planned()  # the command's collector runs again, and never walks this plan (ckpttool.startup)
     return Planned(layout, config_path, config, model, plan, tuple(tied), adapter, tuple(adapter_notes), tuple(unplaced),
-                   tuple(mismatches), tuple(uncovered), tuple(mtp_missing), quantization=tuple(quant_problems))
+                   tuple(mismatches), tuple(uncovered), tuple(mtp_missing), quantization=tuple(quant_problems), specs=mapped)
 
 
 def natural(name: str) -> list[object]:
@@ -175,3 +180,21 @@ _DIGITS = re.compile(r"(\d+)")
 
 def _natural_name(spec: TargetSpec) -> list[object]:
     return natural(spec.name)
+
+
+def dequantized_targets(planned: Planned, dtype: str) -> tuple[Target, ...]:
+    """The computed targets a plan of the same source given ``dtype`` holds for its quantized weights (what
+    :func:`plan_layout` with ``dtype`` plans for them), planned alone. ``planned`` must have a config and no
+    quantization problem; () when its config declares no quantization.
+
+    Raises:
+        ValueError: ``planned`` was made without ``keep_specs`` (a bug).
+    """
+    if planned.specs is None:
+        raise ValueError("dequantized_targets needs a plan made with keep_specs=True")
+    quant = read_quantization(planned.config, str(planned.config_path or "config.json")) if planned.config is not None else None
+    if quant is None or planned.quantization:
+        return ()
+    specs = [s for s in dequantized(planned.specs, planned.layout, quant) if s.dequant is not None]
+    keep = {s.name for s in specs if keeps_dtype(s.name)}
+    return plan_covered(planned.layout, specs, dtype=dtype, keep_dtype=keep)[0].targets

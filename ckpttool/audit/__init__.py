@@ -119,7 +119,7 @@ def check(
     found.extend(_padding(layout))
 
     planned = plan_layout(layout, config_path=config_path, config=dict(config) if config is not None else None,
-                          model=model)
+                          model=model, keep_specs=data)  # the specs: the dequantized targets of data_plan
     tied = list(planned.tied)
     if model is not None:
         found.extend(finding("source-note", note) for note in planned.adapter_notes)

@@ -13,7 +13,7 @@ from ..deferred import torch
 from ..dtypes import torch_dtype
 from ..engine.plan import Plan, Target
 from ..findings import Finding, finding
-from ..planning import Planned, plan_layout
+from ..planning import Planned, dequantized_targets
 from ..quant.checks import Problem
 from ..quant.formats import E8M0_NAN, links
 from .stats import blocks, fold
@@ -97,9 +97,7 @@ def data_plan(plan: Plan, planned: Planned) -> Plan:
     is quantized, or the quantization has header problems (reported by :func:`quantization_findings`)."""
     if planned.config is None or planned.quantization or not links(t.name for t in plan.targets)[0]:
         return plan
-    full = plan_layout(planned.layout, config_path=planned.config_path, config=planned.config, model=planned.model,
-                       dtype="F32").plan
-    computed = {t.name: t for t in full.targets if t.dequant is not None}
+    computed = {t.name: t for t in dequantized_targets(planned, "F32")}
     found = {link.weight: link for link in links(t.name for t in plan.targets)[0] if link.logical in computed}
     dropped = {link.scale for link in found.values()}
     targets = [computed[found[t.name].logical] if t.name in found else t for t in plan.targets if t.name not in dropped]

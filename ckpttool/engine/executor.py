@@ -185,14 +185,35 @@ def _dequantize(chunk: Chunk, reader: Reader) -> torch.Tensor:
     scales = None
     if scale is not None:  # a decoder's scales
         lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
-        scales = _gather(scale.copies, _row_box(scale.shape, lo, hi), scale.source_dtype, reader, "scale", view=False)
-    stored = _gather(target.copies, _row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop)),
-                     target.source_dtype, reader, "chunk")
+        rows = _row_box(scale.shape, lo, hi)
+        scales = _read_rows(scale.copies, rows, scale.source_dtype, reader, "scale")
+        if scales is None:
+            scales = _gather(scale.copies, rows, scale.source_dtype, reader, "scale", view=False)
+    rows = _row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop))
+    stored = _read_rows(target.copies, rows, target.source_dtype, reader, "chunk")
+    if stored is None:
+        stored = _gather(target.copies, rows, target.source_dtype, reader, "chunk")
     out = reader.scratch("cast", _rows(chunk).sizes, target.dtype)
     measured = compute.decode(stored, scales, chunk.start, out, reader.scratch)  # type: ignore[arg-type]
     if measured is not None:
         reader.record(target.name, measured)
     return out
+
+
+def _read_rows(copies: Sequence[Copy], rows: Box, dtype: str, reader: Reader, buffer: str) -> torch.Tensor | None:
+    """``rows`` (whole rows) of the tensor ``copies`` fill, read with one ``pread`` into the thread's buffer
+    ``buffer``, when one raw piece in ``dtype`` holds the whole tensor as it is (a quantized weight and its scales,
+    most often): what :func:`_gather` gives, without its regions. None otherwise."""
+    if len(copies) != 1 or not rows.sizes:
+        return None
+    copy = copies[0]
+    piece, whole = copy.piece, copy.dst.sizes
+    if (piece.encoding != RAW or piece.dtype != dtype or copy.src.sizes != whole or piece.box.sizes != whole
+            or any(copy.src.offsets) or any(copy.dst.offsets) or rows.sizes[1:] != whole[1:] or any(rows.offsets[1:])
+            or rows.offsets[0] + rows.sizes[0] > whole[0]):
+        return None
+    row = math.prod(whole[1:]) * itemsize(dtype)
+    return reader.read_scratch(buffer, rows.sizes, dtype, piece, piece.byte_offset + rows.offsets[0] * row)
 
 
 def _direct(chunk: Chunk) -> int | None:

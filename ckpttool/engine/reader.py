@@ -26,6 +26,9 @@ from .reference import PieceLoader
 
 __all__ = ["Reader"]
 
+#: the most scratch tensors a thread keeps for reuse (see :meth:`Reader.scratch`)
+SCRATCH_VIEWS = 64
+
 
 class Reader:
     """Regions of pieces, read with ``pread`` into per-thread buffers; safe to share between threads.
@@ -130,10 +133,28 @@ class Reader:
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         """A tensor of ``shape`` on this thread's buffer ``name``, reused from chunk to chunk (allocating a
-        fresh one per chunk lets each thread's heap grow)."""
+        fresh one per chunk lets each thread's heap grow). The same tensor object for the same ``name``, shape and
+        dtype until the buffer grows: thousands of identical small tensors (experts) cost a dict look-up each."""
+        views = self._local.__dict__.setdefault("views", {})
+        key = (name, shape, dtype)
+        found = views.get(key)
+        if found is not None:
+            return found
         nbytes = math.prod(shape) * itemsize(dtype)
         flat = torch.frombuffer(self._buffer(name, nbytes), dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
-        return flat.view(torch_dtype(dtype)).reshape(shape)
+        if len(views) >= SCRATCH_VIEWS:  # many shapes: start again rather than hold a view of each
+            views.clear()
+        found = views[key] = flat.view(torch_dtype(dtype)).reshape(shape)
+        return found
+
+    def read_scratch(self, name: str, shape: tuple[int, ...], dtype: str, piece: Piece, offset: int) -> torch.Tensor:
+        """:meth:`scratch` filled with the bytes at ``offset`` of ``piece``'s file (rows that lie there as the
+        tensor holds them), with one ``pread``."""
+        tensor = self.scratch(name, shape, dtype)
+        nbytes = math.prod(shape) * itemsize(dtype)
+        if nbytes:
+            self.read_into(memoryview(self._local.buffers[name])[:nbytes], piece, offset)
+        return tensor
 
     def _buffer(self, name: str, nbytes: int) -> bytearray | mmap.mmap:
         """This thread's buffer ``name``: allocated once, at the largest size it will need, as a private anonymous
@@ -148,6 +169,9 @@ class Reader:
             except (AttributeError, OSError):  # no anonymous maps here
                 buffer = bytearray(size)
             buffers[name] = buffer
+            views = self._local.__dict__.get("views", {})
+            for key in [k for k in views if k[0] == name]:  # views of the buffer given up
+                del views[key]
         return buffer
 
     def _fd(self, file: str) -> int:

@@ -12,6 +12,8 @@ Every codec has the same calls, in this order, for rows ``start..stop`` of its t
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .decode import Fp8Blocks, Mxfp4Groups, decoder
 from .encode import Fp8Scales, Fp8Values, encoder
 
@@ -24,5 +26,15 @@ def codec(method: str, params: tuple[tuple[str, object], ...]) -> Codec:
     Raises:
         ValueError: an unknown method (a bug: plans are made by :mod:`ckpttool.families`).
     """
+    try:  # codecs are frozen and hold only their parameters: one object per (method, params), not one per chunk
+        return _cached(method, params)
+    except TypeError:  # parameters that cannot be hashed (a list for a block): made each time
+        return _made(method, params)
+
+
+def _made(method: str, params: tuple[tuple[str, object], ...]) -> Codec:
     found = encoder(method, params)
     return found if found is not None else decoder(method, params)
+
+
+_cached = lru_cache(maxsize=256)(_made)

@@ -87,6 +87,8 @@ def fp8_pairs(dtype: torch.dtype) -> torch.Tensor:
 def scale_values(scales: torch.Tensor, scratch: Scratch, ue8m0_bytes: bool) -> torch.Tensor:
     """Scales as float32 values: floats converted exactly, E8M0 (``float8_e8m0fnu``) by torch, and bytes as E8M0
     exponents when ``ue8m0_bytes``."""
+    if scales.dtype == torch.float32:  # already their values (the caller's copy, not changed here)
+        return scales
     out = scratch("scale-f32", tuple(scales.shape), "F32")
     if scales.dtype == torch.uint8 and ue8m0_bytes:
         index = scratch("scale-index", (scales.numel(),), "I32").copy_(scales.reshape(-1))
@@ -133,13 +135,16 @@ class Fp8Blocks:
         CPU's cache. No temporary as large as the chunk, and no allocation: torch's mixed-dtype ``mul`` into a
         bfloat16 ``out`` would allocate two float32 temporaries per call."""
         slab, rows, first = self._slab_rows(stored.shape[-1]), self.block[0], start // self.block[0]
+        direct = out.dtype == torch.float32 and out.is_contiguous()  # float32 out: the values computed in place
         lo = 0
         while lo < stored.shape[0]:
             hi = min(stored.shape[0], (start + lo) // slab * slab + slab - start)  # slabs on block-row bounds
-            work = to_float32(stored[lo:hi], scratch("work", (hi - lo, stored.shape[-1]), "F32"), scratch)
+            work = to_float32(stored[lo:hi], out[lo:hi] if direct else scratch("work", (hi - lo, stored.shape[-1]), "F32"),
+                              scratch)
             k0, k1 = (start + lo) // rows - first, -(-(start + hi) // rows) - first
             scale_blocks(work, scales[k0:k1], start + lo, self.block)
-            out[lo:hi].copy_(work)
+            if not direct:
+                out[lo:hi].copy_(work)
             lo = hi
 
     def _slab_rows(self, columns: int) -> int:
@@ -154,6 +159,8 @@ class Fp8Blocks:
                 "index": slab // 2 * 4, "work": slab * 4}
 
 
+#: the most values :func:`scale_blocks` scales with one broadcast call (a small weight, where calls cost most)
+SMALL_ELEMENTS = 1 << 16
 #: values per slab of the FP8 block decoder (2 MiB of float32: a slab stays in a core's cache between passes)
 SLAB_ELEMENTS = 1 << 19
 
@@ -166,6 +173,12 @@ def scale_blocks(work: torch.Tensor, scales: torch.Tensor, start: int, block: tu
     vector: a broadcast over a ``[.., I/B1, B1]`` view is 50 times slower with torch's two intra-op threads."""
     rows, cols = block
     per_column = scales.repeat_interleave(cols, dim=-1)[:, : work.shape[-1]]
+    if (start % rows == 0 and work.shape[0] == scales.shape[0] * rows and work.numel() <= SMALL_ELEMENTS
+            and work.is_contiguous()):
+        # whole block rows of a small weight: one call (the same products), not one per block row
+        blocked, factors = work.view(scales.shape[0], rows, work.shape[-1]), per_column.unsqueeze(1)
+        blocked.div_(factors) if divide else blocked.mul_(factors)
+        return
     first = start // rows
     for k in range(scales.shape[0]):
         lo = max((first + k) * rows - start, 0)
