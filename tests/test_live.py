@@ -183,6 +183,19 @@ def test_one_process_without_a_process_group(tmp_path):
     assert result.audit is not None and result.audit.ok
 
 
+def test_large_tensors_are_built_from_the_buckets_not_copied_from_files(tmp_path):
+    """Chunks of 1 MiB and more that an offline merge copies file to file (or reads with one pread) are built from
+    the gathered buffers: a live rank's pieces are in memory, not in files named "rank N"."""
+    from ckpttool.live import save_hf
+
+    state = {"big": torch.arange(2**20, dtype=torch.float32).reshape(1024, 1024),
+             "rows": torch.arange(3 * 2**18, dtype=torch.float32).reshape(3 * 2**9, 2**9)}
+    save_hf(state, tmp_path / "hf", bucket_bytes=16 * 2**20)
+    got = load_output(tmp_path / "hf")
+    assert sorted(got) == ["big", "rows"]
+    assert all(torch.equal(got[name], state[name]) for name in state)
+
+
 def test_buckets_bound_what_a_rank_holds(tmp_path):
     from ckpttool.distributed import Group
     from ckpttool.live import _describe, _Gather, _plan

@@ -204,7 +204,7 @@ def _read_rows(copies: Sequence[Copy], rows: Box, dtype: str, reader: Reader, bu
     """``rows`` (whole rows) of the tensor ``copies`` fill, read with one ``pread`` into the thread's buffer
     ``buffer``, when one raw piece in ``dtype`` holds the whole tensor as it is (a quantized weight and its scales,
     most often): what :func:`_gather` gives, without its regions. None otherwise."""
-    if len(copies) != 1 or not rows.sizes:
+    if len(copies) != 1 or not rows.sizes or not reader.reads_files:
         return None
     copy = copies[0]
     piece, whole = copy.piece, copy.dst.sizes
@@ -277,7 +277,7 @@ def write_file(
             i = 0
             while i < len(batch):
                 nbytes = batch[i].nbytes
-                spans = copied(batch[i]) if nbytes >= file_copies.COPY_BYTES else None
+                spans = copied(batch[i]) if nbytes >= file_copies.COPY_BYTES and reader.reads_files else None
                 if spans is not None and on_chunk is None:
                     at = len(prefix) + batch[i].offset
                     copy_chunk(fd, at, spans, reader, copying)
@@ -311,7 +311,8 @@ def write_file(
                         on_chunk(chunk, view)
                     # the token file_digest makes: a chunk that could be copied (here built for on_chunk) is checked
                     # against its source
-                    yield COPIED if chunk.nbytes >= file_copies.COPY_BYTES and copied(chunk) is not None else crc_token(view)
+                    copyable = reader.reads_files and chunk.nbytes >= file_copies.COPY_BYTES and copied(chunk) is not None
+                    yield COPIED if copyable else crc_token(view)
                 i += len(starts)
 
         digest = running(prefix)

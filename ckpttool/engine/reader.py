@@ -38,6 +38,10 @@ class Reader:
     buffers once, so growing them never leaves freed buffers behind in the thread's heap.
     """
 
+    #: pieces are read from their files, so a chunk may be read or copied from them directly (``pread`` of whole
+    #: rows, ``copy_file_range``); a reader that serves pieces from elsewhere (the live gather's buffers) says False
+    reads_files = True
+
     def __init__(self, root: str | Path, uses: Counter[Piece], sizes: dict[str, int] | None = None) -> None:
         self.root = Path(root)
         self._sizes = sizes or {}

@@ -142,6 +142,8 @@ class _Bucket:
 class _BucketReader(Reader):
     """The streaming writer's reader, serving regions from the buckets gathered in memory, in order."""
 
+    reads_files = False  # its pieces ("rank N") are no files: every chunk is built from the buckets
+
     def __init__(self, ready: list[_Bucket], cond: threading.Condition, slots: threading.Semaphore,
                  layouts: dict[str, tuple[bytes, list[Any]]]) -> None:
         every = [c for _, chunk_list in layouts.values() for c in chunk_list]
