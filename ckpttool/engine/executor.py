@@ -46,7 +46,7 @@ from . import copies as file_copies
 from .copies import copied, copy_chunk, write_all
 from .digest import COPIED, FromSource, crc_token, recheck, running
 from .digest import WINDOW as DIGEST_WINDOW
-from .layout import RAW, Box, Piece
+from .layout import RAW, Box, Piece, Shape
 from .plan import Copy, Target
 from .reader import Reader
 from .regions import dim_map, map_region
@@ -202,17 +202,14 @@ def _dequantize(chunk: Chunk, reader: Reader) -> torch.Tensor:
 
 def _read_rows(copies: Sequence[Copy], rows: Box, dtype: str, reader: Reader, buffer: str) -> torch.Tensor | None:
     """``rows`` (whole rows) of the tensor ``copies`` fill, read with one ``pread`` into the thread's buffer
-    ``buffer``, when one raw piece in ``dtype`` holds the whole tensor as it is (a quantized weight and its scales,
-    most often): what :func:`_gather` gives, without its regions. None otherwise."""
-    if len(copies) != 1 or not rows.sizes or not reader.reads_files:
+    ``buffer``, when one raw piece of the tensor's very shape holds it as it is (:func:`_whole_piece`; a quantized
+    weight and its scales, most often): what :func:`_gather` gives, without its regions. None otherwise."""
+    shape = copies[0].dst.sizes if len(copies) == 1 else ()
+    piece = _whole_piece(copies, shape, dtype) if rows.sizes and reader.reads_files else None
+    if (piece is None or piece.box.sizes != shape or rows.sizes[1:] != shape[1:] or any(rows.offsets[1:])
+            or rows.offsets[0] + rows.sizes[0] > shape[0]):
         return None
-    copy = copies[0]
-    piece, whole = copy.piece, copy.dst.sizes
-    if (piece.encoding != RAW or piece.dtype != dtype or copy.src.sizes != whole or piece.box.sizes != whole
-            or any(copy.src.offsets) or any(copy.dst.offsets) or rows.sizes[1:] != whole[1:] or any(rows.offsets[1:])
-            or rows.offsets[0] + rows.sizes[0] > whole[0]):
-        return None
-    row = math.prod(whole[1:]) * itemsize(dtype)
+    row = math.prod(shape[1:]) * itemsize(dtype)
     return reader.read_scratch(buffer, rows.sizes, dtype, piece, piece.byte_offset + rows.offsets[0] * row)
 
 
@@ -220,15 +217,26 @@ def _direct(chunk: Chunk) -> int | None:
     """Where a chunk's bytes start in its piece's file when they lie there as the output holds them (the
     target is one raw piece copied whole, in its own dtype); None when the chunk must be built."""
     target = chunk.target
-    if target.dequant is not None or len(target.copies) != 1 or target.dtype != target.source_dtype:
-        return None
-    copy = target.copies[0]
-    piece = copy.piece
-    if (piece.encoding != RAW or piece.dtype != target.dtype or copy.dst.sizes != target.shape or any(copy.dst.offsets)
-            or copy.src.sizes != piece.box.sizes or any(copy.src.offsets)):
+    whole = target.dequant is None and target.dtype == target.source_dtype
+    piece = _whole_piece(target.copies, target.shape, target.dtype) if whole else None
+    if piece is None:
         return None
     rows = chunk.stop - chunk.start
     return piece.byte_offset + (chunk.start * (chunk.nbytes // rows) if rows else 0)
+
+
+def _whole_piece(copies: Sequence[Copy], shape: Shape, dtype: str) -> Piece | None:
+    """The piece of raw bytes in ``dtype`` that ``copies`` copy whole, as it lies in its file, into all of a
+    tensor of ``shape`` (one copy, from and to offset 0; its box may differ from ``shape`` by dims of size 1);
+    None for anything else."""
+    if len(copies) != 1:
+        return None
+    copy = copies[0]
+    piece = copy.piece
+    if (piece.encoding != RAW or piece.dtype != dtype or copy.dst.sizes != shape or any(copy.dst.offsets)
+            or copy.src.sizes != piece.box.sizes or any(copy.src.offsets)):
+        return None
+    return piece
 
 
 def _batches(chunk_list: Sequence[Chunk]) -> list[Sequence[Chunk]]:
