@@ -19,21 +19,22 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from .startup import collect_rarely, quiet_interrupts
-from .version import __version__
+from ckpttool.console.startup import collect_rarely, quiet_interrupts
+from ckpttool.version import __version__
 
-quiet_interrupts()  # first: a Ctrl-C while the command's imports run prints one line (see ckpttool.startup)
+quiet_interrupts()  # first: a Ctrl-C while the command's imports run prints one line (see ckpttool.console.startup)
 collect_rarely()
 
 #: the public API, by the module that defines each name: imported on first use, so ``import ckpttool.cli`` (and
 #: ``ckpttool --help``) runs without torch or transformers (tests/test_startup.py checks that)
 _HOMES = {
-    "audit": ".audit", "DiffResult": ".diff", "diff": ".diff", "Finding": ".findings", "Report": ".findings",
-    "MergeResult": ".merge", "merge": ".merge", "prepare": ".merge", "READERS": ".readers",
-    "detect_format": ".readers", "read_layout": ".readers", "PieceSpec": ".sidecar", "save_shard": ".sidecar",
-    "SplitResult": ".split", "split": ".split", "Tolerance": ".verify", "VerifyResult": ".verify", "verify": ".verify",
-    **dict.fromkeys(("Box", "Fusion", "Layout", "Padding", "Piece", "TensorLayout"), ".engine.layout"),
-    **dict.fromkeys(("Copy", "Plan", "Slice", "Target", "TargetSpec", "plan_merge"), ".engine.plan"),
+    "audit": ".audit", "DiffResult": ".commands.diff", "diff": ".commands.diff", "Finding": ".findings",
+    "Report": ".findings", "MergeResult": ".commands.merge", "merge": ".commands.merge", "prepare": ".commands.merge",
+    "READERS": ".readers", "detect_format": ".readers", "read_layout": ".readers", "PieceSpec": ".io.sidecar",
+    "save_shard": ".io.sidecar", "SplitResult": ".commands.split", "split": ".commands.split", "Tolerance": ".verify",
+    "VerifyResult": ".verify", "verify": ".verify",
+    **dict.fromkeys(("Box", "Fusion", "Layout", "Padding", "Piece", "TensorLayout"), ".layout.layout"),
+    **dict.fromkeys(("Copy", "Plan", "Slice", "Target", "TargetSpec", "plan_merge"), ".plan.plan"),
     **dict.fromkeys((
         "ArgumentError", "AuditError", "CkptError", "ConfigError", "CoverageError", "DestinationError",
         "FormatNotDetectedError", "ForwardError", "OutputError", "SourceError", "SourceNotFoundError",
@@ -55,8 +56,8 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """Importing the submodule ``ckpttool.merge`` would bind it as ``ckpttool.merge``, hiding the function of
-    that name (likewise ``audit``, ``diff``, ``split``): the API's names win, as when they were imported eagerly."""
+    """Importing the package ``ckpttool.audit`` would bind it as ``ckpttool.audit``, hiding the function of that
+    name (likewise ``verify``): the API's names win, as when they were imported eagerly."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _HOMES and isinstance(value, types.ModuleType):
@@ -67,11 +68,11 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 if TYPE_CHECKING:
-    from .audit import audit
-    from .diff import DiffResult, diff
-    from .engine.layout import Box, Fusion, Layout, Padding, Piece, TensorLayout
-    from .engine.plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge
-    from .errors import (
+    from ckpttool.audit import audit
+    from ckpttool.commands.diff import DiffResult, diff
+    from ckpttool.layout.layout import Box, Fusion, Layout, Padding, Piece, TensorLayout
+    from ckpttool.plan.plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge
+    from ckpttool.errors import (
         ArgumentError,
         AuditError,
         CkptError,
@@ -85,12 +86,12 @@ if TYPE_CHECKING:
         SourceNotFoundError,
         UnsafePickleError,
     )
-    from .findings import Finding, Report
-    from .merge import MergeResult, merge, prepare
-    from .readers import READERS, detect_format, read_layout
-    from .sidecar import PieceSpec, save_shard
-    from .split import SplitResult, split
-    from .verify import Tolerance, VerifyResult, verify
+    from ckpttool.findings import Finding, Report
+    from ckpttool.commands.merge import MergeResult, merge, prepare
+    from ckpttool.readers import READERS, detect_format, read_layout
+    from ckpttool.io.sidecar import PieceSpec, save_shard
+    from ckpttool.commands.split import SplitResult, split
+    from ckpttool.verify import Tolerance, VerifyResult, verify
 
 __all__ = [
     "__version__", "ArgumentError", "AuditError", "DiffResult", "Finding", "Report", "audit", "diff",

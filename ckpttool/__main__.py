@@ -1,3 +1,3 @@
-from .cli import main
+from ckpttool.cli import main
 
 main()

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .findings import Report
+    from ckpttool.findings import Report
 
 
 class CkptError(Exception):

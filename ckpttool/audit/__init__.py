@@ -28,17 +28,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from ..architecture import ModelInfo, find_config, model_info, read_config
-from ..config_sizes import census, check_config_sizes
-from ..engine.layout import Layout
-from ..engine.plan import TargetSpec, plan_covered
-from ..families import mtp_missing_note
-from ..families.quantized import scale_names
-from ..findings import Finding, Report, TensorStats, finding, sort_findings
-from ..planning import plan_layout
-from ..readers import detect_format, hf, read_layout
-from .causes import group_findings
-from .config import (
+from ckpttool.model.architecture import ModelInfo, find_config, model_info, read_config
+from ckpttool.model.config_sizes import census, check_config_sizes
+from ckpttool.layout.layout import Layout
+from ckpttool.plan.plan import TargetSpec, plan_covered
+from ckpttool.families import mtp_missing_note
+from ckpttool.families.quantized import scale_names
+from ckpttool.findings import Finding, Report, TensorStats, finding, sort_findings
+from ckpttool.plan.source import plan_layout
+from ckpttool.readers import detect_format, hf, read_layout
+from ckpttool.audit.causes import group_findings
+from ckpttool.audit.config import (
     checkpoint_tokenizer_size,
     config_findings,
     dtype_findings,
@@ -46,13 +46,13 @@ from .config import (
     tokenizer_findings,
     tokenizer_size,
 )
-from .data import OUTLIER_FACTOR, data_findings, replica_findings
-from .mtp import mtp_findings
-from .norms import norm_findings
-from .quantized import data_plan, quantization_findings, scale_findings
-from .shapes import EXPERT_NAME, LAYER_NAME, shape_findings
-from .stats import Statistics, fold
-from .vocab_rows import copied_row_findings
+from ckpttool.audit.data import OUTLIER_FACTOR, data_findings, replica_findings
+from ckpttool.audit.mtp import mtp_findings
+from ckpttool.audit.norms import norm_findings
+from ckpttool.audit.quantized import data_plan, quantization_findings, scale_findings
+from ckpttool.audit.shapes import EXPERT_NAME, LAYER_NAME, shape_findings
+from ckpttool.audit.stats import Statistics, fold
+from ckpttool.audit.vocab_rows import copied_row_findings
 
 __all__ = [
     "EXPERT_NAME", "LAYER_NAME", "OUTLIER_FACTOR", "audit", "check", "config_findings", "data_findings",

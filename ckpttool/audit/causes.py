@@ -21,8 +21,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from ..findings import CODES, SEVERITIES, Cause, Finding, sort_findings
-from .shapes import LAYER_NAME
+from ckpttool.findings import CODES, SEVERITIES, Cause, Finding, sort_findings
+from ckpttool.audit.shapes import LAYER_NAME
 
 #: an expert's tensor, or the expert itself (``expert-missing`` names ``...experts.3``)
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)(?:\.(?P<rest>.+))?$")

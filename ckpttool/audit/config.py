@@ -17,16 +17,16 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .. import jsonfile
-from ..architecture import ModelInfo
-from ..dtypes import FLOAT_DTYPES, dtype_name
-from ..engine.plan import Target, TargetSpec
-from ..errors import SourceError
-from ..families import keeps_dtype
-from ..findings import Finding, TensorStats, finding
-from ..paths import JSON_LIMIT, read_source
-from ..readers import hf
-from ..writers.hf import find_extras
+from ckpttool.io import jsonfile
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.io.dtypes import FLOAT_DTYPES, dtype_name
+from ckpttool.plan.plan import Target, TargetSpec
+from ckpttool.errors import SourceError
+from ckpttool.families import keeps_dtype
+from ckpttool.findings import Finding, TensorStats, finding
+from ckpttool.io.paths import JSON_LIMIT, read_source
+from ckpttool.readers import hf
+from ckpttool.writers.hf import find_extras
 
 CONFIG = "config.json"
 

@@ -12,11 +12,11 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
-from ..deferred import torch
-from ..engine.layout import Layout
-from ..engine.reference import PieceLoader
-from ..findings import Finding, TensorStats, finding
-from .shapes import EXPERT_NAME, LAYER_NAME
+from ckpttool.fast.deferred import torch
+from ckpttool.layout.layout import Layout
+from ckpttool.execute.reference import PieceLoader
+from ckpttool.findings import Finding, TensorStats, finding
+from ckpttool.audit.shapes import EXPERT_NAME, LAYER_NAME
 
 #: a tensor's RMS this many times above or below the median of its layer group is an outlier
 OUTLIER_FACTOR = 10.0

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..architecture import ModelInfo, config_value
-from ..families import mtp
-from ..findings import Finding, TensorStats, finding
-from .shapes import LAYER_NAME
+from ckpttool.model.architecture import ModelInfo, config_value
+from ckpttool.families import mtp
+from ckpttool.findings import Finding, TensorStats, finding
+from ckpttool.audit.shapes import LAYER_NAME
 
 #: a projection's RMS within this ratio of initializer_range counts as initial
 _INIT_RATIO = 1.2

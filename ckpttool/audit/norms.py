@@ -18,8 +18,8 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
-from ..findings import Finding, TensorStats, finding
-from .shapes import LAYER_NAME
+from ckpttool.findings import Finding, TensorStats, finding
+from ckpttool.audit.shapes import LAYER_NAME
 
 #: a decoder norm's weight: ``model.norm``, ``input_layernorm``, ``post_feedforward_layernorm``, ``q_norm``...
 _NORM = re.compile(r"(?:^|\.)(?:norm|\w*layernorm|q_norm|k_norm)\.weight$")

@@ -9,18 +9,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ..deferred import torch
-from ..dtypes import torch_dtype
-from ..engine.plan import Plan, Target
-from ..findings import Finding, finding
-from ..planning import Planned, dequantized_targets
-from ..quant.checks import Problem
-from ..quant.formats import E8M0_NAN, links
-from .stats import blocks, fold
+from ckpttool.fast.deferred import torch
+from ckpttool.io.dtypes import torch_dtype
+from ckpttool.plan.plan import Plan, Target
+from ckpttool.findings import Finding, finding
+from ckpttool.plan.source import Planned, dequantized_targets
+from ckpttool.quant.checks import Problem
+from ckpttool.quant.formats import E8M0_NAN, links
+from ckpttool.audit.stats import blocks, fold
 
 
 def quantization_findings(problems: Sequence[Problem]) -> list[Finding]:
-    """Each problem of the plan's quantized tensors (:attr:`ckpttool.planning.Planned.quantization`) as a finding."""
+    """Each problem of the plan's quantized tensors (:attr:`ckpttool.plan.source.Planned.quantization`) as a finding."""
     return [finding(p.code, p.message, tensor=p.tensor) for p in problems]
 
 

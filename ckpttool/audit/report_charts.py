@@ -14,8 +14,8 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..findings import ERROR, INFO, WARNING, TensorStats
-from .shapes import EXPERT_NAME, LAYER_NAME
+from ckpttool.findings import ERROR, INFO, WARNING, TensorStats
+from ckpttool.audit.shapes import EXPERT_NAME, LAYER_NAME
 
 #: severity colours, dark enough for white text (contrast 4.5:1 or more)
 COLOURS = {ERROR: "#c62828", WARNING: "#b45f00", INFO: "#1565c0"}

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..findings import ERROR, WARNING, Cause, Report, TensorStats
-from .causes import group_findings
-from .report_charts import COLOURS, CSS, escape, expert_tables, layer_charts, number
+from ckpttool.findings import ERROR, WARNING, Cause, Report, TensorStats
+from ckpttool.audit.causes import group_findings
+from ckpttool.audit.report_charts import COLOURS, CSS, escape, expert_tables, layer_charts, number
 
 #: findings listed under a cause on the page; the JSON report lists every one
 FINDINGS_PER_CAUSE = 200

@@ -1,7 +1,7 @@
 """Names and shapes against the architecture transformers builds from the config, as findings.
 
 Mismatches come from :func:`ckpttool.families.compare_with_model`, each wrong shape with its diagnosis
-(:mod:`ckpttool.diagnose`); here every layer range or expert whose tensors are all missing is grouped into one
+(:mod:`ckpttool.plan.diagnose`); here every layer range or expert whose tensors are all missing is grouped into one
 finding (a pipeline stage or an EP rank not merged) instead of one per tensor.
 """
 
@@ -12,9 +12,9 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..architecture import ModelInfo
-from ..families import Mismatch
-from ..findings import Finding, finding
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.families import Mismatch
+from ckpttool.findings import Finding, finding
 
 LAYER_NAME = re.compile(r"^(?P<prefix>.*?\.layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")

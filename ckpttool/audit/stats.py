@@ -2,7 +2,7 @@
 
 A fingerprint is the sha256 of the dtype, the shape and the elements in C order of the *logical* tensor, so
 the same weights saved under any sharding (FSDP over 4 ranks, TP=2, one HF file) give the same fingerprint.
-Tensors are never held whole: they arrive in the streaming executor's row chunks (:mod:`ckpttool.engine.executor`),
+Tensors are never held whole: they arrive in the streaming executor's row chunks (:mod:`ckpttool.execute.executor`),
 which an accumulator folds in order; statistics convert at most :data:`BLOCK_ELEMENTS` elements at once.
 """
 
@@ -14,11 +14,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 
-from ..deferred import torch
-from ..dtypes import torch_dtype
-from ..engine.executor import Chunk, Reader, _direct, buffer_sizes, build, chunks, piece_uses
-from ..engine.plan import Plan, Target
-from ..findings import TensorStats
+from ckpttool.fast.deferred import torch
+from ckpttool.io.dtypes import torch_dtype
+from ckpttool.execute.executor import Chunk, Reader, _direct, buffer_sizes, build, chunks, piece_uses
+from ckpttool.plan.plan import Plan, Target
+from ckpttool.findings import TensorStats
 
 #: elements converted to float at once
 BLOCK_ELEMENTS = 1 << 22
@@ -63,8 +63,8 @@ def fold(plan: Plan, start: Callable[[Target], Accumulator[R]], on_bytes: Callab
 
 def _read_direct(chunk: Chunk, reader: Reader) -> memoryview | None:
     """The bytes of a chunk that lies in its file as it is (the executor's direct chunks,
-    :func:`~ckpttool.engine.executor._direct`), read with one ``pread`` into the reader's buffer (valid until its
-    next read), without the region arithmetic of :func:`~ckpttool.engine.executor.build`: most of the cost of a
+    :func:`~ckpttool.execute.executor._direct`), read with one ``pread`` into the reader's buffer (valid until its
+    next read), without the region arithmetic of :func:`~ckpttool.execute.executor.build`: most of the cost of a
     small tensor. None for a chunk that must be built."""
     at = _direct(chunk) if 0 < chunk.nbytes <= reader.run_bytes else None
     if at is None:
@@ -75,7 +75,7 @@ def _read_direct(chunk: Chunk, reader: Reader) -> memoryview | None:
 
 
 def _as_tensor(view: memoryview, chunk: Chunk) -> torch.Tensor:
-    """The chunk's bytes ``view`` as :func:`~ckpttool.engine.executor.build` gives the chunk: its dtype, its rows."""
+    """The chunk's bytes ``view`` as :func:`~ckpttool.execute.executor.build` gives the chunk: its dtype, its rows."""
     target = chunk.target
     values = torch.frombuffer(view, dtype=torch.uint8).view(torch_dtype(target.dtype))
     return values.reshape((chunk.stop - chunk.start, *target.shape[1:]) if target.shape else ())

@@ -13,11 +13,11 @@ import hashlib
 import math
 from dataclasses import replace
 
-from ..deferred import torch
-from ..dtypes import torch_dtype
-from ..engine.plan import Plan, Target
-from ..findings import Finding, finding
-from .stats import fold
+from ckpttool.fast.deferred import torch
+from ckpttool.io.dtypes import torch_dtype
+from ckpttool.plan.plan import Plan, Target
+from ckpttool.findings import Finding, finding
+from ckpttool.audit.stats import fold
 
 #: names of the embedding and output layers (and an MTP layer's copies of them) whose rows are token ids
 VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight", "wte.weight")

@@ -12,7 +12,7 @@ Entry points: :func:`map_to_hf` (a layout under on-disk HuggingFace names, unche
 :func:`compare_with_model` (those names and shapes against transformers'), :func:`mtp_absent` and
 :func:`mtp_missing_note` (declared MTP layers a source does not hold, :mod:`.mtp`), :func:`keeps_dtype` (targets a
 cast leaves alone) and :func:`refusal` (the error a merge raises for what does not fit). Commands reach them through
-:mod:`ckpttool.planning`.
+:mod:`ckpttool.plan.source`.
 Adding a family is one adapter module here and one line in :data:`FAMILIES`.
 """
 
@@ -21,16 +21,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ..architecture import ModelInfo
-from ..diagnose import refusal_advice
-from ..engine.layout import Layout, Shape
-from ..engine.plan import Slice, TargetSpec
-from ..errors import ConfigError
-from . import deepspeed_moe, megatron_core, mixtral, qwen2_moe
-from .check import Mismatch, compare_with_model
-from .mtp import absent as mtp_absent
-from .mtp import missing_note as mtp_missing_note
-from .rules import Rules, cut, keeps_dtype, memory_slices, stacks_experts
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.plan.diagnose import refusal_advice
+from ckpttool.layout.layout import Layout, Shape
+from ckpttool.plan.plan import Slice, TargetSpec
+from ckpttool.errors import ConfigError
+from ckpttool.families.conventions import deepspeed_moe
+from ckpttool.families.conventions import megatron_core
+from ckpttool.families import mixtral
+from ckpttool.families import qwen2_moe
+from ckpttool.families.check import Mismatch, compare_with_model
+from ckpttool.families.mtp import absent as mtp_absent
+from ckpttool.families.mtp import missing_note as mtp_missing_note
+from ckpttool.families.rules import Rules, cut, keeps_dtype, memory_slices, stacks_experts
 
 __all__ = [
     "CONVENTIONS", "FAMILIES", "HfMapping", "MemoryTensor", "Mismatch", "compare_with_model", "keeps_dtype",

@@ -1,5 +1,5 @@
 """A checkpoint's HuggingFace tensors against what transformers expects for its config: missing, unexpected and
-wrongly shaped tensors, each wrong shape with a diagnosis in numbers (:mod:`ckpttool.diagnose`). The MTP layers a
+wrongly shaped tensors, each wrong shape with a diagnosis in numbers (:mod:`ckpttool.plan.diagnose`). The MTP layers a
 config declares (:mod:`.mtp`) are expected when the checkpoint holds any of them, and no mismatch when it holds none
 (:func:`.mtp.absent` says which)."""
 
@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from itertools import filterfalse
 from dataclasses import dataclass
 
-from ..architecture import ModelInfo
-from ..diagnose import Diagnosis, diagnose
-from ..engine.layout import Shape
-from . import mtp
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.plan.diagnose import Diagnosis, diagnose
+from ckpttool.layout.layout import Shape
+from ckpttool.families import mtp
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from .rules import Rename, Rules, Unstack
+from ckpttool.families.rules import Rename, Rules, Unstack
 
 NAME = "mixtral"
 RULES: Rules = (

@@ -14,12 +14,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from ..dtypes import FLOAT_DTYPES
-from ..engine.layout import Layout
-from ..engine.plan import Dequantize, Plan, TargetSpec
-from ..errors import ArgumentError, ConfigError
-from ..quant.encode import FP8_SCALES, FP8_VALUES
-from ..quant.formats import (
+from ckpttool.io.dtypes import FLOAT_DTYPES
+from ckpttool.layout.layout import Layout
+from ckpttool.plan.plan import Dequantize, Plan, TargetSpec
+from ckpttool.errors import ArgumentError, ConfigError
+from ckpttool.quant.encode import FP8_SCALES, FP8_VALUES
+from ckpttool.quant.formats import (
     FP8_SCALE_SUFFIX,
     Quantization,
     fp8_scale_name,

@@ -4,7 +4,7 @@ of them, and the targets of a dequantizing merge.
 The formats' facts live in :mod:`ckpttool.quant`; here they meet the plan. Kept quantized, every stored tensor
 and every scale is a target of its own (byte copies): the model check accepts the scales of the architecture's
 weights, and :mod:`ckpttool.quant.checks` that each has the shape the config's block size gives. Dequantized (``dtype`` given), a weight and its scale become one
-:class:`~ckpttool.engine.plan.Dequantize` target under the weight's (FP8) or the tensor's (MXFP4) name, and the
+:class:`~ckpttool.plan.plan.Dequantize` target under the weight's (FP8) or the tensor's (MXFP4) name, and the
 scales are not written.
 """
 
@@ -14,14 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from operator import attrgetter
 
-from ..architecture import ModelInfo
-from ..engine.layout import Layout, Shape
-from ..engine.plan import Dequantize, TargetSpec
-from ..errors import ConfigError
-from . import mtp
-from ..quant.checks import Problem, check_tensors, tensors_quantized
-from ..quant.decode import FP8_BLOCKS, MXFP4_GROUPS
-from ..quant.formats import (
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.layout.layout import Layout, Shape
+from ckpttool.plan.plan import Dequantize, TargetSpec
+from ckpttool.errors import ConfigError
+from ckpttool.families import mtp
+from ckpttool.quant.checks import Problem, check_tensors, tensors_quantized
+from ckpttool.quant.decode import FP8_BLOCKS, MXFP4_GROUPS
+from ckpttool.quant.formats import (
     FP8,
     Quantization,
     expected_shapes,

@@ -4,7 +4,7 @@ on disk (``mlp.experts.E.gate_proj``, ``up_proj``, ``down_proj``)."""
 
 from __future__ import annotations
 
-from .rules import Rules, Unstack
+from ckpttool.families.rules import Rules, Unstack
 
 NAME = "qwen2_moe"
 RULES: Rules = (

@@ -12,9 +12,9 @@ import functools
 import re
 from dataclasses import dataclass
 
-from ..engine.layout import Box, Shape, TensorLayout
-from ..engine.plan import Slice, TargetSpec, tensor_specs
-from ..errors import ConfigError
+from ckpttool.layout.layout import Box, Shape, TensorLayout
+from ckpttool.plan.plan import Slice, TargetSpec, tensor_specs
+from ckpttool.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

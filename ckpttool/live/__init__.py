@@ -2,7 +2,7 @@
 
 Every rank of the job calls :func:`save_hf`. What each rank holds becomes the pieces of one layout: a DTensor's
 placements (``Shard``, ``Replicate``, ``_StridedShard``) give its region of the global tensor, and plain local
-tensors come with a :class:`~ckpttool.sidecar.PieceSpec` (partition, global shape, padding to strip, expert
+tensors come with a :class:`~ckpttool.io.sidecar.PieceSpec` (partition, global shape, padding to strip, expert
 ids, stage), the sidecar's vocabulary. The ranks exchange these descriptions (metadata only) and each builds
 the same coverage-checked plan the offline merge builds, so a missing piece stops every rank with the same
 message before a byte moves, and the output is the offline merge's, byte for byte.
@@ -38,19 +38,19 @@ from typing import Any
 
 import torch
 
-from ..architecture import model_info
-from ..distributed import Group, share_out
-from ..dtypes import cast_dtype
-from ..engine.plan import Plan
-from ..errors import ConfigError
-from ..findings import Report
-from ..merge import finish_output
-from ..sidecar import PieceSpec
-from ..writers.destination import Staging
-from ..writers.hf import OutputFile, assign_files
-from .gather import _Gather
-from .pieces import _describe, _Held, _plan
-from .watch import WATCH_SECONDS, LiveGatherError, _collect, _Watch
+from ckpttool.model.architecture import model_info
+from ckpttool.execute.distributed import Group, share_out
+from ckpttool.io.dtypes import cast_dtype
+from ckpttool.plan.plan import Plan
+from ckpttool.errors import ConfigError
+from ckpttool.findings import Report
+from ckpttool.commands.merge import finish_output
+from ckpttool.io.sidecar import PieceSpec
+from ckpttool.writers.destination import Staging
+from ckpttool.writers.hf import OutputFile, assign_files
+from ckpttool.live.gather import _Gather
+from ckpttool.live.pieces import _describe, _Held, _plan
+from ckpttool.live.watch import WATCH_SECONDS, LiveGatherError, _collect, _Watch
 
 __all__ = ["BUCKET_BYTES", "TIMEOUT", "WATCH_SECONDS", "LiveGatherError", "LiveResult", "save_hf"]
 

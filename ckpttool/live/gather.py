@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from ..distributed import Group
-from ..dtypes import dtype_name, itemsize, torch_dtype
-from ..engine.executor import Reader, buffer_sizes, write_file
-from ..engine.layout import Box, Piece
-from ..engine.plan import Copy, Plan, Target
-from ..writers.hf import OutputFile, check_written, file_layout
-from .pieces import _rank_of
-from .watch import LiveGatherError
+from ckpttool.execute.distributed import Group
+from ckpttool.io.dtypes import dtype_name, itemsize, torch_dtype
+from ckpttool.execute.executor import Reader, buffer_sizes, write_file
+from ckpttool.layout.layout import Box, Piece
+from ckpttool.plan.plan import Copy, Plan, Target
+from ckpttool.writers.hf import OutputFile, check_written, file_layout
+from ckpttool.live.pieces import _rank_of
+from ckpttool.live.watch import LiveGatherError
 
 
 class _Gather:

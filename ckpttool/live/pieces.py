@@ -2,8 +2,8 @@
 
 A DTensor's region of the global tensor comes from its placements, by torch's own
 ``compute_local_shape_and_global_offset`` (the rule torch itself places and redistributes live DTensors by; the
-same arithmetic for checkpoint files is :mod:`ckpttool.placements`, compared with torch's in its tests). A plain
-tensor's region comes from its :class:`~ckpttool.sidecar.PieceSpec`, or it is taken whole (a replica).
+same arithmetic for checkpoint files is :mod:`ckpttool.layout.placements`, compared with torch's in its tests). A plain
+tensor's region comes from its :class:`~ckpttool.io.sidecar.PieceSpec`, or it is taken whole (a replica).
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from ..architecture import model_info
-from ..dtypes import cast_dtype, dtype_name
-from ..engine.layout import Box, Layout, Piece
-from ..engine.layout_builder import LayoutBuilder
-from ..engine.plan import Plan
-from ..errors import SourceError
-from ..planning import plan_layout
-from ..sidecar import PieceSpec
+from ckpttool.model.architecture import model_info
+from ckpttool.io.dtypes import cast_dtype, dtype_name
+from ckpttool.layout.layout import Box, Layout, Piece
+from ckpttool.layout.builder import LayoutBuilder
+from ckpttool.plan.plan import Plan
+from ckpttool.errors import SourceError
+from ckpttool.plan.source import plan_layout
+from ckpttool.io.sidecar import PieceSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..distributed import Group, ProcessGroupError
-from ..errors import CkptError
+from ckpttool.execute.distributed import Group, ProcessGroupError
+from ckpttool.errors import CkptError
 
 #: how long the ranks that noticed a failure watch the others' heartbeats before naming the silent ones
 WATCH_SECONDS = 3.0

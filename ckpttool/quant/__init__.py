@@ -3,7 +3,7 @@
 - :mod:`.formats`: what a ``quantization_config`` says, which tensors travel together (``X.weight`` with
   ``X.weight_scale_inv``; ``X_blocks`` with ``X_scales``), and the shapes one gives the other. No torch.
 - :mod:`.decode`: dequantization of a range of rows of a weight from the matching rows of its scales, the pure
-  functions the streaming executor calls (:mod:`ckpttool.engine.executor`).
+  functions the streaming executor calls (:mod:`ckpttool.execute.executor`).
 - :mod:`.encode`: FP8 quantization of a range of rows (values, or scales), with the round trip measured.
 - :mod:`.codecs`: the one table from a computed target's method to its encoder or decoder, and their call order.
 

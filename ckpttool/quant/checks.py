@@ -1,7 +1,7 @@
 """What can be wrong with a quantized checkpoint, seen from its headers and its config (no tensor data).
 
 Each problem carries the audit's finding code (:data:`ckpttool.findings.CODES`); a merge refuses the same
-problems before writing anything (:mod:`ckpttool.planning`).
+problems before writing anything (:mod:`ckpttool.plan.source`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from itertools import compress
 from operator import attrgetter, itemgetter
 
-from .formats import (
+from ckpttool.quant.formats import (
     BLOCKS_SUFFIX,
     FP8_FORMATS,
     FP8_SCALE_DTYPES,

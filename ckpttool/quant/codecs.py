@@ -1,4 +1,4 @@
-"""The computations a plan's computed target may name (:class:`~ckpttool.engine.plan.Dequantize`), in one table.
+"""The computations a plan's computed target may name (:class:`~ckpttool.plan.plan.Dequantize`), in one table.
 
 Every codec has the same calls, in this order, for rows ``start..stop`` of its target:
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .decode import Fp8Blocks, Mxfp4Groups, decoder
-from .encode import Fp8Scales, Fp8Values, encoder
+from ckpttool.quant.decode import Fp8Blocks, Mxfp4Groups, decoder
+from ckpttool.quant.encode import Fp8Scales, Fp8Values, encoder
 
 Codec = Fp8Blocks | Mxfp4Groups | Fp8Values | Fp8Scales
 

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
-from ..deferred import torch
-from .formats import E8M0_BIAS, E8M0_NAN, FP4_VALUES
+from ckpttool.fast.deferred import torch
+from ckpttool.quant.formats import E8M0_BIAS, E8M0_NAN, FP4_VALUES
 
 #: ``scratch(name, shape, dtype)``: a tensor of that shape and safetensors dtype on a reused per-thread buffer
 Scratch = Callable[[str, tuple[int, ...], str], "torch.Tensor"]
@@ -70,7 +70,7 @@ def to_float32(stored: torch.Tensor, work: torch.Tensor, scratch: Scratch) -> to
     return work
 
 
-#: the torch FP8 dtypes by name (torch's own objects here would import torch with this module: ckpttool.deferred)
+#: the torch FP8 dtypes by name (torch's own objects here would import torch with this module: ckpttool.fast.deferred)
 FP8_DTYPES = ("torch.float8_e4m3fn", "torch.float8_e5m2")
 
 

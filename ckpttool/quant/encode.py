@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..deferred import torch
-from .decode import Scratch, scale_blocks, to_float32
+from ckpttool.fast.deferred import torch
+from ckpttool.quant.decode import Scratch, scale_blocks, to_float32
 
 #: the largest finite float8_e4m3fn value
 E4M3_MAX = 448.0

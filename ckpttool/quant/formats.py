@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import attrgetter
 
-from ..errors import ConfigError
-from ..frozen import quick_init
+from ckpttool.errors import ConfigError
+from ckpttool.fast.frozen import quick_init
 
 Shape = tuple[int, ...]
 
@@ -141,7 +141,7 @@ def read_quantization(config: Mapping[str, object] | None, label: str = "config.
     return Quantization(FP8, (block[0], block[1]), scale_fmt, FP8_FORMATS[fmt], tuple(not_converted), label)
 
 
-@quick_init  # built 90k times in a plan: see ckpttool.frozen
+@quick_init  # built 90k times in a plan: see ckpttool.fast.frozen
 @dataclass(frozen=True, slots=True)
 class Link:
     """A quantized tensor's stored values and scales, and the name of the tensor they make once dequantized."""

@@ -1,4 +1,4 @@
-"""Readers: one per on-disk format, each turning what it finds into a :class:`~ckpttool.engine.layout.Layout`.
+"""Readers: one per on-disk format, each turning what it finds into a :class:`~ckpttool.layout.layout.Layout`.
 
 Each reader module defines ``READER``, a :class:`~.base.Reader` (``name``, ``looks_for``, ``options``,
 ``matches(root)``, ``read(root, model, **options)``; the call order is in :mod:`.base`). :data:`READERS` lists
@@ -13,22 +13,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..architecture import ModelInfo
-from ..engine.layout import Layout
-from ..errors import CkptError, FormatNotDetectedError, SourceError, SourceNotFoundError
-from . import (
-    colossalai,
-    dcp,
-    deepspeed,
-    hf,
-    hf_distributed,
-    megatron_dist,
-    megatron_legacy,
-    sidecar,
-    verl,
-)
-from .base import Reader
-from .claims import claimed_format
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.layout.layout import Layout
+from ckpttool.errors import CkptError, FormatNotDetectedError, SourceError, SourceNotFoundError
+from ckpttool.readers import colossalai
+from ckpttool.readers import dcp
+from ckpttool.readers.deepspeed import reader as deepspeed
+from ckpttool.readers import hf
+from ckpttool.readers import hf_distributed
+from ckpttool.readers.megatron import dist as megatron_dist
+from ckpttool.readers.megatron import legacy as megatron_legacy
+from ckpttool.readers import sidecar
+from ckpttool.readers.verl import reader as verl
+from ckpttool.readers.base import Reader
+from ckpttool.readers.claims import claimed_format
 
 #: in detection order: the most specific first
 READERS: dict[str, Reader] = {
@@ -99,7 +97,7 @@ def read_layout(
             take an option refuses it.
 
     Raises:
-        SourceError: the metadata is malformed (every value is checked: :mod:`ckpttool.validate`), inconsistent,
+        SourceError: the metadata is malformed (every value is checked: :mod:`ckpttool.readers.validate`), inconsistent,
             or names files outside the directory; a file cannot be read (the ``OSError``, naming the file).
         FormatNotDetectedError: nothing recognisable in ``src``.
 

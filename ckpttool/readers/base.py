@@ -3,7 +3,7 @@
 1. :meth:`Reader.matches` — detection: does this directory hold the format? Cheap (names and small files),
    never raises on a directory of another format; several readers may claim one directory
    (:mod:`.claims` decides).
-2. :meth:`Reader.read` — the directory as a :class:`~ckpttool.engine.layout.Layout`: every global tensor, its recorded
+2. :meth:`Reader.read` — the directory as a :class:`~ckpttool.layout.layout.Layout`: every global tensor, its recorded
    shape, dtype, padding and the pieces that hold it, from metadata and headers only (no tensor byte is read).
    ``model`` is what the config says the model looks like, for formats that record no global shapes; ``options``
    are the reader's own (:attr:`Reader.options`, e.g. ``weights="module"``). Bad input is a
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..architecture import ModelInfo
-from ..engine.layout import Layout
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.layout.layout import Layout
 
 
 class Reader(Protocol):

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..errors import SourceError
-from .base import Reader
+from ckpttool.errors import SourceError
+from ckpttool.readers.base import Reader
 
 #: format -> formats whose files are part of it (a less specific reading of the same checkpoint)
 CONTAINS: dict[str, tuple[str, ...]] = {

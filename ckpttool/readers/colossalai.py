@@ -17,7 +17,7 @@ sharded is the set of tensors, over files:
   so those appear once per EP rank (the final index names one copy; without it the lowest EP rank's copy is
   read, after checking the copies agree on shape and dtype).
 
-``.bin`` shards are walked with :func:`ckpttool.torch_save.scan` (no code runs), safetensors shards through
+``.bin`` shards are walked with :func:`ckpttool.io.torch_save.scan` (no code runs), safetensors shards through
 their headers. Detection looks only at ColossalAI's own names (stage shard names, ``tmp_index_files/``, an
 index whose shards are numbered ``-00001`` without HuggingFace's ``-of-``), so HuggingFace directories stay
 with the ``hf`` reader.
@@ -31,16 +31,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import jsonfile
-from ..architecture import ModelInfo
-from ..dtypes import itemsize
-from ..engine.layout import RAW, Box, Layout, Piece
-from ..engine.layout_builder import LayoutBuilder
-from ..errors import SourceError, SourceNotFoundError
-from ..paths import JSON_LIMIT, inside, open_source, read_source
-from ..safetensors_format import read_header
-from ..torch_save import StoredTensor, scan
-from .base import FormatReader
+from ckpttool.io import jsonfile
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.io.dtypes import itemsize
+from ckpttool.layout.layout import RAW, Box, Layout, Piece
+from ckpttool.layout.builder import LayoutBuilder
+from ckpttool.errors import SourceError, SourceNotFoundError
+from ckpttool.io.paths import JSON_LIMIT, inside, open_source, read_source
+from ckpttool.io.safetensors_format import read_header
+from ckpttool.io.torch_save import StoredTensor, scan
+from ckpttool.readers.base import FormatReader
 
 NAME = "colossalai"
 LOOKS_FOR = ("ColossalAI sharded model files (*-stage-XXXXX[-XXXXX]-shard-XXXXX.bin/.safetensors, "

@@ -14,16 +14,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO
 
-from ..architecture import ModelInfo
-from ..dtypes import dtype_name, itemsize
-from ..engine.layout import RAW, TORCH_SAVE, Box, Layout, Piece
-from ..engine.layout_builder import LayoutBuilder
-from ..errors import SourceError, SourceNotFoundError
-from ..paths import inside, open_source, read_source
-from ..safe_pickle import Record, load_metadata_pickle
-from ..torch_save import locate
-from ..validate import dims, expect, field, integer
-from .base import FormatReader
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.io.dtypes import dtype_name, itemsize
+from ckpttool.layout.layout import RAW, TORCH_SAVE, Box, Layout, Piece
+from ckpttool.layout.builder import LayoutBuilder
+from ckpttool.errors import SourceError, SourceNotFoundError
+from ckpttool.io.paths import inside, open_source, read_source
+from ckpttool.io.safe_pickle import Record, load_metadata_pickle
+from ckpttool.io.torch_save import locate
+from ckpttool.readers.validate import dims, expect, field, integer
+from ckpttool.readers.base import FormatReader
 
 NAME = "dcp"
 LOOKS_FOR = ".metadata with *.distcp files (PyTorch Distributed Checkpoint)"

@@ -12,15 +12,15 @@ import operator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import jsonfile
-from ..architecture import ModelInfo
-from ..engine.layout import RAW, Box, Layout, Piece
-from ..engine.layout_builder import LayoutBuilder
-from ..errors import SourceError, SourceNotFoundError
-from ..findings import Finding, finding
-from ..paths import JSON_LIMIT, inside, read_source
-from ..safetensors_format import Header, read_header
-from .base import FormatReader
+from ckpttool.io import jsonfile
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.layout.layout import RAW, Box, Layout, Piece
+from ckpttool.layout.builder import LayoutBuilder
+from ckpttool.errors import SourceError, SourceNotFoundError
+from ckpttool.findings import Finding, finding
+from ckpttool.io.paths import JSON_LIMIT, inside, read_source
+from ckpttool.io.safetensors_format import Header, read_header
+from ckpttool.readers.base import FormatReader
 
 NAME = "hf"
 LOOKS_FOR = "model.safetensors or model.safetensors.index.json (HuggingFace)"

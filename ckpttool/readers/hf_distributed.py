@@ -12,13 +12,13 @@ import json
 import re
 from pathlib import Path
 
-from .. import jsonfile
-from ..architecture import ModelInfo
-from ..engine.layout import RAW, Box, Layout, Piece
-from ..engine.layout_builder import LayoutBuilder
-from ..errors import ConfigError, SourceError, SourceNotFoundError
-from ..safetensors_format import read_header
-from .base import FormatReader
+from ckpttool.io import jsonfile
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.layout.layout import RAW, Box, Layout, Piece
+from ckpttool.layout.builder import LayoutBuilder
+from ckpttool.errors import ConfigError, SourceError, SourceNotFoundError
+from ckpttool.io.safetensors_format import read_header
+from ckpttool.readers.base import FormatReader
 
 NAME = "hf-distributed"
 LOOKS_FOR = "shard-*-model-*-of-*.safetensors (transformers distributed_checkpoint=True)"

@@ -1,17 +1,17 @@
-"""ckpttool's own sidecar format (see :mod:`ckpttool.sidecar` for the spec): ``*.ckpttool.json`` per rank."""
+"""ckpttool's own sidecar format (see :mod:`ckpttool.io.sidecar` for the spec): ``*.ckpttool.json`` per rank."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..architecture import ModelInfo
-from ..engine.layout import RAW, Box, Layout, Piece
-from ..engine.layout_builder import LayoutBuilder
-from ..errors import SourceError, SourceNotFoundError
-from ..paths import JSON_LIMIT, inside, read_source
-from ..safetensors_format import read_header
-from ..sidecar import SUFFIX, parse_sidecar, shard_name
-from .base import FormatReader
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.layout.layout import RAW, Box, Layout, Piece
+from ckpttool.layout.builder import LayoutBuilder
+from ckpttool.errors import SourceError, SourceNotFoundError
+from ckpttool.io.paths import JSON_LIMIT, inside, read_source
+from ckpttool.io.safetensors_format import read_header
+from ckpttool.io.sidecar import SUFFIX, parse_sidecar, shard_name
+from ckpttool.readers.base import FormatReader
 
 NAME = "sidecar"
 LOOKS_FOR = f"*{SUFFIX} sidecars beside per-rank safetensors (ckpttool sidecar)"

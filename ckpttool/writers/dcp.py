@@ -8,7 +8,7 @@ ranks (a replicated norm) is written once, by the rank with the fewest bytes so 
 ``dedup_save_plans`` chooses.
 
 Here each archive's bytes around the elements come from :class:`~.torch_archive.TensorArchive`, and the
-elements are streamed in by the executor (:mod:`ckpttool.engine.executor`), chunk by chunk, from positioned
+elements are streamed in by the executor (:mod:`ckpttool.execute.executor`), chunk by chunk, from positioned
 reads of the source: a DCP chunk is a plan target. torch's ``dcp.load`` reads the result.
 """
 
@@ -25,13 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..dtypes import torch_dtype
-from ..engine.executor import Chunk, Reader, buffer_sizes, chunks, piece_uses
-from ..engine.executor import write_file as stream_file
-from ..engine.layout import Box, Shape
-from ..engine.plan import Target
-from ..errors import OutputError
-from .torch_archive import TensorArchive, crc32_combine
+from ckpttool.io.dtypes import torch_dtype
+from ckpttool.execute.executor import Chunk, Reader, buffer_sizes, chunks, piece_uses
+from ckpttool.execute.executor import write_file as stream_file
+from ckpttool.layout.layout import Box, Shape
+from ckpttool.plan.plan import Target
+from ckpttool.errors import OutputError
+from ckpttool.writers.torch_archive import TensorArchive, crc32_combine
 
 METADATA = ".metadata"
 

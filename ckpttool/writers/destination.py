@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import DestinationError, OutputError
-from ..paths import is_within
+from ckpttool.errors import DestinationError, OutputError
+from ckpttool.io.paths import is_within
 
 log = logging.getLogger(__name__)
 

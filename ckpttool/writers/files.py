@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.plan import Target, target_sizes
+from ckpttool.plan.plan import Target, target_sizes
 
 
 @dataclass(frozen=True, slots=True)

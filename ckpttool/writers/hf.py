@@ -17,8 +17,8 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from ..engine.buffers import distinct_targets
-from ..engine.executor import (
+from ckpttool.execute.buffers import distinct_targets
+from ckpttool.execute.executor import (
     Chunk,
     Reader,
     buffer_sizes,
@@ -26,17 +26,17 @@ from ..engine.executor import (
     file_digest,
     piece_uses,
 )
-from ..engine.digest import checks
-from ..engine.executor import predict_peak_bytes as stream_peak_bytes
-from ..engine.executor import write_file as stream_file
-from ..engine.plan import Plan, target_sizes
-from ..errors import ArgumentError, OutputError, SourceError
-from ..paths import link_escapes
-from ..quant.encode import RoundTrip
-from ..safetensors_format import encode_header, read_header
-from .destination import EXTRA_FILES, INDEX, journal_name
-from .files import OutputFile
-from .journal import JOURNAL_VERSION, Journal, clean_staging, plan_id, recorded, write_text
+from ckpttool.execute.digest import checks
+from ckpttool.execute.executor import predict_peak_bytes as stream_peak_bytes
+from ckpttool.execute.executor import write_file as stream_file
+from ckpttool.plan.plan import Plan, target_sizes
+from ckpttool.errors import ArgumentError, OutputError, SourceError
+from ckpttool.io.paths import link_escapes
+from ckpttool.quant.encode import RoundTrip
+from ckpttool.io.safetensors_format import encode_header, read_header
+from ckpttool.writers.destination import EXTRA_FILES, INDEX, journal_name
+from ckpttool.writers.files import OutputFile
+from ckpttool.writers.journal import JOURNAL_VERSION, Journal, clean_staging, plan_id, recorded, write_text
 
 __all__ = [  # the journal's names (ckpttool.writers.journal) are offered here too
     "JOURNAL_VERSION", "SIZE_HELP", "SIZE_UNITS", "Journal", "OutputFile", "assign_files", "check_written", "clean_staging",
@@ -109,7 +109,7 @@ def write_weights(
 ) -> int:
     """Write the safetensors files ``mine`` (this process's share of the output), check each, and journal it.
 
-    Tensors are streamed in row chunks by ``workers`` threads (:mod:`ckpttool.engine.executor`). Files an interrupted
+    Tensors are streamed in row chunks by ``workers`` threads (:mod:`ckpttool.execute.executor`). Files an interrupted
     run of the same plan (``identity``, see :func:`plan_id`) finished are kept after their digest is checked
     again (see :class:`Journal`). With ``verify``, each file written is read back from disk and its digest
     compared with the bytes written. The staging directory must have been cleaned once (:func:`clean_staging`)
@@ -164,7 +164,7 @@ def file_layout(out: OutputFile) -> tuple[bytes, list[Chunk]]:
 
 
 def predict_peak_bytes(plan: Plan, workers: int = 1) -> int:
-    """The most memory the writer holds at once (see :func:`ckpttool.engine.executor.predict_peak_bytes`)."""
+    """The most memory the writer holds at once (see :func:`ckpttool.execute.executor.predict_peak_bytes`)."""
     chunk_list = [c for t in distinct_targets(plan.targets) for c in chunks(t, 0)]  # the targets that can change it
     return stream_peak_bytes(chunk_list, workers)
 
@@ -218,7 +218,7 @@ def write_extras(directory: Path, config: Mapping[str, object] | None, search: S
     if config is not None:
         config = dict(config)
         if dtype is not None:
-            from ..dtypes import torch_dtype
+            from ckpttool.io.dtypes import torch_dtype
 
             name = str(torch_dtype(dtype)).removeprefix("torch.")
             keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]

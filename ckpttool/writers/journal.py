@@ -10,23 +10,23 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from ..engine.executor import CHUNK_BYTES
-from ..engine.plan import Plan
-from ..errors import OutputError, SourceError
-from ..version import __version__
-from .destination import JOURNAL_GLOB, journal_name
-from .files import OutputFile
+from ckpttool.execute.executor import CHUNK_BYTES
+from ckpttool.plan.plan import Plan
+from ckpttool.errors import OutputError, SourceError
+from ckpttool.version import __version__
+from ckpttool.writers.destination import JOURNAL_GLOB, journal_name
+from ckpttool.writers.files import OutputFile
 
 __all__ = ["JOURNAL_VERSION", "Journal", "clean_staging", "plan_id", "recorded", "write_text"]
 
 
-#: the journal's format; a journal of another (its digests made another way, see :mod:`ckpttool.engine.digest`)
+#: the journal's format; a journal of another (its digests made another way, see :mod:`ckpttool.execute.digest`)
 #: is never trusted: its files are written again
 JOURNAL_VERSION = 2
 
 
 class Journal:
-    """The output files finished so far, with their sizes and digests (see :mod:`ckpttool.engine.digest`), for
+    """The output files finished so far, with their sizes and digests (see :mod:`ckpttool.execute.digest`), for
     one plan.
 
     Each writing process keeps its own journal file, rewritten atomically after each file; all journals of

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..errors import OutputError
+from ckpttool.errors import OutputError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"

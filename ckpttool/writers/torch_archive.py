@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..dtypes import itemsize, torch_dtype
-from ..engine.layout import c_strides
+from ckpttool.io.dtypes import itemsize, torch_dtype
+from ckpttool.layout.layout import c_strides
 
 ALIGNMENT = 64
 _MAX32 = 0xFFFFFFFF

@@ -1,0 +1,348 @@
+"""The ``ckpttool`` command line: parse options, call the API, hand the result to one output sink.
+
+Data goes to stdout, progress and logs to stderr; ``--json`` prints exactly one JSON document and turns
+progress off. Exit codes: 0 ok, 1 error, 2 usage, 3 audit found errors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ckpttool.cli.choices import FORMAT_NAMES, SPLIT_TARGETS
+from ckpttool.cli.show import generic_warning, print_report, print_result, print_summary
+from ckpttool.errors import CkptError
+from ckpttool.fast.jsontext import dumps as json_text
+from ckpttool.console.startup import restore_interrupts
+from ckpttool.console.terminal import Bar, Group, escaped, shown
+from ckpttool.version import __version__
+
+if TYPE_CHECKING:  # the commands import the API when they run: --help stays torch-free (tests/test_startup.py)
+    from ckpttool.findings import Report
+    from ckpttool.commands.merge import MergeResult
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_AUDIT = 0, 1, 2, 3
+FORMATS = click.Choice(list(FORMAT_NAMES))
+#: what --dtype casts floating-point tensors to (ckpttool.io.dtypes.CAST_DTYPES); integer tensors are never cast
+DTYPES = click.Choice(["bfloat16", "float16", "float32", "bf16", "fp16", "fp32"], case_sensitive=False)
+DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
+
+
+def _speaks() -> bool:
+    """Under torchrun only rank 0 prints; the others' failures reach it and it names them."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _fail(message: str, as_json: bool) -> None:
+    if not _speaks():
+        sys.exit(EXIT_ERROR)
+    if as_json:
+        click.echo(json.dumps({"status": "error", "error": message}))
+    click.echo(f"Error: {escaped(message, lines=True)}", err=True)
+    sys.exit(EXIT_ERROR)
+
+
+#: the API's arguments, as library errors name them, and the options that set them on the command line
+_FLAGS = {
+    "force=True": "--force", "audit=False": "--no-audit", "weights='master'": "--weights master",
+    "weights='module'": "--weights module", "format='NAME'": "--format NAME", "dtype= asks": "--dtype asks",
+    "config='PATH'": "--config PATH", "quantize='fp8'": "--quantize fp8", "without quantize=": "without --quantize",
+    "dtype='bfloat16'": "--dtype bfloat16", "dequantize=True": "--dequantize",
+}
+
+
+def _as_flags(message: str) -> str:
+    """A library error worded for the command line: API arguments become the options that set them."""
+    for argument, flag in _FLAGS.items():
+        message = message.replace(argument, flag)
+    return message
+
+
+def _run(as_json: bool, call: Callable[[], Any], bar: Bar | None = None) -> Any:
+    """Call the API; expected errors become a message and exit 1, anything else too (traceback on request).
+    The progress ``bar`` is erased before any message, so no stale bar stays above it, and closed after success."""
+    restore_interrupts()  # start-up (the command's imports) is over: Ctrl-C is the command's (ckpttool.console.startup)
+    try:
+        try:
+            result = call()
+            if bar is not None:
+                bar.close()
+            return result
+        except BaseException:
+            if bar is not None:
+                bar.close(clear=True)
+            raise
+    except CkptError as e:
+        if os.environ.get("CKPTTOOL_DEBUG") == "1":
+            traceback.print_exc()
+        _fail(_as_flags(str(e)), as_json)
+    except KeyboardInterrupt:
+        _fail("interrupted; nothing was published (merge --resume continues an interrupted merge)", as_json)
+    except Exception as e:  # bad input is a CkptError: anything else is a bug in ckpttool; no traceback unless asked
+        if os.environ.get("CKPTTOOL_DEBUG") == "1":
+            traceback.print_exc()
+        _fail(f"internal error in ckpttool ({type(e).__name__}: {e}); rerun with CKPTTOOL_DEBUG=1 and report it",
+              as_json)
+
+
+def merge(*args: Any, **kwargs: Any) -> MergeResult:
+    """:func:`ckpttool.merge`, imported when a merge runs (torch with it); tests replace this name."""
+    from ckpttool.commands.merge import merge as run
+
+    return run(*args, **kwargs)
+
+
+def _printed_as_json(result: Any, as_json: bool) -> bool:
+    """Say what a publishing command restored; print its JSON document. True when nothing more is to be printed
+    (``--json``, or a torchrun rank other than 0)."""
+    if not _speaks():
+        return True
+    if result.restored:
+        click.echo(f"note: {result.restored}", err=True)
+    if as_json:
+        click.echo(json_text(result.to_json()))  # json.dumps(indent=2)'s text, faster (ckpttool.fast.jsontext)
+    return as_json
+
+
+def _setup_logging(verbose: int, quiet: bool) -> None:
+    level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("ckpttool").setLevel(level)
+
+
+def _check_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from ckpttool.writers.hf import parse_size
+
+    try:
+        parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
+
+
+def _check_block(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    parts = value.lower().split("x")
+    if len(parts) > 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise click.BadParameter(f"{value!r}: give the FP8 block size as 128 or ROWSxCOLS, e.g. 128x128")
+    return int(parts[0]), int(parts[-1])
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ckpttool")
+def main() -> None:
+    """Merge sharded training checkpoints into HuggingFace safetensors, and prove them right."""
+
+
+@main.command("merge")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("out", type=click.Path(path_type=str), required=False)
+@click.option("--format", "fmt", type=FORMATS, help="Source format (detected by default).")
+@click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
+@click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast); config.json follows. "
+              "On an FP8 or MXFP4 checkpoint: dequantize its weights (without --dtype they stay quantized).")
+@click.option("--quantize", type=click.Choice(["fp8"]), help="Write the Linear weights of the decoder layers as FP8 E4M3 "
+              "with a float32 weight_scale_inv per block, and a quantization_config; norms, embeddings, lm_head, routers "
+              "and biases are kept. Reports each weight's round-trip error.")
+@click.option("--block", callback=_check_block, help="FP8 block size for --quantize: 128 (the default, 128x128) or ROWSxCOLS.")
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size, help="Largest output file: 5GB, 500MB (decimal), 5GiB, 500MiB (binary), or bytes.")
+@click.option("--weights", type=click.Choice(["master", "module"]), help="Where both are saved (DeepSpeed): fp32 master weights (default) or the module's weights.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@click.option("--no-audit", is_flag=True, help="Do not audit the output (by default audit errors stop the publish).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted merge: keep the output files it finished (each checked again).")
+@click.option("--verify", is_flag=True, help="Read every written file back from disk and compare its digest.")
+@click.option("--verify-forward", is_flag=True, help="Before publishing, load OUT with transformers strictly and run a "
+              "forward (see ckpttool verify); a problem stops the publish.")
+@click.option("--workers", type=click.IntRange(1, 256), default=DEFAULT_WORKERS, show_default=True, help="Threads reading and writing at once.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
+@click.option("-v", "--verbose", count=True, help="More logging (-vv for debug); with --dry-run, list every tensor.")
+def merge_command(
+    src: str, out: str | None, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str, weights: str | None,
+    dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, workers: int, as_json: bool, quiet: bool,
+    verbose: int, quantize: str | None = None, block: tuple[int, int] | None = None, verify_forward: bool = False,
+) -> None:
+    """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT.
+
+    With --dry-run, OUT may be left out: the plan is printed and nothing is written.
+    """
+    if out is None and not dry_run:
+        raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
+    if block is not None and quantize is None:
+        raise click.UsageError("--block is the FP8 block size of --quantize fp8; give --quantize fp8 too.")
+    if quantize is not None and dtype is not None:
+        raise click.UsageError("--quantize and --dtype are exclusive: --quantize writes FP8 weights and keeps every other "
+                               "tensor's dtype (cast first with a merge given --dtype, then quantize).")
+    quiet = quiet or not _speaks()
+    _setup_logging(verbose, quiet or as_json)
+    bar = Bar() if not (as_json or quiet or dry_run) else None
+    result: MergeResult = _run(as_json, lambda: merge(
+        src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
+        force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar, weights=weights,
+        quantize=quantize, block=block, verify_forward=verify_forward,
+    ), bar)
+    if _printed_as_json(result, as_json):
+        return
+    print_result(result, verbose)
+    if result.generic:
+        click.echo(f"warning: {generic_warning(result)}", err=True)
+    if result.audit is not None and not quiet:
+        print_summary(result.audit, f" (report: {result.output}/ckpttool-audit.json)")
+
+
+@main.command("audit")
+@click.argument("src", type=click.Path(path_type=str))
+@click.option("--format", "fmt", type=FORMATS, help="Source format (detected by default).")
+@click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
+@click.option("--no-data", is_flag=True, help="Read headers and metadata only: no NaN/zero/expert/outlier checks.")
+@click.option("--strict", is_flag=True, help="Treat warnings as errors.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document on stdout.")
+@click.option("--html", "html_path", type=click.Path(path_type=str), help="Also write a self-contained HTML report to this file.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the verdict and the errors.")
+@click.option("-v", "--verbose", count=True, help="More logging.")
+def audit_command(
+    src: str, fmt: str | None, config: str | None, no_data: bool, strict: bool, as_json: bool,
+    html_path: str | None, quiet: bool, verbose: int,
+) -> None:
+    """Audit the checkpoint in SRC (any format merge reads). Exit 0: no errors; 3: errors found; 1: unreadable."""
+    from ckpttool.audit import audit
+
+    _setup_logging(verbose, quiet or as_json)
+    bar = Bar("audit") if not (as_json or quiet or no_data) else None
+    report: Report = _run(as_json, lambda: audit(src, config=config, format=fmt, data=not no_data, progress=bar), bar)
+    if strict:
+        report = report.strict()
+    if html_path is not None:
+        from ckpttool.audit.report_html import render
+
+        try:
+            with open(html_path, "w", encoding="utf-8") as f:
+                f.write(render(report))
+        except OSError as e:
+            _fail(f"'{html_path}': cannot write the HTML report: {e.strerror or e}", as_json)
+    if as_json:
+        click.echo(json_text(report.to_json()))
+    else:
+        print_report(report, quiet)
+    sys.exit(EXIT_OK if report.ok else EXIT_AUDIT)
+
+
+@main.command("diff")
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=click.Path(path_type=str))
+@click.option("--config", type=click.Path(path_type=str), help="config.json for A (and B); default: each side's own.")
+@click.option("--config-b", type=click.Path(path_type=str), help="config.json for B when it differs from --config.")
+@click.option("--format-a", type=FORMATS, help="Format of A (detected by default).")
+@click.option("--format-b", type=FORMATS, help="Format of B (detected by default).")
+@click.option("--dequantize", is_flag=True, help="Compare float32 values, FP8/MXFP4 weights dequantized (default: stored bytes).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def diff_command(
+    a: str, b: str, config: str | None, config_b: str | None, format_a: str | None, format_b: str | None,
+    as_json: bool, quiet: bool, dequantize: bool = False,
+) -> None:
+    """Compare two checkpoints of any formats and shardings. Exit 0: equal; 3: different; 1: unreadable."""
+    from ckpttool.commands.diff import DiffResult, diff
+
+    _setup_logging(0, quiet or as_json)
+    bar = Bar("diff") if not (as_json or quiet) else None
+    result: DiffResult = _run(as_json, lambda: diff(
+        a, b, config=config, config_b=config_b, format_a=format_a, format_b=format_b, progress=bar,
+        dequantize=dequantize,
+    ), bar)
+    if as_json:
+        click.echo(json_text(result.to_json()))
+    else:
+        for d in result.differences:
+            click.echo(f"  {shown(d.name)}: {escaped(d.describe())}")
+        verdict = "equal" if result.equal else f"different ({len(result.differences)} tensors)"
+        click.echo(f"{verdict}: {len(result.fingerprints)} tensors identical")
+    sys.exit(EXIT_OK if result.equal else EXIT_AUDIT)
+
+
+@main.command("verify")
+@click.argument("out", type=click.Path(path_type=str))
+@click.option("--against", "ref", metavar="REF", type=click.Path(path_type=str), help="Reference to compare logits with: an HF directory or any format merge reads.")
+@click.option("--tokens", metavar="N", type=click.IntRange(1, 4096), help="Feed N fixed token ids instead of the tokenizer's fixed sentence.")
+@click.option("--text", metavar="FILE", type=click.Path(path_type=str), help="Feed this text file, tokenized by the checkpoint's tokenizer.")
+@click.option("--tolerance", metavar="REL", type=click.FloatRange(0, min_open=True), help="Largest |Δlogit| relative to the reference's logit scale (default by dtype: float32 1e-5, bfloat16 3e-2).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+def verify_command(out: str, ref: str | None, tokens: int | None, text: str | None, tolerance: float | None,
+                   as_json: bool) -> None:
+    """Load OUT with transformers as a user will (strictly) and run a forward; with --against, compare the logits.
+
+    Exit 0: loads, logits sound (and equal to REF's within tolerance); 3: a check fails; 1: cannot run.
+    """
+    from ckpttool.verify import verify
+
+    if tokens is not None and text is not None:
+        raise click.UsageError("--tokens and --text are exclusive: feed fixed ids or a text, not both.")
+    _setup_logging(0, as_json)
+    result = _run(as_json, lambda: verify(out, against=ref, tokens=tokens, text=text,
+                                          tolerance=tolerance))
+    if as_json:
+        click.echo(json_text(result.to_json()))
+    else:
+        for line in result.lines():
+            click.echo(escaped(line))
+    sys.exit(EXIT_OK if result.ok else EXIT_AUDIT)
+
+
+@main.command("split")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("out", type=click.Path(path_type=str), required=False)
+@click.option("--to", "to", type=click.Choice(SPLIT_TARGETS), required=True, help="Format to write: dcp (PyTorch Distributed Checkpoint) or megatron (Megatron-Core torch_dist).")
+@click.option("--fsdp", type=click.IntRange(1), default=1, show_default=True, help="Ranks FSDP2 shards every tensor over (Shard(0)).")
+@click.option("--tp", type=click.IntRange(1), default=1, show_default=True, help="Tensor-parallel ranks (torch's Llama/Mixtral plans).")
+@click.option("--ep", type=click.IntRange(1), default=1, show_default=True, help="Expert-parallel ranks: Shard(0) of stacked experts; divides fsdp x tp.")
+@click.option("--pp", type=click.IntRange(1), default=1, show_default=True, help="--to megatron: pipeline stages (equal, consecutive layers).")
+@click.option("--dp", type=click.IntRange(1), default=1, show_default=True, help="--to dcp: data-parallel replicas (FSDP2 HSDP: Replicate() over dp; each chunk saved once).")
+@click.option("--make-vocab-size-divisible-by", "divisible_by", type=click.IntRange(1), default=128, show_default=True, help="--to megatron: pad the vocab to a multiple of this x tp (zeros), as Megatron-LM's argument.")
+@click.option("--iteration", type=click.IntRange(0), default=0, show_default=True, help="--to megatron: the iteration directory written (iter_0000000).")
+@click.option("--format", "fmt", type=FORMATS, help="Source format (detected by default).")
+@click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
+@click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast).")
+@click.option("--dry-run", is_flag=True, help="Print the plan, placements and local shapes; read no tensor data, write nothing.")
+@click.option("--force", is_flag=True, help="Replace OUT if it holds only an earlier output of a split.")
+@click.option("--workers", type=click.IntRange(1, 256), default=DEFAULT_WORKERS, show_default=True, help="Threads reading and writing at once.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
+@click.option("-v", "--verbose", count=True, help="More logging; with -v or --dry-run, every tensor's placements.")
+def split_command(
+    src: str, out: str | None, to: str, fsdp: int, tp: int, ep: int, pp: int, dp: int, divisible_by: int, iteration: int,
+    fmt: str | None, config: str | None, dtype: str | None, dry_run: bool, force: bool, workers: int, as_json: bool,
+    quiet: bool, verbose: int,
+) -> None:
+    """Write the checkpoint in SRC sharded for a device mesh into OUT (--to dcp: one file per rank; --to megatron:
+    a Megatron-Core torch_dist iteration directory for --tp x --pp x --ep).
+
+    With --dry-run, OUT may be left out: the plan is printed and nothing is written.
+    """
+    from ckpttool.commands.split import split
+    if out is None and not dry_run:
+        raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
+    quiet = quiet or not _speaks()
+    _setup_logging(verbose, quiet or as_json)
+    bar = Bar("split") if not (as_json or quiet or dry_run) else None
+    result = _run(as_json, lambda: split(
+        src, out, to=to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, make_vocab_size_divisible_by=divisible_by,
+        iteration=iteration, format=fmt, config=config, dtype=dtype, dry_run=dry_run,
+        force=force, workers=workers, progress=bar,
+    ), bar)
+    if _printed_as_json(result, as_json):
+        return
+    for line in result.lines(verbose=bool(verbose)):
+        click.echo(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""What the commands print on a terminal: a merge's result, an audit's causes and its verdict line.
+
+Data goes to stdout and warnings to stderr, as :mod:`ckpttool.cli` decides; this module only words them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import click
+
+from ckpttool.console.terminal import escaped, shown
+from ckpttool.console.terminal import size_text as _size
+
+if TYPE_CHECKING:
+    from ckpttool.findings import Report
+    from ckpttool.commands.merge import MergeResult
+
+
+def print_result(result: MergeResult, verbose: int) -> None:
+    plan = result.plan
+    verb = "would write" if result.dry_run else "wrote"
+    click.echo(f"source:   {shown(result.source)} ({result.format})")
+    if result.parallel:
+        click.echo(f"parallel: {' '.join(f'{k}={v}' for k, v in result.parallel.items())}")
+    click.echo(f"config:   {result.config or '(none: generic merge)'}")
+    click.echo(f"family:   {result.adapter}")
+    click.echo(f"coverage: ok, {len(plan.targets)} tensors each covered exactly once")
+    output = shown(result.output) if result.output is not None else "(none given)"
+    click.echo(f"output:   {output} ({verb} {_size(plan.nbytes)} in {len(result.files)} file{'s' if len(result.files) != 1 else ''})")
+    for f in result.files:
+        click.echo(f"  {f.name}  {len(f.targets)} tensors  {_size(f.nbytes)}")
+    if result.extras:
+        click.echo(f"  + {', '.join(result.extras)}")
+    if result.kept_files:
+        click.echo(f"resumed:  kept {result.kept_files} of {len(result.files)} files of the interrupted merge (each checked again)")
+    worst = result.worst_round_trip()
+    if worst is not None:
+        name, trip = worst
+        click.echo(f"fp8:      {len(result.round_trips)} weights quantized; worst round trip {shown(name)}: max |error| "
+                   f"{trip.max_abs_error:.3g} (|weight| up to {trip.source_max:.3g}), relative RMS error "
+                   f"{trip.relative_error:.3g}")
+    if result.dry_run:
+        from ckpttool.writers.hf import predict_peak_bytes
+        click.echo(f"peak memory: at most {_size(predict_peak_bytes(plan, result.workers))} with {result.workers} "
+                   f"worker{'s' if result.workers != 1 else ''} (largest tensor {_size(plan.largest_target_bytes())})")
+    for note in plan.notes:
+        click.echo(f"note: {escaped(note)}")
+    if result.dry_run or verbose:
+        shapes: dict[tuple[int, ...], str] = {}  # a checkpoint has few shapes and 90k tensors
+        lines = []
+        for t in plan.targets:
+            dims = t.shape if type(t.shape) is tuple else tuple(t.shape)
+            shape = shapes.get(dims)
+            if shape is None:
+                shape = shapes[dims] = "x".join(map(str, dims)) or "scalar"
+            pieces = f"{len(t.copies)} piece{'s' if len(t.copies) != 1 else ''}"
+            lines.append(f"  {shown(t.name)}  {t.dtype} [{shape}]  <- {', '.join(map(shown, t.sources))} ({pieces})")
+            if len(lines) == ECHO_LINES:
+                click.echo("\n".join(lines))
+                lines.clear()
+        if lines:
+            click.echo("\n".join(lines))
+
+
+#: the tensor lines of a dry run are printed this many at a time (one write each)
+ECHO_LINES = 4096
+
+
+#: tensors listed under a cause in the terminal; ``--json`` lists them all
+CAUSE_LINES = 5
+
+
+def print_report(report: Report, quiet: bool) -> None:
+    """A table of causes, each with its first tensors (errors only with ``quiet``), and the verdict."""
+    listed = [c for c in report.causes if c.severity == "error" or not quiet]
+    width = min(max((len(c.code) for c in listed), default=0), 28)
+    for c in listed:
+        if len(c.findings) == 1:  # a cause of its own: the finding as it is
+            f = c.findings[0]
+            click.echo(f"{f.severity:<7}  {f.code:<{width}}  {shown(f.tensor or f.file or '')}")
+            click.echo(f"         {escaped(f.message)}")
+            continue
+        click.echo(f"{c.severity:<7}  {c.code:<{width}}  {escaped(c.cause)}")
+        click.echo(f"         e.g. {escaped(c.findings[0].message)}")
+        for name in c.tensors[:CAUSE_LINES]:
+            click.echo(f"         - {shown(name)}")
+        if len(c.tensors) > CAUSE_LINES:
+            click.echo(f"         ... and {len(c.tensors) - CAUSE_LINES} more (--json lists them all)")
+    if report.adapter and not quiet:
+        click.echo(f"family: {report.adapter}")
+    print_summary(report, "", err=False)
+
+
+def generic_warning(result: MergeResult) -> str:
+    """The line a generic merge prints on stderr: nothing was checked, and without a config nothing loads it."""
+    unchecked = "tensor names are kept as the source recorded them and nothing was checked against an architecture"
+    if result.config is None:
+        where = f"'{result.output}'" if result.output is not None else "the output"
+        return (f"generic merge (no config.json found): {unchecked}; transformers cannot load {where} without a "
+                "config.json (merge again with --config)")
+    return f"generic merge (transformers has no causal LM for the config '{result.config}'): {unchecked}"
+
+
+def print_summary(report: Report, suffix: str, err: bool = True) -> None:
+    s = report.summary()
+    checked = "data and headers" if report.data_checked else "headers only"
+    verdict = "PASS WITH WARNINGS" if report.ok and s["warnings"] else str(s["verdict"]).upper()
+    click.echo(
+        f"audit: {verdict}, {s['errors']} errors, {s['warnings']} warnings, {s['info']} info "
+        f"({report.tensors} tensors, {checked}){suffix}",
+        err=err,
+    )

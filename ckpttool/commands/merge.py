@@ -1,0 +1,345 @@
+"""``merge``: source checkpoint -> layout -> coverage-checked plan -> HuggingFace safetensors, atomically."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ckpttool.model.architecture import ModelInfo, read_config
+from ckpttool.execute.distributed import Group, share_out
+from ckpttool.io.dtypes import cast_dtype, dtype_name, prevailing_float
+from ckpttool.plan.plan import Plan
+from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError, SourceError
+from ckpttool.families.quantize import output_config as quantized_config
+from ckpttool.families.quantize import quantize_block
+from ckpttool.families.quantized import output_config, scale_names
+from ckpttool.findings import Report
+from ckpttool.fast.jsontext import dumps as json_text
+from ckpttool.plan.source import Planned, plan_source
+from ckpttool.quant.encode import RoundTrip
+from ckpttool.writers.destination import AUDIT_FILE, Staging, check_destination
+from ckpttool.writers.hf import (
+    OutputFile,
+    assign_files,
+    clean_staging,
+    find_extras,
+    plan_id,
+    predict_peak_bytes,
+    write_extras,
+    write_index,
+    write_text,
+    write_weights,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MergeResult:
+    """What :func:`merge` did (or, with ``dry_run``, would do)."""
+
+    source: str
+    #: the destination; None for a dry run given none
+    output: str | None
+    format: str
+    plan: Plan
+    files: tuple[OutputFile, ...]
+    extras: tuple[str, ...]
+    config: str | None
+    dry_run: bool
+    audit: Report | None = None
+    kept_files: int = 0
+    workers: int = 1
+    parallel: dict[str, int] = field(default_factory=dict)
+    #: an earlier output that a killed run had moved aside, put back before this merge (see ckpttool.writers.destination)
+    restored: str | None = None
+    #: no architecture was mapped (no config, or one transformers has no causal LM for): names kept as recorded
+    generic: bool = False
+    #: the family adapter that named the tensors, in words (see ckpttool.families)
+    adapter: str = ""
+    #: quantize="fp8": per quantized weight this process wrote, its round trip against the source
+    round_trips: dict[str, RoundTrip] = field(default_factory=dict)
+
+    def worst_round_trip(self) -> tuple[str, RoundTrip] | None:
+        """The quantized weight whose dequantized values are furthest from the source (relative RMS error)."""
+        return max(self.round_trips.items(), key=lambda item: item[1].relative_error, default=None)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "status": "ok",
+            "dry_run": self.dry_run,
+            "source": self.source,
+            "output": self.output,
+            "format": self.format,
+            "parallel": self.parallel,
+            "config": self.config,
+            "generic": self.generic,
+            "adapter": self.adapter,
+            "coverage": "every target tensor is covered exactly once",
+            "tensors": len(self.plan.targets),
+            "total_bytes": self.plan.nbytes,
+            "largest_tensor_bytes": self.plan.largest_target_bytes(),
+            "workers": self.workers,
+            "predicted_peak_bytes": predict_peak_bytes(self.plan, self.workers),
+            "files": [{"name": f.name, "bytes": f.nbytes, "tensors": len(f.targets)} for f in self.files],
+            "extras": list(self.extras),
+            "notes": list(self.plan.notes),
+            "targets": [
+                {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "pieces": len(t.copies), "sources": list(t.sources)}
+                for t in self.plan.targets
+            ],
+            "audit": self.audit.to_json() if self.audit is not None else None,
+            "quantization": self._quantization_json(),
+            "kept_files": self.kept_files,
+            "restored": self.restored,
+        }
+
+
+    def _quantization_json(self) -> dict[str, object] | None:
+        worst = self.worst_round_trip()
+        if worst is None:
+            return None
+        return {"tensors": len(self.round_trips), "worst": {"name": worst[0], **worst[1].to_json()},
+                "round_trips": {name: r.to_json() for name, r in sorted(self.round_trips.items())}}
+
+
+def prepare(
+    src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
+    weights: str | None = None, quantize: tuple[int, int] | None = None,
+) -> Planned:
+    """Read the source's layout and the config, and build the coverage-checked plan. Reads no tensor data.
+
+    With a config that transformers knows, targets get the on-disk HuggingFace names of its family's adapter and
+    are checked against the architecture; without one (or for an unknown architecture), the merge is generic:
+    tensor names are kept as the source recorded them, and a note says so (see :mod:`ckpttool.plan.source`).
+
+    Raises:
+        ConfigError: tensors that do not fit the config; CoverageError: targets not covered exactly once.
+    """
+    root = Path(src)
+    cast = cast_dtype(dtype)  # checked before anything is read
+    planned = plan_source(root, format=format, config=config, dtype=cast, weights=weights, quantize=quantize)
+    planned.refuse()
+    skipped = find_extras(extras_search(root, planned.config_path))[1].values()  # files not copied, and why
+    return replace(planned, plan=replace(planned.plan, notes=(*planned.plan.notes, *skipped)))
+
+
+def extras_search(root: Path, config_path: Path | None) -> list[Path]:
+    """Where tokenizer and generation files are looked for: beside the config, then in the source."""
+    return list(dict.fromkeys([*([config_path.parent] if config_path is not None else []), root]))
+
+
+def merge(
+    src: str | Path,
+    out: str | Path | None = None,
+    *,
+    format: str | None = None,
+    config: str | Path | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    dry_run: bool = False,
+    force: bool = False,
+    audit: bool = True,
+    resume: bool = False,
+    verify: bool = False,
+    workers: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+    weights: str | None = None,
+    quantize: str | None = None,
+    block: int | tuple[int, int] | None = None,
+    verify_forward: bool = False,
+) -> MergeResult:
+    """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
+
+    Args:
+        src: the checkpoint directory (any supported format).
+        out: the destination directory; must not exist or be empty unless ``force``. May be None only with
+            ``dry_run`` (to see the plan before choosing where it goes).
+        format: reader name; detected when None.
+        config: ``config.json`` or a directory holding it; found in or next to ``src`` when None.
+        dtype: cast floating-point tensors to ``"bfloat16"``, ``"float16"`` or ``"float32"`` (aliases ``"bf16"``,
+            ``"fp16"``, ``"fp32"``); integer tensors are never cast; ``config.json`` names the dtype written.
+        max_shard_size: largest output file, e.g. ``"5GB"`` (decimal units) or bytes.
+        dry_run: plan and check only; read no tensor data, write nothing.
+        force: replace a non-empty destination.
+        audit: audit what was written (headers, names and shapes against the config, index, dtypes), write
+            the report to ``ckpttool-audit.json`` beside it, and refuse to publish when it finds errors.
+        resume: continue an interrupted merge of the same plan: output files it finished are kept once their
+            digest is checked again (chunks copied file to file against their source); the rest are written.
+        verify: read every written file back from disk and compare its digest with the bytes written.
+        workers: threads reading and writing chunks at once.
+        progress: called as ``progress(bytes_just_written, total_bytes)`` after each tensor.
+        weights: for formats holding both, ``"master"`` (fp32 optimizer master weights, the default) or
+            ``"module"`` (the module's own weights).
+        quantize: ``"fp8"``: write the Linear weights of the decoder layers as FP8 E4M3 with float32
+            ``weight_scale_inv`` per ``block`` (see :mod:`ckpttool.families.quantize`), and a
+            ``quantization_config``; the round trip of each is in :attr:`MergeResult.round_trips`.
+        block: the FP8 block size, rows and columns (an int for both; default 128x128).
+        verify_forward: before publishing, load the output with transformers strictly and run a forward
+            (:func:`ckpttool.verify.forward.check_output`); a problem stops the publish. Needs a config.
+
+    Under ``torchrun --nproc_per_node N`` every process calls this; output files are shared out among them
+    by bytes (see :mod:`ckpttool.execute.distributed`) and every process returns the same result.
+
+    Returns:
+        A :class:`MergeResult` describing the output.
+
+    Raises:
+        CoverageError: a tensor is not covered exactly once (missing rank file, overlap).
+        AuditError: the written checkpoint has audit errors (``audit=True``); nothing was published.
+        ForwardError: the written checkpoint fails its forward check (``verify_forward=True``); nothing was published.
+        SourceError, ConfigError, DestinationError: bad input, config or destination; nothing is written.
+        ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``; ``quantize``
+            unknown or given with ``dtype``.
+
+    Example:
+        >>> merge("fixtures/llama_fsdp2_dcp/checkpoint", "out/llama")  # doctest: +SKIP
+    """
+    if out is None and not dry_run:
+        raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
+    root, dest = Path(src), (Path(out) if out is not None else None)
+    quantizing = quantize_block(quantize, block)
+    if quantizing is not None and dtype is not None:
+        raise ArgumentError(f"quantize='fp8' and dtype={dtype!r} together: quantize writes FP8 weights and keeps every "
+                            "other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
+    round_trips: dict[str, RoundTrip] = {}
+    group = Group()
+    try:
+        prepared = prepare(root, format=format, config=config, dtype=dtype, weights=weights, quantize=quantizing)
+        plan = prepared.plan
+        if not plan.targets:
+            raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
+        files = tuple(assign_files(plan, max_shard_size))
+        if dest is not None:
+            check_destination(dest, [root], force)
+        extras: list[str] = []
+        report, kept, restored = None, 0, None
+        if dest is not None and not dry_run:
+            total = plan.nbytes  # once: a sum over every target, and on_bytes is called per chunk (90k and more)
+            on_bytes = (lambda n: progress(n, total)) if progress else (lambda n: None)
+            owner = share_out([f.nbytes for f in files], group.world)
+            mine = [f for f, rank in zip(files, owner) if rank == group.rank]
+            identity = plan_id(plan, files)
+            staging = Staging(dest, sources=[root], force=force, resume=resume)
+            entered, restored = group.on_rank0(lambda: _enter(staging, identity))
+            path = Path(entered)
+            try:
+                kept = sum(group.on_all(lambda: write_weights(
+                    plan, mine, path, identity, on_bytes, verify=verify, workers=workers, rank=group.rank,
+                    round_trips=round_trips,
+                )))
+
+                extras, report = group.on_rank0(lambda: finish_output(
+                    staging, plan, files, config=prepared.config, model=prepared.model,
+                    config_label=str(prepared.config_path) if prepared.config_path else None,
+                    search=extras_search(root, prepared.config_path), dtype=dtype, audit=audit,
+                    verify_forward=verify_forward,
+                ))
+            except BaseException as e:
+                if group.rank == 0:
+                    staging.abandon(e)
+                raise
+            log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
+    finally:
+        group.close()
+    return MergeResult(
+        source=str(root),
+        output=str(dest) if dest is not None else None,
+        format=prepared.layout.format,
+        parallel=dict(prepared.layout.parallel),
+        plan=plan,
+        files=files,
+        extras=tuple(extras),
+        config=str(prepared.config_path) if prepared.config_path else None,
+        dry_run=dry_run,
+        audit=report,
+        kept_files=kept,
+        workers=workers,
+        restored=restored,
+        generic=prepared.generic,
+        adapter=prepared.adapter,
+        round_trips=round_trips,
+    )
+
+
+def _enter(staging: Staging, identity: str) -> tuple[str, str | None]:
+    """Lock the destination, create (or, with resume, take up) the staging directory and clear what no journal
+    of this plan holds. Returns its path and what was restored at the destination, if anything."""
+    path = staging.open()
+    clean_staging(path, identity)
+    return str(path), staging.restoration
+
+
+def finish_output(
+    staging: Staging, plan: Plan, files: tuple[OutputFile, ...], *, config: dict[str, object] | None,
+    model: ModelInfo | None, config_label: str | None, search: list[Path], dtype: str | None, audit: bool,
+    verify_forward: bool = False,
+) -> tuple[list[str], Report | None]:
+    """Once every weights file is written and checked: the index, config and tokenizer files, the audit of
+    what was written, then the rename into place. Returns the extra files written and the audit report."""
+    path = staging.path
+    write_index(plan, files, path)
+    dequantizing = any(t.dequant is not None for t in plan.targets)
+    dtype_written = config_dtype(config, plan, cast=dtype is not None)
+    written = write_extras(path, quantized_config(output_config(config, dequantizing), plan), search, dtype_written)
+    found = None
+    if audit:
+        found = _audit_output(path, staging.dest, config is not None, config_label, model)
+        written.append(AUDIT_FILE)
+    if verify_forward:
+        _verify_forward(path, staging.dest, config is not None)
+    staging.publish()
+    return written, found
+
+
+def _verify_forward(staging: Path, dest: Path, has_config: bool) -> None:
+    if not has_config:
+        raise ConfigError(f"'{dest}': the forward check needs the model's config.json, and this merge has none "
+                          f"(give config=)")
+    from ckpttool.verify.forward import check_output  # torch's model code and transformers only when asked
+
+    checked = check_output(staging)
+    if checked.problems:
+        raise ForwardError(checked.problems, str(dest))
+
+
+def config_dtype(config: dict[str, object] | None, plan: Plan, *, cast: bool) -> str | None:
+    """The dtype ``config.json`` must be given (a safetensors name), or None to leave it as the source's.
+
+    transformers loads the weights in the config's dtype, so it must name the floating-point dtype written:
+    after a cast, and whenever the source's config says another (DeepSpeed's module weights are bf16 under a
+    config saying float32). ``"auto"`` and non-string values (per-module dtypes) are left alone.
+    """
+    scales = scale_names([t.name for t in plan.targets])  # float32 scales of FP8 weights are no model dtype
+    written = prevailing_float(t.dtype for t in plan.targets if t.name not in scales)
+    if config is None or written is None:
+        return None
+    stated = [config[key] for key in ("dtype", "torch_dtype") if config.get(key) is not None]
+    if not stated:
+        return written if cast else None
+    return written if any(_names_another(value, written) for value in stated) else None
+
+
+def _names_another(value: object, dtype: str) -> bool:
+    if not isinstance(value, str) or value == "auto":
+        return False
+    try:
+        return dtype_name(value) != dtype
+    except SourceError:  # a spelling ckpttool does not know: replaced by one transformers does
+        return True
+
+
+def _audit_output(staging: Path, dest: Path, has_config: bool, config_label: str | None, model: ModelInfo | None) -> Report:
+    """The shape audit (headers only) of what was written; its report goes beside the weights."""
+    from ckpttool.audit import check  # imported when a merge writes (a dry run needs none of the audit)
+
+    config_path = staging / "config.json" if has_config else None
+    config = read_config(config_path) if config_path is not None else None
+    report = replace(check(staging, config_path=config_path, config=config, model=model, data=False),
+                     source=str(dest), config=config_label)
+    write_text(staging / AUDIT_FILE, json_text(report.to_json()) + "\n")  # json.dumps(indent=2)'s text, faster
+    if report.errors:
+        raise AuditError(report, str(dest))
+    return report

@@ -1,0 +1,226 @@
+"""Device meshes for ``split``: which box of every in-memory tensor each rank holds, as FSDP2, DTensor tensor
+parallel and expert parallel place them. Plain data; no torch, no files.
+
+A :class:`Mesh` is what a user states: ``fsdp`` (FSDP2 ``fully_shard``, ``Shard(0)``), ``tp`` (DTensor tensor
+parallel) and ``ep`` (stacked experts over ranks). Ranks are laid out as transformers' ``DistributedConfig``
+and ``init_device_mesh`` lay them out: dense tensors over the mesh ``(fsdp, tp)``, rank ``f * tp + t``;
+stacked experts over ``(efsdp, ep)`` with ``efsdp = fsdp * tp / ep``, rank ``e_f * ep + e``: each group of
+``ep`` consecutive ranks holds every expert once, ``Shard(0)`` of the expert dim, and the ``efsdp`` ranks
+holding the same experts shard them again with FSDP2.
+
+``dp`` adds data-parallel replicas in front, as FSDP2's HSDP does (``fully_shard`` on a 2-D mesh
+``(replicate, shard)``, 3-D with tensor parallel): every tensor gets ``Replicate()`` on an outer ``dp`` dim,
+rank ``d * fsdp * tp + f * tp + t``, and each replica holds the whole ``fsdp x tp`` layout above. DCP saves a
+replicated chunk once (``dedup_save_plans``; :func:`ckpttool.writers.dcp.share_items`).
+
+Tensor-parallel placements follow torch's and transformers' Llama/Mixtral plans (:data:`TP_RULES`):
+``ColwiseParallel`` q/k/v/gate/up ``Shard(0)`` (their biases too), ``RowwiseParallel`` o/down ``Shard(1)`` (their
+biases replicated), embeddings and ``lm_head`` ``Shard(0)`` (the vocab), norms, routers and experts replicated
+(``ep`` shards experts). FSDP2 over TP shards dim 0 of each TP shard: ``_StridedShard(0, tp)`` on ``fsdp`` when
+TP shards dim 0, else ``Shard(0)``. The arithmetic is :mod:`ckpttool.layout.placements` (``torch.chunk`` splits, uneven
+sizes included), the same that reads such checkpoints.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ckpttool.layout.layout import Box, Shape
+from ckpttool.errors import ArgumentError, ConfigError
+from ckpttool.layout.placements import Placement, local_ranges, local_shape
+
+SHARD0, SHARD1, REPLICATE = Placement("shard", 0), Placement("shard", 1), Placement("replicate")
+
+#: in-memory tensor name (regex, searched) -> its placement on the ``tp`` mesh dim; the first match applies
+TP_RULES: tuple[tuple[str, Placement], ...] = (
+    (r"(^|\.)embed_tokens\.weight$", SHARD0),  # RowwiseParallel on an nn.Embedding: vocab rows
+    (r"(^|\.)lm_head\.weight$", SHARD0),  # ColwiseParallel: vocab rows
+    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$", SHARD0),  # ColwiseParallel
+    (r"\.(o_proj|down_proj)\.weight$", SHARD1),  # RowwiseParallel
+    (r"\.(o_proj|down_proj)\.bias$", REPLICATE),
+    (r"norm\.weight$", REPLICATE),
+    (r"\.mlp\.gate\.(weight|e_score_correction_bias)$", REPLICATE),  # MoE router
+    (r"\.mlp\.experts\.", REPLICATE),  # stacked experts: not tensor-parallel, ep shards them
+    (r"\.shared_expert_gate\.weight$", REPLICATE),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    """A device mesh as the user states it: ``dp`` replicas (HSDP) of ``fsdp`` x ``tp`` ranks, experts over ``ep``
+    of those.
+
+    Raises:
+        ArgumentError: a size below 1, or ``ep`` that does not divide ``fsdp * tp``.
+
+    Example:
+        >>> Mesh(fsdp=2, tp=2).describe()
+        'fsdp=2 tp=2 (4 ranks)'
+        >>> Mesh(fsdp=2, dp=2).describe()
+        'dp=2 fsdp=2 (4 ranks; HSDP: Replicate() over dp, each chunk saved once)'
+    """
+
+    fsdp: int = 1
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("fsdp", "tp", "ep", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ArgumentError(f"{name}={value!r}: a mesh dim is a whole number of ranks, 1 or more")
+        if self.replica % self.ep:
+            raise ArgumentError(
+                f"ep={self.ep} does not divide the {self.replica} rank{'s' if self.replica != 1 else ''} of fsdp={self.fsdp} "
+                f"x tp={self.tp}: experts are split over groups of ep ranks within those (as transformers' "
+                f"DistributedConfig lays them out); choose an ep that divides fsdp x tp, or more ranks "
+                f"(fsdp={self.ep * self.fsdp // math.gcd(self.ep, self.replica)} or tp={self.ep * self.tp // math.gcd(self.ep, self.replica)})"
+            )
+
+    @property
+    def replica(self) -> int:
+        """Ranks of one data-parallel replica: ``fsdp * tp``."""
+        return self.fsdp * self.tp
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.replica
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks of a replica holding the same experts, which FSDP2 shards them over."""
+        return self.replica // self.ep
+
+    def describe(self) -> str:
+        dims = [f"{k}={v}" for k, v in (("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp), ("ep", self.ep)) if v > 1]
+        hsdp = "; HSDP: Replicate() over dp, each chunk saved once" if self.dp > 1 else ""
+        return f"{' '.join(dims) or 'one rank'} ({self.world} rank{'s' if self.world != 1 else ''}{hsdp})"
+
+    def to_json(self) -> dict[str, int]:
+        return {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp, "ep": self.ep, "world": self.world}
+
+
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    """One in-memory tensor over the mesh: the mesh dims it is laid over (``(name, size)``, every rank on them
+    in row-major order) and one placement per dim."""
+
+    name: str
+    shape: Shape
+    dims: tuple[tuple[str, int], ...]
+    placements: tuple[Placement, ...]
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        sizes = [n for _, n in self.dims]
+        return tuple((rank // math.prod(sizes[d + 1:])) % n for d, n in enumerate(sizes))
+
+    def ranges(self, rank: int) -> list[list[tuple[int, int]]]:
+        return local_ranges(self.shape, [n for _, n in self.dims], self.coordinate(rank), self.placements)
+
+    def boxes(self, rank: int) -> list[Box]:
+        """The regions of the global tensor ``rank`` holds (one, unless a strided split gives it several
+        ranges of a dim); none when its shard is empty."""
+        ranges = self.ranges(rank)
+        if math.prod(local_shape(ranges)) == 0:
+            return []
+        return [Box(tuple(a for a, _ in combo), tuple(b - a for a, b in combo)) for combo in itertools.product(*ranges)]
+
+    def empty_box(self, rank: int) -> Box | None:
+        """Where torch's DTensor places ``rank``'s shard when it is empty, for ``Shard``/``Replicate`` placements
+        (``compute_local_shape_and_global_offset``: a sharded dim left with no element is placed at its global
+        length); None when the shard is not empty, or is strided (DCP then names the tensor by another rank's
+        chunk)."""
+        if self.boxes(rank) or any(p.kind == "strided" for p in self.placements):
+            return None
+        offsets, sizes = [0] * len(self.shape), list(self.shape)
+        for (_, n), c, p in zip(self.dims, self.coordinate(rank), self.placements):
+            if p.kind == "shard":
+                per = -(-sizes[p.dim] // n) if sizes[p.dim] else 0
+                start = min(c * per, sizes[p.dim])
+                offsets[p.dim] += start
+                sizes[p.dim] = min(start + per, sizes[p.dim]) - start
+        for d in {p.dim for p in self.placements if p.kind == "shard"}:
+            if not sizes[d]:
+                offsets[d] = self.shape[d]
+        return Box(tuple(offsets), tuple(sizes))
+
+    def local_shape(self, rank: int) -> Shape:
+        """The shape of ``rank``'s local tensor (``DTensor.to_local()``)."""
+        return local_shape(self.ranges(rank))
+
+    def describe(self) -> str:
+        """Placements on the mesh dims of more than one rank, e.g. ``(_StridedShard(0, sf=2), Shard(0))``."""
+        shown = [(f"{name}={n}", str(p)) for (name, n), p in zip(self.dims, self.placements) if n > 1]
+        if not shown:
+            return "whole on the one rank"
+        return f"({', '.join(p for _, p in shown)}) over {' x '.join(d for d, _ in shown)}"
+
+
+def tp_placement(name: str) -> Placement | None:
+    """The tensor-parallel placement of in-memory tensor ``name`` (:data:`TP_RULES`), or None when no rule knows it."""
+    return next((p for pattern, p in TP_RULES if re.search(pattern, name)), None)
+
+
+def shard_tensors(tensors: Iterable[tuple[str, Shape, bool]], mesh: Mesh) -> list[Sharding]:
+    """Place every ``(name, shape, stacked experts)`` tensor on ``mesh``.
+
+    Raises:
+        ConfigError: every tensor the mesh cannot place, listed: no tensor-parallel rule for it (with ``tp``
+            above 1), a TP dim it does not have, experts that ``ep`` does not divide evenly, or ``ep`` above 1
+            for a model without stacked experts.
+    """
+    shardings, problems, stacked_seen = [], [], False
+    for name, shape, stacked in tensors:
+        stacked_seen = stacked_seen or stacked
+        if stacked and mesh.ep > 1:
+            if not shape or shape[0] % mesh.ep:
+                experts = shape[0] if shape else 0
+                problems.append(f"'{name}': its {experts} experts (dim 0) cannot be split evenly over ep={mesh.ep} "
+                                f"ranks; choose an ep that divides {experts}")
+                continue
+            strided = Placement("strided", 0, mesh.ep) if mesh.efsdp > 1 else REPLICATE
+            shardings.append(_replicated(Sharding(name, shape, (("efsdp", mesh.efsdp), ("ep", mesh.ep)), (strided, SHARD0)), mesh))
+            continue
+        tp = tp_placement(name) if mesh.tp > 1 else REPLICATE
+        if tp is None:
+            problems.append(f"'{name}': no tensor-parallel placement is known for it (tp={mesh.tp})")
+            continue
+        if tp.kind == "shard" and tp.dim >= len(shape):
+            problems.append(f"'{name}': tensor parallel places it {tp}, but it has {len(shape)} dims")
+            continue
+        shardings.append(_replicated(Sharding(name, shape, (("fsdp", mesh.fsdp), ("tp", mesh.tp)), _dense(shape, tp, mesh)), mesh))
+    if mesh.ep > 1 and not stacked_seen:
+        problems.append(f"ep={mesh.ep}: the model has no stacked expert tensors to place over ep ranks")
+    if problems:
+        raise ConfigError(
+            f"the mesh {mesh.describe()} does not fit the model ({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n"
+            + "\n".join(f"  - {p}" for p in problems[:20])
+            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+            + ("\nckpttool places tensors as torch's and transformers' Llama/Mixtral tensor-parallel plans do "
+               "(q/k/v/gate/up Shard(0), o/down Shard(1), embeddings and lm_head Shard(0), norms replicated); "
+               "split with tp=1 for a model it does not know." if any("no tensor-parallel" in p for p in problems) else "")
+        )
+    return shardings
+
+
+def _replicated(sharding: Sharding, mesh: Mesh) -> Sharding:
+    """HSDP: ``Replicate()`` on an outer ``dp`` dim, in front of the replica's dims (none when ``dp`` is 1)."""
+    if mesh.dp == 1:
+        return sharding
+    return Sharding(sharding.name, sharding.shape, (("dp", mesh.dp), *sharding.dims), (REPLICATE, *sharding.placements))
+
+
+def _dense(shape: Sequence[int], tp: Placement, mesh: Mesh) -> tuple[Placement, Placement]:
+    """FSDP2's placement on ``fsdp`` (``Shard(0)`` of each TP shard) beside the TP one; a scalar is replicated."""
+    if not shape:
+        return REPLICATE, REPLICATE
+    if mesh.fsdp == 1:
+        return REPLICATE, tp
+    if tp == SHARD0 and mesh.tp > 1:
+        return Placement("strided", 0, mesh.tp), tp
+    return SHARD0, tp

@@ -1,0 +1,354 @@
+"""``split``: the way back, from any source ckpttool reads to a sharded layout for a device mesh.
+
+source -> the merge's coverage-checked plan (on-disk HuggingFace names, :func:`ckpttool.commands.merge.prepare`) -> the
+model's in-memory tensors as slices of those (the family's rules run backwards, :func:`ckpttool.families.map_from_hf`)
+-> every rank's box of each tensor on the mesh (:mod:`ckpttool.commands.meshes`) -> one plan target per box, its copies
+reaching straight into the source's pieces and proven to tile it (:func:`ckpttool.plan.compose.compose`) -> the
+streaming executor writes them into the target format's files, published atomically as merge publishes.
+
+Targets (:data:`TARGETS`): ``dcp`` (PyTorch Distributed Checkpoint, :func:`plan_dcp`, :mod:`ckpttool.writers.dcp`)
+and ``megatron`` (Megatron-Core ``torch_dist`` for TP x PP x EP: the same DCP files under ``iter_0000000/`` with
+Megatron's global names, :mod:`ckpttool.commands.split_megatron`, plus :mod:`ckpttool.writers.megatron_dist`'s files).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.execute.distributed import Group, share_out
+from ckpttool.io.dtypes import itemsize
+from ckpttool.plan.compose import compose
+from ckpttool.layout.layout import RAW, Box
+from ckpttool.plan.plan import Plan, plan_merge
+from ckpttool.errors import ArgumentError, ConfigError, CoverageError, OutputError, SourceError
+from ckpttool.families import MemoryTensor, map_from_hf
+from ckpttool.commands.merge import config_dtype, extras_search, prepare
+from ckpttool.commands.meshes import Mesh, Sharding, shard_tensors
+from ckpttool.plan.source import Planned
+from ckpttool.commands.split_megatron import MegatronMesh, plan_megatron, training_args
+from ckpttool.console.terminal import escaped, shown, size_text
+from ckpttool.writers import dcp, megatron_dist
+from ckpttool.writers.destination import EXTRA_FILES, Output, Staging, check_destination
+from ckpttool.writers.hf import predict_peak_bytes, write_extras
+
+log = logging.getLogger(__name__)
+
+#: formats ``split`` writes
+TARGETS = ("dcp", "megatron")
+#: what a split writes into its destination: ``force`` replaces a directory holding nothing else
+SPLIT_OUTPUT = Output("split", re.compile(
+    r"\.metadata|__\d+_\d+\.distcp|" + "|".join(re.escape(n) for n in (
+        "config.json", *EXTRA_FILES, megatron_dist.COMMON, megatron_dist.METADATA_JSON, megatron_dist.TRACKER))),
+    dirs=re.compile(r"iter_\d{7}"))
+
+
+@dataclass(frozen=True, slots=True)
+class SplitResult:
+    """What :func:`split` did (or, with ``dry_run``, would do)."""
+
+    source: str
+    output: str | None
+    format: str
+    to: str
+    mesh: Mesh | MegatronMesh
+    #: one target per chunk written (a rank's box of a tensor), in file order
+    plan: Plan
+    files: tuple[dcp.DcpFile, ...]
+    tensors: tuple[Sharding, ...]
+    config: str | None
+    adapter: str
+    dry_run: bool
+    extras: tuple[str, ...] = ()
+    workers: int = 1
+    restored: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def to_json(self) -> dict[str, object]:
+        dtypes = {i.fqn: i.target.dtype for f in self.files for i in f.items}
+        return {
+            "status": "ok", "dry_run": self.dry_run, "source": self.source, "output": self.output,
+            "format": self.format, "to": self.to, "mesh": self.mesh.to_json(), "config": self.config,
+            "adapter": self.adapter, "coverage": "every chunk of every tensor is covered exactly once",
+            "tensors": [{"name": s.name, "shape": list(s.shape), "dtype": dtypes.get(s.name),
+                         "placements": s.describe(), "local_shapes": [list(s.local_shape(r)) for r in range(self.mesh.world)]}
+                        for s in self.tensors],
+            "files": [{"name": f.name, "rank": f.rank, "bytes": f.nbytes, "items": len(f.items)} for f in self.files],
+            "total_bytes": self.nbytes, "workers": self.workers,
+            "predicted_peak_bytes": predict_peak_bytes(self.plan, self.workers),
+            "extras": list(self.extras), "notes": list(self.notes), "restored": self.restored,
+        }
+
+
+    def _files_written(self) -> str:
+        files = f"{len(self.files)} rank files + {dcp.METADATA}"
+        if isinstance(self.mesh, MegatronMesh):
+            return (f"{megatron_dist.iteration_name(self.mesh.iteration)}/: {files}, {megatron_dist.COMMON}, "
+                    f"{megatron_dist.METADATA_JSON}; {megatron_dist.TRACKER}")
+        return files
+
+    def lines(self, verbose: bool = False) -> list[str]:
+        """The summary the command line prints; with ``verbose`` (always for a dry run) every tensor's placements
+        and each rank's local shape (runs of equal shapes as ``250x32 x3``)."""
+        verb = "would write" if self.dry_run else "wrote"
+        out = shown(self.output) if self.output is not None else "(none given)"
+        lines = [
+            f"source:   {shown(self.source)} ({self.format})", f"config:   {self.config}", f"family:   {self.adapter}",
+            f"mesh:     {self.mesh.describe()}",
+            f"coverage: ok, every chunk of {len(self.tensors)} tensors covered exactly once ({len(self.plan.targets)} chunks)",
+            f"output:   {out} ({verb} {size_text(self.nbytes)} in {self._files_written()})",
+            *(f"  {f.name}  {len(f.items)} chunks  {size_text(f.nbytes)}" for f in self.files),
+        ]
+        if self.extras:
+            lines.append(f"  + {', '.join(self.extras)}")
+        if self.dry_run:
+            lines.append(f"peak memory: at most {size_text(predict_peak_bytes(self.plan, self.workers))} with "
+                         f"{self.workers} worker{'s' if self.workers != 1 else ''}")
+        lines.extend(f"note: {escaped(note)}" for note in self.notes)
+        for s in self.tensors if verbose or self.dry_run else ():
+            runs = [(shape, len(list(group))) for shape, group in
+                    itertools.groupby(s.local_shape(r) for r in range(self.mesh.world))]
+            local = ", ".join(("x".join(map(str, shape)) or "scalar") + (f" x{n}" if n > 1 else "") for shape, n in runs)
+            lines.append(f"  {shown(s.name)}  [{'x'.join(map(str, s.shape))}]  {s.describe()}  local {local}")
+        return lines
+
+
+def split(
+    src: str | Path,
+    out: str | Path | None = None,
+    *,
+    to: str = "dcp",
+    fsdp: int = 1,
+    tp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    make_vocab_size_divisible_by: int = 128,
+    iteration: int = 0,
+    format: str | None = None,
+    config: str | Path | None = None,
+    dtype: str | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    workers: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> SplitResult:
+    """Write a checkpoint sharded for a device mesh, as the parallelized model's ranks would save it.
+
+    Args:
+        src: any checkpoint ckpttool reads (HuggingFace, or a sharded format: a re-shard).
+        out: the destination directory; must not exist or be empty unless ``force``. None only with ``dry_run``.
+        to: the format written: ``"dcp"`` (PyTorch Distributed Checkpoint, read by ``torch.distributed.checkpoint.load``)
+            or ``"megatron"`` (Megatron-Core ``torch_dist``, read by megatron-core's ``dist_checkpointing.load``: the
+            iteration directory, ``common.pt``, ``metadata.json`` and the tracker file; see
+            :mod:`ckpttool.commands.split_megatron`).
+        fsdp: ranks FSDP2 shards every tensor over (``Shard(0)``).
+        tp: tensor-parallel ranks (torch's Llama/Mixtral plans; see :mod:`ckpttool.commands.meshes`).
+        ep: expert-parallel ranks for stacked experts (``Shard(0)`` of the expert dim); divides ``fsdp * tp``
+            for ``dcp``; for ``megatron``, Megatron's expert-parallel size (global expert ids, consecutive per rank).
+        dp: ``dcp`` only: data-parallel replicas of the ``fsdp x tp`` mesh, as FSDP2's HSDP places them
+            (``Replicate()`` on an outer mesh dim; ``dp * fsdp * tp`` rank files, each chunk in one of them,
+            written by the rank torch's ``dedup_save_plans`` picks).
+        pp, make_vocab_size_divisible_by, iteration: ``megatron`` only: pipeline stages (equal, consecutive
+            layers), the vocab padding rule (as Megatron-LM's argument: padded to a multiple of it times ``tp``;
+            the padding rows are zeros) and the iteration directory written (``iter_0000000``).
+        format, config, dtype: as for :func:`ckpttool.merge`; a config is required (it names the tensors as the
+            model holds them in memory).
+        dry_run: plan and check only; read no tensor data, write nothing.
+        force: replace a destination holding only an earlier output of a split.
+        workers: threads reading and writing chunks at once.
+        progress: called as ``progress(bytes_just_written, total_bytes)``.
+
+    Under ``torchrun --nproc_per_node N`` every process calls this; the rank files are shared out among them.
+
+    Returns:
+        A :class:`SplitResult`: the mesh, every tensor's placements and local shapes, the files.
+
+    Raises:
+        ArgumentError: ``to`` not in :data:`TARGETS`, a mesh size below 1, ``ep`` that does not divide
+            ``fsdp * tp``, ``dp`` above 1 for ``megatron``, ``out`` None without ``dry_run``.
+        ConfigError: no config; a tensor the mesh cannot place (no tensor-parallel rule, experts ``ep`` does not
+            divide); the source does not fit the config.
+        CoverageError: a tensor is not covered exactly once by the source. DestinationError, SourceError,
+            OutputError: as for merge; nothing is published.
+
+    Example:
+        >>> split("hf/llama", "dcp/llama", fsdp=2, tp=2)  # doctest: +SKIP
+    """
+    if to not in TARGETS:
+        raise ArgumentError(f"to={to!r}: split writes {', '.join(map(repr, TARGETS))} (PyTorch Distributed Checkpoint, "
+                            "Megatron-Core torch_dist)")
+    if to == "megatron" and fsdp != 1:
+        raise ArgumentError(f"fsdp={fsdp!r}: Megatron-Core torch_dist has no FSDP dim; give tp, pp and ep")
+    if to == "megatron" and dp != 1:
+        raise ArgumentError(
+            f"dp={dp!r}: a Megatron-Core torch_dist checkpoint does not depend on the data-parallel size: its chunks "
+            "are those of tp x pp x ep, saved once whatever dp (only which rank's file holds a chunk differs), and a "
+            "Megatron load at any dp reads it; split without dp")
+    if to == "dcp" and (pp, make_vocab_size_divisible_by, iteration) != (1, 128, 0):
+        raise ArgumentError("pp, make_vocab_size_divisible_by and iteration are for to='megatron'")
+    mesh = MegatronMesh(tp, pp, ep, make_vocab_size_divisible_by, iteration) if to == "megatron" else Mesh(fsdp, tp, ep, dp)
+    if out is None and not dry_run:
+        raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
+    root, dest = Path(src), (Path(out) if out is not None else None)
+    group = Group()
+    restored, extras = None, []
+    try:
+        prepared = prepare(root, format=format, config=config, dtype=dtype)
+        if isinstance(mesh, MegatronMesh):
+            info = _model(prepared)
+            shardings, files = plan_megatron(prepared, info, mesh)
+        else:
+            shardings, files = plan_dcp(prepared, mesh)
+        plan = Plan(str(root), prepared.layout.format, tuple(i.target for f in files for i in f.items), prepared.plan.notes)
+        if dest is not None:
+            check_destination(dest, [root], force, SPLIT_OUTPUT)
+        if dest is not None and not dry_run:
+            total = sum(f.data_bytes for f in files)
+            on_bytes = (lambda n: progress(n, total)) if progress else (lambda n: None)
+            owner = share_out([f.nbytes for f in files], group.world)
+            mine = [f for f, rank in zip(files, owner) if rank == group.rank]
+            staging = Staging(dest, sources=[root], force=force, output=SPLIT_OUTPUT)
+            entered, restored = group.on_rank0(lambda: (str(staging.open()), staging.restoration))
+            path = Path(entered)
+            try:
+                if isinstance(mesh, MegatronMesh):  # the rank files go into the iteration directory
+                    path = path / megatron_dist.iteration_name(mesh.iteration)
+                    group.on_rank0(lambda: path.mkdir(exist_ok=True))
+                group.on_all(lambda: dcp.write_files(root, mine, path, workers=workers, on_bytes=on_bytes))
+                extras = group.on_rank0(lambda: _finish(staging, prepared, files, dtype, root, mesh, shardings))
+            except BaseException as e:
+                if group.rank == 0:
+                    staging.abandon(e)
+                raise
+            log.info("wrote %d chunks (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
+    finally:
+        group.close()
+    return SplitResult(
+        source=str(root), output=str(dest) if dest is not None else None, format=prepared.layout.format, to=to,
+        mesh=mesh, plan=plan, files=files, tensors=tuple(shardings),
+        config=str(prepared.config_path) if prepared.config_path else None,
+        adapter=(f"{prepared.adapter}; written in the Megatron-Core convention" if isinstance(mesh, MegatronMesh)
+                 else prepared.adapter),
+        dry_run=dry_run, extras=tuple(extras), workers=workers, restored=restored, notes=prepared.plan.notes,
+    )
+
+
+def in_memory(prepared: Planned) -> list[MemoryTensor]:
+    """The model's in-memory tensors as slices of the plan's on-disk ones (what every target format starts from).
+
+    Raises:
+        ConfigError: no config transformers builds a causal LM from.
+    """
+    return map_from_hf(_model(prepared))
+
+
+def _model(prepared: Planned) -> ModelInfo:
+    """The model the source's config describes; split needs one.
+
+    Raises:
+        ConfigError: no config transformers builds a causal LM from.
+    """
+    if prepared.model is None:
+        why = ("none was found in or next to the source" if prepared.config is None else
+               f"transformers has no causal LM for model_type {prepared.config.get('model_type')!r} of '{prepared.config_path}'")
+        raise ConfigError(
+            f"'{prepared.layout.root}': split needs the model's config.json, as transformers builds it: it names the "
+            f"tensors as the parallelized model holds them in memory ({why}); give config='PATH'"
+        )
+    return prepared.model
+
+
+def plan_dcp(prepared: Planned, mesh: Mesh) -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:
+    """Every rank's chunks of every in-memory tensor, each a target proven to tile its box, laid out in the rank
+    files torch's ``FileSystemWriter`` would write (a replicated chunk once). Reads no tensor data.
+
+    Raises:
+        ConfigError: no config, or a tensor the mesh cannot place; CoverageError: a chunk not covered exactly once.
+    """
+    memory = in_memory(prepared)
+    shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh)
+    slices = {m.name: m.slices for m in memory}
+    targets = {t.name: t for t in prepared.plan.targets}
+    # a chunk weighs its whole tensor's bytes when ranks share replicated chunks out (torch's tensor_storage_size)
+    weight = {m.name: math.prod(m.shape) * next((itemsize(targets[sl.source].dtype) for sl in m.slices
+                                                 if sl.source in targets), 1) for m in memory}
+    held = [[(s.name, box, weight[s.name]) for s in shardings for box in _boxes(s, rank, mesh.world)]
+            for rank in range(mesh.world)]
+    by_name = {s.name: s for s in shardings}
+    per_rank, problems = [], []
+    for chunks_written in dcp.share_items(held):
+        items = []
+        for name, box in chunks_written:
+            target, found = compose(name, box, slices[name], targets)
+            problems.extend(p for p in found if p not in problems)
+            if target is not None:
+                items.append((name, by_name[name].shape, box, target))
+        per_rank.append(items)
+    if problems:
+        raise CoverageError(problems)
+    return shardings, dcp.lay_out(per_rank)
+
+
+def _boxes(sharding: Sharding, rank: int, world: int) -> list[Box]:
+    """The chunks ``rank`` saves of a tensor: an empty shard as torch saves it (size 0 where DTensor puts it);
+    rank 0 saves a tensor every rank holds nothing of whole, so the metadata still names it."""
+    boxes = sharding.boxes(rank)
+    empty = sharding.empty_box(rank) if not boxes else None
+    if empty is not None:
+        return [empty]
+    if not boxes and rank == 0 and all(not sharding.boxes(r) for r in range(1, world)):
+        return [Box.whole(sharding.shape)]
+    return boxes
+
+
+def _finish(staging: Staging, prepared: Planned, files: tuple[dcp.DcpFile, ...], dtype: str | None, root: Path,
+            mesh: Mesh | MegatronMesh, shardings: list[Sharding]) -> list[str]:
+    """Once every rank file is written: ``.metadata`` (for Megatron in the iteration directory, with
+    ``common.pt``, ``metadata.json`` and the tracker), config and tokenizer files, the check that the output reads
+    back as planned, then the rename into place. Returns the extra files written."""
+    path = checkpoint = staging.path
+    if isinstance(mesh, MegatronMesh):
+        checkpoint = path / megatron_dist.iteration_name(mesh.iteration)
+        args = training_args(_model(prepared), mesh, {s.name: s.shape for s in shardings})
+        megatron_dist.write_common(checkpoint, args, mesh.iteration)
+        megatron_dist.write_tracker(path, mesh.iteration)
+    dcp.write_metadata(files, checkpoint)
+    extras = write_extras(path, prepared.config, extras_search(root, prepared.config_path),
+                          config_dtype(prepared.config, prepared.plan, cast=dtype is not None))
+    check_output(checkpoint, files)
+    staging.publish()
+    return extras
+
+
+def check_output(path: Path, files: tuple[dcp.DcpFile, ...]) -> None:
+    """Read the written checkpoint back as ckpttool reads any DCP checkpoint (metadata, every item's archive
+    located in place) and prove it holds every planned tensor, with its shape and dtype, covered exactly once.
+
+    Raises:
+        OutputError: it does not; nothing is published.
+    """
+    from ckpttool.readers import read_layout
+
+    planned = {i.fqn: (i.global_shape, i.target.dtype) for f in files for i in f.items}
+    try:
+        layout = read_layout(path, format="dcp")
+        plan_merge(layout)
+    except (SourceError, CoverageError) as e:
+        raise OutputError(f"the written checkpoint does not read back: {e}; nothing was published") from None
+    found = {n: (t.global_shape, t.dtype) for n, t in layout.tensors.items()}
+    unlocated = sorted({p.file for t in layout.tensors.values() for p in t.pieces if p.encoding != RAW})
+    if found != planned or unlocated:
+        wrong = sorted(n for n in planned.keys() | found.keys() if planned.get(n) != found.get(n))
+        raise OutputError(f"the written checkpoint does not read back as planned (tensors {wrong[:5]}, archives not "
+                          f"located in {unlocated[:5]}); nothing was published")

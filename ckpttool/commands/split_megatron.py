@@ -1,0 +1,252 @@
+"""``split --to megatron``: Megatron-Core ``torch_dist`` for TP x PP x EP, planned as the DCP target is.
+
+The global tensors and where every HuggingFace element goes are the family layer's
+(:func:`ckpttool.families.conventions.megatron_back.from_hf`: Megatron-Core's cut run backwards). Here each is placed on
+Megatron's ranks, ordered ``tp`` fastest, then ``ep``, then ``pp`` (megatron-core's default ``tp-cp-ep-dp-pp``
+with one data-parallel rank per expert group), with :class:`~ckpttool.commands.meshes.Sharding` over the mesh dims
+``(pp, ep, tp)``:
+
+- stacked layer tensors: the layer axis ``Shard(0)`` over ``pp`` (each stage its consecutive layers);
+- experts: the expert axis ``Shard(1)`` over ``ep`` (global expert ids, each rank consecutive ones), and their
+  weights tensor-parallel like the dense ones (``expert_tensor_parallel_size`` = ``tp``, megatron-core's default);
+- tensor parallel: ``linear_qkv`` rows (whole query groups) and the vocab rows ``Shard``, ``linear_proj`` and
+  ``linear_fc2`` columns ``Shard``, a SwiGLU ``linear_fc1`` ``[gate; up]`` as each rank's ``[gate_r; up_r]``
+  (``_StridedShard`` with split factor 2), norms, router and shared-expert gate replicated.
+
+Chunks are cut as megatron-core saves them: one per layer (and per expert) of a rank's box, the two halves of
+``linear_fc1`` apart; a chunk several ranks hold is written once (:func:`ckpttool.writers.dcp.share_items`).
+Vocab rows past the true vocab are zeros.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.io.dtypes import itemsize
+from ckpttool.plan.compose import compose
+from ckpttool.layout.layout import Box
+from ckpttool.plan.plan import Target
+from ckpttool.errors import ArgumentError, ConfigError, CoverageError
+from ckpttool.families.conventions.megatron_back import EXPERT_TENSORS, from_hf, padded_vocab
+from ckpttool.commands.meshes import REPLICATE, Sharding
+from ckpttool.layout.placements import Placement
+from ckpttool.plan.source import Planned
+from ckpttool.writers import dcp
+
+#: Megatron-Core tensor name (regex, searched) -> its tensor-parallel placement; the first match applies
+TP_RULES: tuple[tuple[str, Placement], ...] = (
+    (r"^(embedding\.word_embeddings|output_layer)\.weight$", Placement("shard", 0)),
+    (r"^decoder\.layers\.mlp\.experts\.experts\.linear_fc1\.weight$", Placement("strided", 2, 2)),
+    (r"^decoder\.layers\.mlp\.experts\.experts\.linear_fc2\.weight$", Placement("shard", 3)),
+    (r"\.linear_qkv\.(weight|bias)$", Placement("shard", 1)),
+    (r"\.linear_fc1\.weight$", Placement("strided", 1, 2)),
+    (r"\.(linear_proj|linear_fc2)\.weight$", Placement("shard", 2)),
+    (r"(layer_norm_weight|layernorm\.weight|router\.weight|gate_weight)$", REPLICATE),
+)
+
+
+#: the linear layers whose ``_extra_state`` megatron-core saves beside their weights
+EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
+               "mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2", "mlp.shared_experts.linear_fc1",
+               "mlp.shared_experts.linear_fc2")
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronMesh:
+    """Megatron's parallel sizes as the user states them, the vocab rule and the iteration written.
+
+    Raises:
+        ArgumentError: a size below 1, or an iteration below 0.
+
+    Example:
+        >>> MegatronMesh(tp=2, pp=2).describe()
+        'tp=2 pp=2 (4 ranks)'
+    """
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    divisible_by: int = 128
+    iteration: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep", "divisible_by", "iteration"):
+            value, least = getattr(self, name), 0 if name == "iteration" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                what = "make_vocab_size_divisible_by" if name == "divisible_by" else name
+                raise ArgumentError(f"{what}={value!r}: a whole number, {least} or more")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.ep
+
+    def describe(self) -> str:
+        dims = [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v > 1]
+        return f"{' '.join(dims) or 'one rank'} ({self.world} rank{'s' if self.world != 1 else ''})"
+
+    def to_json(self) -> dict[str, int]:
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "world": self.world,
+                "make_vocab_size_divisible_by": self.divisible_by, "iteration": self.iteration}
+
+
+def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:
+    """Every rank's chunks of every Megatron-Core global tensor, each a target proven to tile its box (padding
+    rows aside: zeros), laid out in the rank files. Reads no tensor data.
+
+    Raises:
+        ConfigError: a model (``info``, the source's config) with no Megatron-Core form, or sizes the mesh cannot split (listed);
+        CoverageError: a chunk not covered exactly once.
+    """
+    vocab = info.disk_shapes["model.embed_tokens.weight"][0]
+    tensors = from_hf(info, padded_vocab(vocab, mesh.divisible_by, mesh.tp))
+    _check_sizes(info.config, {name: shape for name, shape, _, _ in tensors}, mesh)
+    targets = {t.name: t for t in prepared.plan.targets}
+    shardings = [_place(name, shape, mesh) for name, shape, _, _ in tensors]
+    weight = {name: math.prod(shape) * next((itemsize(targets[s.source].dtype) for s in slices if s.source in targets), 1)
+              for name, shape, slices, _ in tensors}
+    held = [[(s.name, box, weight[s.name]) for s in shardings for box in _chunks(s, rank)] for rank in range(mesh.world)]
+    by_name = {name: (shape, slices, true_rows) for name, shape, slices, true_rows in tensors}
+    per_rank, problems = [], []
+    for written in dcp.share_items(held):
+        items = []
+        for name, box in written:
+            shape, slices, true_rows = by_name[name]
+            target, found = _compose(name, box, slices, targets, true_rows)
+            problems.extend(p for p in found if p not in problems)
+            if target is not None:
+                items.append((name, shape, box, target))
+        per_rank.append(items)
+    if problems:
+        raise CoverageError(problems)
+    return shardings, dcp.lay_out(per_rank, _extra_states({name: shape for name, shape, _, _ in tensors}, mesh))
+
+
+def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh) -> list[list[tuple[str, bytes]]]:
+    """The ``_extra_state`` objects megatron-core saves for its linear layers (``[None]`` in the local spec): one per
+    layer (``shard_{layer}_{L}``), and per expert (``shard_{layer}.{expert}_{L}.{E}``), each written by the TP rank 0
+    of the stage (and expert rank) holding it. Megatron-LM's ``load_checkpoint`` asks for them."""
+    import pickle
+
+    from ckpttool.writers.torch_archive import object_archive
+
+    empty = pickle.dumps([None], protocol=2)
+    per_rank: list[list[tuple[str, bytes]]] = [[] for _ in range(mesh.world)]
+    layers = shapes["decoder.layers.self_attention.linear_qkv.weight"][0]
+    for module in EXTRA_STATE:
+        weight = shapes.get(f"decoder.layers.{module}.weight")
+        if weight is None:
+            continue
+        experts = weight[1] if module.startswith("mlp.experts.") else 0
+        for layer in range(layers):
+            stage = layer // (layers // mesh.pp)
+            for e in range(experts) if experts else (None,):
+                ep_rank = 0 if e is None else e // (experts // mesh.ep)
+                where = f"{layer}_{layers}" if e is None else f"{layer}.{e}_{layers}.{experts}"
+                key = f"decoder.layers.{module}._extra_state/shard_{where}"
+                per_rank[(stage * mesh.ep + ep_rank) * mesh.tp].append((key, object_archive(empty, key)))
+    return per_rank
+
+
+def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh) -> Sharding:
+    tp = next(p for pattern, p in TP_RULES if re.search(pattern, name))  # at tp=1 too: fc1's halves are two chunks
+    pp = Placement("shard", 0) if name.startswith("decoder.layers.") else REPLICATE
+    ep = Placement("shard", 1) if name in EXPERT_TENSORS else REPLICATE
+    return Sharding(name, shape, (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)), (pp, ep, tp))
+
+
+def _chunks(sharding: Sharding, rank: int) -> list[Box]:
+    """A rank's boxes cut as megatron-core saves them: one chunk per layer, and per expert."""
+    per = (2 if sharding.name in EXPERT_TENSORS else 1) if sharding.name.startswith("decoder.layers.") else 0
+    out = []
+    for box in sharding.boxes(rank):
+        for lead in _indices(box, per):
+            offsets = (*lead, *box.offsets[per:])
+            out.append(Box(offsets, (*(1 for _ in lead), *box.sizes[per:])))
+    return out
+
+
+def _indices(box: Box, dims: int) -> list[tuple[int, ...]]:
+    if not dims:
+        return [()]
+    return [(i, *rest) for i in range(box.offsets[0], box.ends[0])
+            for rest in _indices(Box(box.offsets[1:], box.sizes[1:]), dims - 1)]
+
+
+def _compose(name: str, box: Box, slices, targets, true_rows: int | None) -> tuple[Target | None, list[str]]:
+    """:func:`compose`, but rows from ``true_rows`` on (vocab padding) are no copy's: the executor writes zeros."""
+    if true_rows is None or box.ends[0] <= true_rows:
+        return compose(name, box, slices, targets)
+    rows = max(0, true_rows - box.offsets[0])
+    if rows:
+        inner, problems = compose(name, Box(box.offsets, (rows, *box.sizes[1:])), slices, targets)
+        if inner is None:
+            return None, problems
+        return Target(name, box.sizes, inner.dtype, inner.source_dtype, inner.copies, inner.sources), []
+    source = targets.get(slices[0].source) if slices else None
+    if source is None:
+        return None, [f"'{name}': is made of tensors the source does not hold"]
+    return Target(name, box.sizes, source.dtype, source.dtype, (), ()), []
+
+
+def _check_sizes(config, shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh) -> None:
+    """Every size the mesh splits, split evenly, or the list of those that are not."""
+    heads = int(config.get("num_attention_heads") or 0)
+    groups = int(config.get("num_key_value_heads") or heads)
+    layers = int(config.get("num_hidden_layers") or 0)
+    problems = []
+    if heads % mesh.tp or groups % mesh.tp:
+        problems.append(f"tp={mesh.tp} does not divide the {heads} attention heads and {groups} query groups "
+                        "(num_attention_heads, num_key_value_heads): megatron-core gives each rank whole groups")
+    for name, dim, what in (("decoder.layers.mlp.linear_fc1.weight", 1, "intermediate_size"),
+                            ("decoder.layers.mlp.shared_experts.linear_fc1.weight", 1, "shared expert FFN"),
+                            (EXPERT_TENSORS[0], 2, "expert FFN")):
+        if name in shapes and (shapes[name][dim] // 2) % mesh.tp:
+            problems.append(f"tp={mesh.tp} does not divide the {what} {shapes[name][dim] // 2} of '{name}'")
+    if mesh.ep > 1 and EXPERT_TENSORS[0] not in shapes:
+        problems.append(f"ep={mesh.ep}: the model has no experts to place over ep ranks")
+    elif EXPERT_TENSORS[0] in shapes and shapes[EXPERT_TENSORS[0]][1] % mesh.ep:
+        experts = shapes[EXPERT_TENSORS[0]][1]
+        problems.append(f"ep={mesh.ep} does not divide the {experts} experts; choose an ep that divides {experts}")
+    if mesh.pp > layers or layers % mesh.pp:
+        problems.append(f"pp={mesh.pp} does not split the {layers} layers (num_hidden_layers) into equal stages")
+    if problems:
+        raise ConfigError(f"the mesh {mesh.describe()} does not fit the model ({len(problems)} problem"
+                          f"{'s' if len(problems) != 1 else ''}):\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def training_args(info: ModelInfo, mesh: MegatronMesh, shapes: dict[str, tuple[int, ...]]) -> dict[str, object]:
+    """The Megatron-LM training arguments ``common.pt`` records for this model and mesh: those its
+    ``load_checkpoint`` compares and the ones a reader needs to tell padding from vocab."""
+    config = info.config
+    heads = int(config.get("num_attention_heads") or 0)
+    groups = int(config.get("num_key_value_heads") or heads)
+    qkv = shapes["decoder.layers.self_attention.linear_qkv.weight"]
+    experts = shapes.get(EXPERT_TENSORS[0])
+    shared = shapes.get("decoder.layers.mlp.shared_experts.linear_fc1.weight")
+    dense = shapes.get("decoder.layers.mlp.linear_fc1.weight")
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    args: dict[str, object] = {
+        "num_layers": qkv[0], "hidden_size": qkv[2], "num_attention_heads": heads, "group_query_attention": groups != heads,
+        "num_query_groups": groups, "kv_channels": qkv[1] // (heads + 2 * groups),
+        "ffn_hidden_size": (dense[1] // 2 if dense else int(config.get("intermediate_size") or experts[2] // 2)),
+        "max_position_embeddings": config.get("max_position_embeddings"), "position_embedding_type": "rope",
+        "rotary_base": int(theta), "normalization": "RMSNorm", "norm_epsilon": config.get("rms_norm_eps"), "swiglu": True,
+        "add_bias_linear": False, "add_qkv_bias": "decoder.layers.self_attention.linear_qkv.bias" in shapes,
+        "untie_embeddings_and_output_weights": "output_layer.weight" in shapes,
+        "tensor_model_parallel_size": mesh.tp, "pipeline_model_parallel_size": mesh.pp,
+        "expert_model_parallel_size": mesh.ep, "expert_tensor_parallel_size": mesh.tp,
+        "make_vocab_size_divisible_by": mesh.divisible_by,
+        "padded_vocab_size": shapes["embedding.word_embeddings.weight"][0], "transformer_impl": "local",
+        "ckpt_format": "torch_dist", "iteration": mesh.iteration, "num_experts": experts[1] if experts else None,
+    }
+    if experts:
+        args.update(moe_ffn_hidden_size=experts[2] // 2, moe_router_topk=config.get("num_experts_per_tok"),
+                    moe_grouped_gemm=False)
+    if shared:
+        args.update(moe_shared_expert_intermediate_size=shared[1] // 2,
+                    moe_shared_expert_gate="decoder.layers.mlp.shared_experts.gate_weight" in shapes)
+    return args

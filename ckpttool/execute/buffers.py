@@ -1,0 +1,173 @@
+"""Chunks and the per-thread buffers they need: the chunk geometry the executor reads by, and the memory
+prediction (:func:`buffer_sizes`, :func:`predict_peak_bytes`) made from it without reading any tensor.
+
+Most targets of a large checkpoint are alike (an expert's weights: the same shape, dtypes and copy structure in
+another file), so :func:`buffer_sizes` computes each distinct chunk signature once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ckpttool.io.dtypes import itemsize
+from ckpttool.quant.codecs import codec
+from ckpttool.layout.layout import RAW, Box, c_strides
+from ckpttool.plan.plan import Copy, Target
+from ckpttool.execute.reference import CACHE_BYTES
+from ckpttool.layout.regions import map_region
+
+#: what the plan's bookkeeping and the interpreter take besides the buffers (chunk lists, file handles)
+OVERHEAD_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Rows ``start..stop`` of ``target``, written at byte ``offset`` of its output file."""
+
+    target: Target
+    start: int
+    stop: int
+    offset: int
+    nbytes: int
+
+
+def _rows(chunk: Chunk) -> Box:
+    return _row_box(chunk.target.shape, chunk.start, chunk.stop)
+
+
+def _row_box(shape: tuple[int, ...], start: int, stop: int) -> Box:
+    if not shape:
+        return Box((), ())
+    return Box((start, *(0 for _ in shape[1:])), (stop - start, *shape[1:]))
+
+
+def _inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
+    """The copies a chunk reads and the box of their tensor it needs: the target's rows, or for a dequantized
+    target the stored rows and the scale rows."""
+    target, dq, scale = chunk.target, chunk.target.dequant, chunk.target.scale
+    if dq is None:
+        return [(target.copies, _rows(chunk))]
+    compute = codec(dq.method, dq.params)
+    stored = [(target.copies, _row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop)))]
+    if scale is None:
+        return stored
+    lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
+    return [*stored, (scale.copies, _row_box(scale.shape, lo, hi))]
+
+
+def buffer_sizes(chunk_list: Sequence[Chunk], cache: bool = True) -> dict[str, int]:
+    """The largest each per-thread buffer gets over ``chunk_list``: ``read`` (one region of a piece),
+    ``chunk`` (a chunk in the source dtype) and ``cast`` (a chunk in the output dtype); for a dequantized
+    target also ``scale`` (its scale rows) and the decoder's own (:meth:`scratch_bytes`). With ``cache``,
+    chunks of the same signature (:func:`_signature`) are sized once; the result is the same."""
+    sizes = {"read": 0, "chunk": 0, "cast": 0}
+    seen: dict[tuple, dict[str, int]] = {}
+    last: tuple[Target | None, tuple | None] = (None, None)
+    for chunk in chunk_list:
+        if not cache:
+            found = _chunk_sizes(chunk)
+        else:
+            if last[0] is not chunk.target:  # a target's chunks come one after another: one signature each
+                last = (chunk.target, _signature(chunk.target))
+            key = (chunk.start, chunk.stop, chunk.nbytes, last[1])
+            try:
+                if key in seen:  # sized before, and already counted: the maxima cannot change
+                    continue
+                found = seen[key] = _chunk_sizes(chunk)
+            except TypeError:  # a codec parameter that cannot be hashed: this chunk is sized alone
+                found = _chunk_sizes(chunk)
+        for name, n in found.items():
+            if n > sizes.get(name, 0) or name not in sizes:
+                sizes[name] = n
+    return sizes
+
+
+def _signature(target: Target) -> tuple:
+    """What :func:`_chunk_sizes` reads of a target: shapes, dtypes, the codec, and each copy's boxes and piece
+    shape, dtype and encoding (not its file or key)."""
+    dq, scale = target.dequant, target.scale
+    return (target.shape, target.dtype, target.source_dtype, tuple(map(_copy_signature, target.copies)),
+            None if dq is None else (dq.method, dq.params, dq.stored),
+            None if scale is None else _signature(scale))
+
+
+def _copy_signature(c: Copy) -> tuple:
+    """A copy's boxes (as tuples: hashed at C speed) and its piece's shape, dtype and encoding."""
+    return (c.src.offsets, c.src.sizes, c.dst.offsets, c.dst.sizes, c.piece.box.sizes, c.piece.dtype, c.piece.encoding)
+
+
+def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
+    """What one chunk needs of each buffer (see :func:`buffer_sizes`)."""
+    target = chunk.target
+    sizes: dict[str, int] = {}
+    if target.dtype != target.source_dtype:
+        sizes["cast"] = chunk.nbytes
+    inputs = _inputs(chunk)
+    for (copies, rows), buffer in zip(inputs, ("chunk", "scale")):
+        dtype = target.source_dtype if buffer == "chunk" else target.scale.source_dtype  # type: ignore[union-attr]
+        sizes[buffer] = max(sizes.get(buffer, 0), rows.numel * itemsize(dtype))
+        for copy in copies:
+            part = copy.dst.intersect(rows)
+            if part is None or copy.piece.encoding != RAW:
+                continue
+            box = map_region(copy.src, copy.dst, part)
+            assert box is not None
+            strides = c_strides(copy.piece.box.sizes)
+            span = sum((s - 1) * st for s, st in zip(box.sizes, strides)) + 1
+            sizes["read"] = max(sizes.get("read", 0), span * itemsize(copy.piece.dtype))
+    if target.dequant is not None:
+        extra = codec(target.dequant.method, target.dequant.params).scratch_bytes(
+            inputs[0][1].sizes, inputs[1][1].sizes if len(inputs) > 1 else None, target.dtype)  # type: ignore[arg-type]
+        for name, n in extra.items():
+            sizes[name] = max(sizes.get(name, 0), n)
+    return sizes
+
+
+def _targets(chunk_list: Sequence[Chunk]) -> list[Target]:
+    """The targets of ``chunk_list``, each once (a target's chunks come one after another)."""
+    found: list[Target] = []
+    for chunk in chunk_list:
+        if not found or found[-1] is not chunk.target:
+            found.append(chunk.target)
+    return found
+
+
+def _read_copies(target: Target) -> tuple[tuple[Copy, ...], ...]:
+    """The copies the chunks of ``target`` read, whatever their rows (see :func:`_inputs`)."""
+    if target.dequant is None or target.scale is None:
+        return (target.copies,)
+    return (target.copies, target.scale.copies)
+
+
+def distinct_targets(targets: Iterable[Target]) -> list[Target]:
+    """``targets`` less those that change no prediction: of the targets that are one whole raw piece copied whole
+    (most of a checkpoint's), one per shape and dtypes; every other target. Their chunks give
+    :func:`predict_peak_bytes` the same figure as all the targets' chunks: a chunk's sizes depend only on its rows
+    and its target's signature (:func:`_signature`), and the chunks of such a target on its shape and dtypes."""
+    seen: set[tuple] = set()
+    found: list[Target] = []
+    for target in targets:
+        copies = target.copies
+        if len(copies) == 1 and target.dequant is None and target.scale is None:
+            copy = copies[0]
+            box, piece = copy.src, copy.piece
+            if box is copy.dst and box is piece.box and piece.encoding == RAW:  # the boxes of a whole copy are one
+                key = (target.shape, target.dtype, target.source_dtype, box.offsets, box.sizes, piece.dtype)
+                if key in seen:
+                    continue
+                seen.add(key)
+        found.append(target)
+    return found
+
+
+def predict_peak_bytes(chunk_list: Sequence[Chunk], workers: int = 1) -> int:
+    """Upper bound of the memory the streaming executor holds: per thread, its buffers at their largest
+    (allocated once, at that size); plus whole ``torch.save`` pieces kept for later chunks (at most the
+    loader's cache and one piece per thread)."""
+    archives = {c.piece: math.prod(c.piece.box.sizes) * itemsize(c.piece.dtype)
+                for target in _targets(chunk_list) for copies in _read_copies(target) for c in copies
+                if c.piece.encoding != RAW}
+    kept = min(sum(archives.values()), CACHE_BYTES) + workers * max(archives.values(), default=0)
+    return workers * sum(buffer_sizes(chunk_list).values()) + kept + OVERHEAD_BYTES

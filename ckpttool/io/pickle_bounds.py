@@ -1,0 +1,236 @@
+"""Bounds on the work a checkpoint's pickle can make ckpttool do, and enum members named by ``getattr``.
+
+A pickle is a small program. With memo references a few hundred bytes describe an object graph that, walked as a
+tree, has 2**60 nodes (sixty levels, each referring twice to the one below), or one long list that a million calls
+are each handed in full. Three bounds keep every pickle-reading path linear in the size of the file:
+
+- **While unpickling**, every stand-in a pickle calls is charged for what it is handed: one unit per call, per
+  argument, and per element (item, character) of each argument. A pickle may spend :data:`BASE_WORK` units plus
+  :data:`WORK_PER_BYTE` per byte of itself; a real pickle hands each object to one call, so it spends about its size.
+- **After unpickling**, the object graph is walked once, each object once: it is refused when it contains itself,
+  nests deeper than :data:`MAX_DEPTH` levels, or when a walk that does not notice sharing (as readers' walks and
+  ``repr`` do) would visit more than :data:`BASE_VISITS` plus :data:`VISITS_PER_OBJECT` per container and reference
+  the graph holds (a tree without sharing is exactly that size).
+- Stand-ins that read numbers or names take ints and strings only (:func:`ints`, :func:`text`): ``str()`` of a
+  shared graph would be the tree walk again.
+
+Python 3.11.0 to 3.11.4 (Debian 12's 3.11.2) pickle an enum member as ``getattr(<class>, "<NAME>")``; later ones as
+``<class>(<value>)``. :func:`enum_member` allows exactly the first form for an :class:`EnumStandIn` and a name
+it lists; ``getattr`` on anything else is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+from ckpttool.errors import PickleBombError, UnsafePickleError
+
+#: work units any pickle may spend while it is unpickled, and how many more per byte of pickle
+BASE_WORK, WORK_PER_BYTE = 1_000_000, 8
+#: visits a tree walk of the unpickled graph may make, and how many more per container and reference it holds
+BASE_VISITS, VISITS_PER_OBJECT = 1_000_000, 8
+#: containers nested deeper than this are refused (real checkpoints nest about 10 levels)
+MAX_DEPTH = 100
+
+
+class Budget:
+    """The work units one pickle (``label``, ``nbytes`` long) may still spend while it is unpickled."""
+
+    def __init__(self, label: str, nbytes: int) -> None:
+        self.label = label
+        self.limit = BASE_WORK + WORK_PER_BYTE * nbytes
+        self.left = self.limit
+
+    def charge(self, *handed: Any) -> None:
+        cost = 1 + len(handed)
+        for x in handed:
+            if isinstance(x, _SIZED):
+                cost += len(x)
+        self.left -= cost
+        if self.left < 0:
+            raise PickleBombError(
+                f"'{self.label}': refused to unpickle: it makes ckpttool do more than {self.limit} steps of work "
+                "(objects handed over and over to the classes it names: a crafted file?); nothing was executed"
+            )
+
+
+_CURRENT: ContextVar[Budget | None] = ContextVar("ckpttool_pickle_budget", default=None)
+
+
+@contextmanager
+def budget(label: str, nbytes: int) -> Iterator[Budget]:
+    """The budget of the pickle being unpickled in this block; :func:`charge` spends from it."""
+    current = Budget(label, nbytes)
+    token = _CURRENT.set(current)
+    try:
+        yield current
+    finally:
+        _CURRENT.reset(token)
+
+
+def charge(*handed: Any) -> None:
+    """Charge what a stand-in was handed to the pickle being unpickled (nothing outside :func:`budget`)."""
+    current = _CURRENT.get()
+    if current is not None:
+        current.charge(*handed)
+
+
+def charged(found: Any) -> Any:
+    """What ``find_class`` returns, with its calls charged to the pickle being unpickled: functions and container
+    types are wrapped; other classes (built with ``NEWOBJ``, which needs the class itself) charge in their own
+    ``__new__``/``__setstate__``. Outside :func:`budget`, ``found`` itself."""
+    if isinstance(found, type) and not issubclass(found, (dict, list, tuple, set, frozenset)):
+        return found
+    if isinstance(found, EnumStandIn):
+        return found
+    current = _CURRENT.get()
+    if current is None:
+        return found
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        current.charge(*args, *kwargs.values())
+        return found(*args, **kwargs)
+
+    return call
+
+
+_SIZED = (str, bytes, bytearray, tuple, list, dict, set, frozenset)
+
+
+def ints(values: Any) -> tuple[int, ...]:
+    """``values`` (a shape, a stride) as a tuple of ints; anything else is not what a checkpoint pickles."""
+    if not isinstance(values, (tuple, list)) or not all(type(v) is int for v in values):
+        raise pickle.UnpicklingError("a size that is not a sequence of integers")
+    return tuple(values)
+
+
+def text(value: Any) -> str:
+    """``value`` when it is a string (a layout or device name, a path part)."""
+    if not isinstance(value, str):
+        raise pickle.UnpicklingError(f"a name that is a {type(value).__name__}, not a string")
+    return value
+
+
+# ------------------------------------------------------------------------------------------ the graph, once
+
+
+def bound_graph(obj: Any, label: str) -> None:
+    """Refuse an unpickled object graph that walking it as a tree would make costly.
+
+    Each container is visited once; the size of the tree walk (shared objects counted every time they are reached)
+    is computed from the sizes of their parts. Without sharing, it is the number of containers and references.
+
+    Raises:
+        PickleBombError: ``obj`` contains itself, nests more than :data:`MAX_DEPTH` levels, or its tree walk would
+            visit more than :data:`BASE_VISITS` + :data:`VISITS_PER_OBJECT` x (its containers + their references).
+    """
+    sizes: dict[int, int] = {}  # id -> tree size, for containers done
+    open_ids: set[int] = set()
+    stack: list[tuple[Any, Iterator[Any], list[int]]] = []
+    cap = 1 << 62
+
+    def enter(node: Any) -> int | None:
+        """The tree size of ``node`` when it is known now (a leaf, or done), else None (pushed)."""
+        parts = _parts(node)
+        if parts is None:
+            return 1
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_ids:
+            raise PickleBombError(f"'{label}': refused: its pickled objects contain themselves (a reference cycle)")
+        if len(stack) >= MAX_DEPTH:
+            raise PickleBombError(
+                f"'{label}': refused: its pickled objects are nested more than {MAX_DEPTH} levels deep")
+        open_ids.add(key)
+        stack.append((node, parts, [1]))
+        return None
+
+    total = enter(obj)
+    references = 0
+    while stack:
+        node, parts, acc = stack[-1]
+        child = next(parts, _DONE)
+        if child is not _DONE:
+            references += 1
+            size = enter(child)
+            if size is not None:
+                acc[0] = min(cap, acc[0] + size)
+            continue
+        stack.pop()
+        open_ids.discard(id(node))
+        sizes[id(node)] = acc[0]
+        if stack:
+            stack[-1][2][0] = min(cap, stack[-1][2][0] + acc[0])
+        else:
+            total = acc[0]
+    limit = BASE_VISITS + VISITS_PER_OBJECT * (len(sizes) + references)
+    if total is not None and total > limit:
+        raise PickleBombError(
+            f"'{label}': refused: its pickled objects refer to shared parts so often that reading them would visit "
+            f"{'more than 4e18' if total >= cap else total} objects ({len(sizes)} containers holding {references} "
+            f"references; the limit is {limit}): a crafted file?"
+        )
+
+
+_DONE = object()
+
+
+def _parts(node: Any) -> Iterator[Any] | None:
+    """What a walk of ``node`` visits, or None for a leaf."""
+    if isinstance(node, dict):
+        return itertools.chain.from_iterable(node.items())
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return iter(node)
+    if isinstance(node, type):
+        return None
+    attributes = getattr(node, "__dict__", None)
+    return iter(attributes.values()) if isinstance(attributes, dict) else None
+
+
+# ------------------------------------------------------------------------------------- enums by getattr
+
+
+class EnumStandIn:
+    """An enum class as data: ``Cls(value)`` and ``getattr(Cls, "NAME")`` give ``make(value)``, nothing imported.
+
+    Args:
+        name: the class's ``module.qualname``, for messages.
+        members: every member's name and value, as the class defines them.
+        make: what a member becomes (default: its value).
+    """
+
+    def __init__(self, name: str, members: Mapping[str, Any], make: Callable[[Any], Any] | None = None) -> None:
+        self.name = name
+        self.members = dict(members)
+        self.make = make or (lambda value: value)
+
+    def __call__(self, value: Any = None, *rest: Any) -> Any:
+        charge(value, *rest)
+        return self.make(value)
+
+    def __repr__(self) -> str:
+        return f"EnumStandIn({self.name})"
+
+
+def enum_member(label: str, names: Mapping[int, str]) -> Callable[..., Any]:
+    """The stand-in for ``builtins.getattr``: ``getattr(<an EnumStandIn>, "<one of its members>")`` and nothing
+    else. ``names`` maps ``id()`` of what ``find_class`` returned to the ``module.name`` the pickle asked for."""
+
+    def getattr_(owner: Any, name: Any, *default: Any) -> Any:
+        charge(name)
+        if isinstance(owner, EnumStandIn) and isinstance(name, str) and name in owner.members and not default:
+            return owner.make(owner.members[name])
+        what = names.get(id(owner), type(owner).__name__)
+        shown = repr(name[:60]) if isinstance(name, str) else f"a {type(name).__name__}"
+        raise UnsafePickleError(
+            f"'{label}': refused to unpickle: it asks for getattr({what}, {shown}), which is not a member of an enum "
+            "ckpttool knows (nothing was executed)"
+        )
+
+    return getattr_

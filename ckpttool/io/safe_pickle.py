@@ -1,0 +1,144 @@
+"""Unpickling of checkpoint metadata with an explicit allow-list: nothing in a checkpoint can run code.
+
+PyTorch DCP writes its ``.metadata`` file with plain ``pickle``. Loading it with ``pickle.load`` would run
+whatever callable the file names. Here every class the file asks for is looked up in a fixed table of
+stand-ins (plain records, tuples, strings); anything else refuses the file before it is read further.
+Tensor data is never unpickled here: pieces go through ``torch.load(..., weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+from ckpttool.fast.deferred import torch
+from ckpttool.errors import PickleBombError, SourceError, UnsafePickleError
+from ckpttool.io.pickle_bounds import EnumStandIn, bound_graph, budget, charge, charged, enum_member, ints, text
+
+
+class Record:
+    """A stand-in for a metadata dataclass: keeps the attributes the pickle sets, runs nothing."""
+
+    kind = "Record"
+    #: names for a state pickled as a plain tuple (TensorProperties does this)
+    tuple_fields: tuple[str, ...] = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Record:  # noqa: PYI034 (NEWOBJ calls only this)
+        charge(*args, *kwargs.values())
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__.update(kwargs)
+        self._args = args
+
+    def __setstate__(self, state: Any) -> None:
+        charge(state, *(state if isinstance(state, tuple) else ()))
+        if isinstance(state, tuple) and self.tuple_fields:
+            self.__dict__.update(zip(self.tuple_fields, state))
+        elif isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
+            for part in state:
+                if isinstance(part, dict):
+                    self.__dict__.update(part)
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.__dict__.get(name, default)
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.__dict__})"
+
+
+def record_class(name: str, tuple_fields: tuple[str, ...] = ()) -> type[Record]:
+    """A stand-in class named ``name``: a :class:`Record` that keeps what the pickle sets."""
+    return type(name, (Record,), {"kind": name, "tuple_fields": tuple_fields})
+
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED: dict[tuple[str, str], Any] = {
+    **{
+        (_DCP_METADATA, name): record_class(name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+        )
+    },
+    (_DCP_METADATA, "TensorProperties"): record_class(
+        "TensorProperties", ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+    ),
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): EnumStandIn(
+        f"{_DCP_METADATA}._MEM_FORMAT_ENCODING",
+        {"TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2},
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): record_class("_StorageInfo"),
+    # Megatron's save planner keeps every rank's plan in the metadata (Metadata.all_local_plans)
+    **{("torch.distributed.checkpoint.planner", name): record_class(name) for name in ("SavePlan", "WriteItem", "TensorWriteData")},
+    ("torch.distributed.checkpoint.planner", "WriteItemType"): EnumStandIn(
+        "torch.distributed.checkpoint.planner.WriteItemType", {"TENSOR": 1, "SHARD": 2, "BYTE_IO": 3}
+    ),
+    ("torch", "Size"): lambda dims=(): ints(dims),
+    ("torch.serialization", "_get_layout"): text,
+    ("pathlib", "PosixPath"): lambda *parts: "/".join(text(p) for p in parts),
+    ("pathlib", "PurePosixPath"): lambda *parts: "/".join(text(p) for p in parts),
+    ("pathlib", "WindowsPath"): lambda *parts: "\\".join(text(p) for p in parts),
+    ("collections", "OrderedDict"): dict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
+#: torch dtypes pickle as module-level globals (``torch.float32``); they load as their names.
+#: Enum members pickle as ``Cls(value)``, or under Python 3.11.0-3.11.4 as ``getattr(Cls, "NAME")``
+#: (:func:`ckpttool.io.pickle_bounds.enum_member`); both give the member's value.
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, label: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.label = label
+        self.names: dict[int, str] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        # an enum member as Python 3.11.0-3.11.4 pickle it (protocol 2 names the module __builtin__)
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            return enum_member(self.label, self.names)
+        if (module, name) in _ALLOWED:
+            found = charged(_ALLOWED[(module, name)])
+            self.names[id(found)] = f"{module}.{name}"
+            return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return name  # a dtype is data; whether safetensors can hold it is the reader's question
+        raise UnsafePickleError(
+            f"'{self.label}': refused to unpickle: it asks for '{module}.{name}', which is not on ckpttool's "
+            "allow-list of metadata classes (nothing was executed)"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError(f"'{self.label}': refused to unpickle: unexpected persistent id (nothing was executed)")
+
+
+def load_metadata_pickle(data: bytes, label: str) -> Any:
+    """Unpickle DCP metadata bytes with the allow-list; ``label`` names the file in errors.
+
+    The work the pickle causes is bounded (:mod:`ckpttool.io.pickle_bounds`).
+
+    Raises:
+        UnsafePickleError: the pickle names a class outside the allow-list.
+        PickleBombError: reading it would take work without bound (shared objects, cycles, deep nesting).
+        SourceError: the bytes are not a valid pickle (truncated, garbage).
+    """
+    try:
+        with budget(label, len(data)):
+            found = _AllowListUnpickler(data, label).load()
+        bound_graph(found, label)
+        return found
+    except (UnsafePickleError, PickleBombError):
+        raise
+    except SourceError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+            RecursionError, OverflowError, UnicodeDecodeError, MemoryError) as e:  # what the pickle VM raises on garbage
+        raise SourceError(f"'{label}': cannot read the metadata pickle ({type(e).__name__}: {e}); is it truncated?") from None

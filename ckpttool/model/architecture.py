@@ -1,0 +1,356 @@
+"""What a model config says the model looks like, the way transformers itself builds and saves it.
+
+The expected tensors come from transformers, not from tables: the architecture is built from ``config.json``
+on the meta device (no memory), which gives the in-memory names and global shapes; transformers' own
+``revert_weight_conversion`` on those meta tensors gives the on-disk names and shapes ``save_pretrained``
+writes; tied weights are dropped as ``save_pretrained`` drops them. The answer (:class:`ModelInfo`) is plain
+data: readers use it where a format records no global shapes, the families (:mod:`ckpttool.families`) to
+name and cut tensors, the audit to check them.
+
+The answer is cached on disk. A config not in the cache is described by transformers in a short-lived subprocess
+(:data:`DESCRIBE_ENV` says otherwise), so that importing transformers and building the model (a few hundred MiB
+the allocator keeps) do not stay in the merging process and push its peak memory above the plan's prediction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttool.io import jsonfile
+from ckpttool.layout.layout import Shape
+from ckpttool.errors import ArgumentError, ConfigError, SourceError
+from ckpttool.io.paths import JSON_LIMIT, link_escapes, read_source
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What transformers says a model built from this config looks like.
+
+    Attributes:
+        model_type: ``config.model_type``.
+        config: the config as a plain dict.
+        memory_shapes: in-memory state-dict names -> global shapes (what DCP and FSDP save).
+        disk_shapes: on-disk names -> shapes (what ``save_pretrained`` writes), tied weights removed.
+        tied: tied target name -> the name it shares storage with (e.g. ``lm_head.weight``).
+        family: the family whose adapter cuts this model's tensors (:mod:`ckpttool.families`): the model type, or
+            the one transformers itself treats it as (``qwen3_moe`` is cut as ``qwen2_moe``).
+        mtp_shapes: the multi-token-prediction layers the config declares, as transformers' ``MtpModel`` builds
+            them (``layers.0.eh_proj.weight``, ``layers.0.post_norm.weight``, ``embed_tokens.weight``,
+            ``shared_head.weight``), each decoder block under its on-disk names (``layers.0.mtp_block.mlp.experts.0
+            .gate_proj.weight``); empty when the config declares none. Where a release stores them is
+            :mod:`ckpttool.families.mtp`'s to say.
+    """
+
+    model_type: str
+    config: Mapping[str, object]
+    memory_shapes: Mapping[str, Shape]
+    disk_shapes: Mapping[str, Shape]
+    tied: Mapping[str, str] = field(default_factory=dict)
+    family: str | None = None
+    mtp_shapes: Mapping[str, Shape] = field(default_factory=dict)
+
+
+def find_config(source: Path, explicit: str | Path | None) -> Path | None:
+    """The ``config.json`` to use: ``explicit`` (a file or an HF directory), else in the source, in its
+    ``huggingface/`` directory (where verl writes it), or next to the source.
+
+    A ``config.json`` found in a directory must not be a symlink out of it (:func:`paths.link_escapes`).
+
+    Raises:
+        ConfigError: ``explicit`` names no config, or a ``config.json`` found is a symlink out of its directory.
+    """
+    if explicit is not None:
+        path = Path(explicit)
+        if path.is_dir():
+            path = _refuse_link_out(path / "config.json", path)
+        if not path.is_file():
+            raise ConfigError(f"config '{explicit}' not found (give a config.json file or a directory holding one)")
+        return path
+    for candidate, folder in ((source / "config.json", source), (source / "huggingface" / "config.json", source),
+                              (source.parent / "config.json", source.parent)):
+        if candidate.is_file():
+            return _refuse_link_out(candidate, folder)
+    return None
+
+
+def _refuse_link_out(path: Path, folder: Path) -> Path:
+    target = link_escapes(path, folder)
+    if target is not None:
+        raise ConfigError(f"'{path}' is a symlink to '{target}', outside '{folder}'; ckpttool follows no link out of "
+                          "the checkpoint. Copy the config in its place, or name that file itself as the config")
+    return path
+
+
+def read_config(path: Path) -> dict[str, object]:
+    try:
+        config = jsonfile.loads(read_source(path, limit=JSON_LIMIT))
+    except SourceError as e:  # not a regular file, unreadable: the message names the file
+        raise ConfigError(str(e)) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"'{path}': cannot read the config: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"'{path}': the config is not a JSON object")
+    return config
+
+
+def model_info(config: Mapping[str, object], *, label: str = "config.json") -> ModelInfo | None:
+    """Build the architecture on the meta device and read its expected tensors; None if transformers lacks it.
+
+    The answer depends only on the config and the transformers version, and importing transformers takes
+    seconds, so it is kept in a cache (``CKPTTOOL_CACHE``, default ``~/.cache/ckpttool``) keyed by both. A config
+    not in the cache is described in a subprocess (see :data:`DESCRIBE_ENV`); the time it took is logged.
+
+    Raises:
+        ConfigError: transformers knows the model type but cannot build it from this config, or the subprocess
+            that describes it failed (the message names the config and the reason).
+    """
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"'{label}': no model_type; is it a transformers config?")
+    cache = _cache_path(config)
+    cached = _read_cache(cache, config) if cache is not None else None
+    if cached is not None:
+        return cached[0]
+    info = _build(model_type, config, label)
+    if cache is not None:
+        _write_cache(cache, info)
+    return info
+
+
+#: where a config not in the cache is described: ``subprocess``, ``inline`` (this process), or unset: in a subprocess
+#: unless transformers is already imported here (its memory is spent; a subprocess would only add seconds)
+DESCRIBE_ENV = "CKPTTOOL_DESCRIBE"
+
+
+def _build(model_type: str, config: Mapping[str, object], label: str) -> ModelInfo | None:
+    """The description of a config not in the cache, where :data:`DESCRIBE_ENV` says; its time is logged.
+
+    Raises:
+        ConfigError: transformers cannot build the model, or the subprocess failed (the message says why).
+        ArgumentError: :data:`DESCRIBE_ENV` has another value.
+    """
+    mode = os.environ.get(DESCRIBE_ENV) or ("inline" if "transformers" in sys.modules else "subprocess")
+    if mode not in ("subprocess", "inline"):
+        raise ArgumentError(f"{DESCRIBE_ENV}={mode!r}: expected 'subprocess' or 'inline' (describe the architecture "
+                            "in this process)")
+    started, where = time.perf_counter(), "in this process"
+    if mode == "subprocess":
+        try:
+            info, peak = _describe_in_subprocess(model_type, config, label)
+            where = f"in a subprocess (peak RSS {peak / 2**20:.0f} MiB)"
+        except _CannotSpawn as e:
+            log.info("cannot start a subprocess to describe the architecture (%s): describing it in this process", e)
+            mode = "inline"
+    if mode == "inline":
+        info = _describe(model_type, config, label)
+    log.info("described the %s architecture of '%s' with transformers in %.1f s, %s; cached for the next run",
+             model_type, label, time.perf_counter() - started, where)
+    return info
+
+
+class _CannotSpawn(Exception):
+    """No subprocess can describe the config (no interpreter, no fork, a config that is not JSON)."""
+
+
+def _describe_in_subprocess(model_type: str, config: Mapping[str, object], label: str) -> tuple[ModelInfo | None, int]:
+    """:func:`_describe` in a fresh interpreter (:func:`_describe_main`): the description and the child's peak RSS;
+    :class:`_CannotSpawn` or :class:`ConfigError` as :func:`_build` says."""
+    try:
+        request = json.dumps({"config": config, "label": label})
+    except (TypeError, ValueError) as e:  # a config handed over by a library caller, with non-JSON values
+        raise _CannotSpawn(f"the config is not JSON: {e}") from None
+    if not sys.executable:
+        raise _CannotSpawn("no Python interpreter path (sys.executable is empty)")
+    package = str(Path(__file__).resolve().parent.parent)  # the same ckpttool, wherever it was imported from
+    code = f"import sys; sys.path.insert(0, {package!r}); from ckpttool.model.architecture import _describe_main; _describe_main()"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], input=request, capture_output=True, text=True)
+    except OSError as e:
+        raise _CannotSpawn(str(e)) from None
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    signals = {s.value: s.name for s in signal.Signals}
+    reason = (f"killed by {signals.get(-done.returncode, f'signal {-done.returncode}')}" if done.returncode < 0
+              else lines[-1] if lines else f"exit status {done.returncode}")
+    if done.returncode == 0:
+        try:
+            answer = json.loads(done.stdout)
+            error = answer.get("error")
+            info = None if answer.get("none") or error is not None else _from_doc(answer, config)
+            peak = int(answer.get("peak", 0))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            reason = f"its answer is not a description: {e}"
+        else:
+            if error is not None:  # transformers' own refusal, worded as in this process
+                raise ConfigError(str(error))
+            return info, peak
+    raise ConfigError(f"'{label}': describing the {model_type} architecture with transformers in a subprocess "
+                      f"failed ({reason}). Set {DESCRIBE_ENV}=inline to describe it in this process")
+
+
+def _describe_main() -> None:
+    """The subprocess of :func:`_describe_in_subprocess`: ``{"config", "label"}`` on stdin, one JSON document on
+    stdout: the cache entry of the description, or ``{"error": message}``; with the process's peak RSS."""
+    import resource
+
+    request = json.loads(sys.stdin.read())
+    config, label = request["config"], request["label"]
+    with contextlib.redirect_stdout(sys.stderr):  # whatever transformers prints must not mix with the answer
+        try:
+            answer = _to_doc(_describe(config["model_type"], config, label))
+        except ConfigError as e:
+            answer = {"error": str(e)}
+    answer["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    sys.stdout.write(json.dumps(answer))
+
+
+def _describe(model_type: str, config: Mapping[str, object], label: str) -> ModelInfo | None:
+    """Build the architecture on the meta device in this process and read its expected tensors."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        log.info("transformers %s does not know model_type %r", transformers.__version__, model_type)
+        return None
+    try:
+        cfg = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
+    except Exception as e:  # transformers validates configs with several exception types
+        raise ConfigError(f"'{label}': transformers rejects this {model_type} config: {e}") from None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except ValueError:
+        return None  # a model type transformers knows, but with no causal-LM head: stay generic
+    except Exception as e:
+        raise ConfigError(f"'{label}': transformers cannot build a {model_type} model from it: {e}") from None
+    state = model.state_dict()
+    memory = {k: tuple(v.shape) for k, v in state.items()}
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        disk_state = revert_weight_conversion(model, dict(state))
+    except ImportError:  # transformers < 5: memory names are the disk names
+        disk_state = state
+    disk = {k: tuple(v.shape) for k, v in disk_state.items() if k not in tied}
+    return ModelInfo(model_type, dict(config), memory, disk, tied, _family(model_type), _mtp_shapes(model, cfg))
+
+
+def _mtp_shapes(model: Any, cfg: Any) -> dict[str, Shape]:
+    """The MTP layers transformers (5.23+) builds for a config that declares them (``num_mtp_layers``, alias
+    ``num_nextn_predict_layers``), on the meta device; each decoder block's tensors reverted to on-disk names the
+    way the main model's layers are (stacked experts saved per expert). Empty when there are none to build."""
+    layers = getattr(cfg, "num_mtp_layers", None)
+    if not isinstance(layers, int) or layers <= 0:
+        return {}
+    try:
+        import torch
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_layers import MtpModel
+
+        with torch.device("meta"):
+            state = MtpModel(model, layers).state_dict()
+        blocks = {}
+        for name, tensor in state.items():
+            head, sep, rest = name.partition(".mtp_block.")
+            if sep:  # through the main model's conversions, as if it were one of its layers
+                blocks[f"{head}.{rest}"] = tensor
+        reverted = revert_weight_conversion(model, {f"model.{k}": v for k, v in blocks.items()})
+    except Exception as e:  # an older transformers, or a model its MTP class cannot build: no MTP expectations
+        log.info("transformers builds no MTP layers for %s: %s", type(model).__name__, e)
+        return {}
+    shapes = {k: tuple(v.shape) for k, v in state.items() if ".mtp_block." not in k}
+    for name, tensor in reverted.items():
+        index, _, rest = name.removeprefix("model.layers.").partition(".")
+        shapes[f"layers.{index}.mtp_block.{rest}"] = tuple(tensor.shape)
+    return shapes
+
+
+#: bumped whenever :class:`ModelInfo` gains a field, so that no older entry (which lacks it) is read
+_CACHE_FORMAT = 2
+
+
+def _cache_path(config: Mapping[str, object]) -> Path | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        key = json.dumps({"transformers": version("transformers"), "config": config, "format": _CACHE_FORMAT},
+                         sort_keys=True, default=str)
+    except (PackageNotFoundError, TypeError, ValueError):
+        return None
+    root = Path(os.environ.get("CKPTTOOL_CACHE") or Path.home() / ".cache" / "ckpttool")
+    return root / "models" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def _read_cache(path: Path, config: Mapping[str, object]) -> tuple[ModelInfo | None] | None:
+    """``(info,)`` from the cache (``info`` may be None: no causal LM), or None when there is no usable entry."""
+    try:
+        doc = jsonfile.loads(path.read_text())
+        if doc is None or doc.get("none"):
+            return (None,) if doc is not None else None
+        return (_from_doc(doc, config),)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _from_doc(doc: Mapping[str, Any], config: Mapping[str, object]) -> ModelInfo:
+    """The description a cache entry (:func:`_to_doc`) holds, for ``config``; KeyError, TypeError, ValueError or
+    AttributeError when it holds none."""
+    shapes = lambda m: {k: tuple(int(n) for n in v) for k, v in m.items()}  # noqa: E731
+    return ModelInfo(doc["model_type"], dict(config), shapes(doc["memory"]), shapes(doc["disk"]), dict(doc["tied"]),
+                     doc.get("family"), shapes(doc["mtp"]))
+
+
+def _to_doc(info: ModelInfo | None) -> dict[str, Any]:
+    """A description as a JSON document (a cache entry, and the subprocess's answer); ``{"none": true}`` for None."""
+    return {"none": True} if info is None else {
+        "model_type": info.model_type, "memory": info.memory_shapes, "disk": info.disk_shapes, "tied": info.tied,
+        "family": info.family, "mtp": info.mtp_shapes,
+    }
+
+
+def _write_cache(path: Path, info: ModelInfo | None) -> None:
+    doc = _to_doc(info)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(doc))
+        os.replace(temporary, path)
+    except OSError as e:  # a read-only home: no cache, same answers
+        log.info("cannot cache the model description in %s: %s", path.parent, e)
+
+
+def _family(model_type: str) -> str:
+    """The family that cuts this model type: transformers' own alias for its weight conversion (``qwen3_moe``
+    is converted as ``qwen2_moe``), else the model type itself."""
+    try:
+        from transformers.conversion_mapping import (
+            _MODEL_TO_CONVERSION_PATTERN as aliases,
+        )
+    except ImportError:
+        return model_type
+    alias = aliases.get(model_type)
+    return alias if isinstance(alias, str) else model_type
+
+
+def config_value(config: Mapping[str, object], *names: str) -> Any:
+    """The first of ``names`` the config sets (not None), or None: configs name one thing several ways."""
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    return None

@@ -1,0 +1,284 @@
+"""Plans: every target tensor as a list of box copies from source pieces, checked before any byte is read.
+
+A family adapter (see :mod:`ckpttool.families`) says what each target is made of, as :class:`Slice` s of source
+tensors in global coordinates. :func:`plan_merge` intersects those slices with the pieces of the layout, which
+gives :class:`Copy` s from a piece's local box to a box of the target, and then proves that the copies tile
+every target exactly once. Name mapping, padding strip, TP concatenation along any dim, uneven splits, stacked
+experts to per-expert tensors and fused gate/up splits are all just slices.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from ckpttool.io.dtypes import FLOAT_DTYPES, ITEMSIZES
+from ckpttool.errors import ArgumentError, CoverageError
+from ckpttool.fast.frozen import quick_init
+from ckpttool.layout.layout import Box, Layout, Piece, Shape, TensorLayout
+from ckpttool.layout.regions import uncovered
+from ckpttool.plan.tiling import Copy, Slice, check_tiling
+
+__all__ = [  # Copy, Slice, check_tiling and uncovered live in .tiling and .regions; offered here from the start
+    "Copy", "Dequantize", "Plan", "Slice", "Target", "TargetSpec", "check_tiling", "identity_specs", "plan_covered",
+    "plan_merge", "target_sizes", "tensor_specs", "uncovered",
+]
+
+
+@quick_init  # built 90k times in a plan: see ckpttool.fast.frozen
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    """What a model mapping says one output tensor is made of."""
+
+    name: str
+    shape: Shape
+    slices: tuple[Slice, ...]
+    dequant: Dequantize | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Dequantize:
+    """A target computed, not copied: its slices tile ``stored`` source elements, ``scale`` (if any) its scales',
+    and codec ``method`` (:mod:`ckpttool.quant.codecs`, with ``params``) computes its rows: a decoder (to the
+    merge's dtype) or an FP8 encoder (to its own ``dtype``)."""
+
+    method: str
+    params: tuple[tuple[str, object], ...]
+    stored: Shape
+    scale: TargetSpec | None
+    dtype: str | None = None
+
+
+@quick_init  # built 90k times in a plan: see ckpttool.fast.frozen
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One output tensor: its name, shape, output dtype, and the copies that fill it exactly once."""
+
+    name: str
+    shape: Shape
+    dtype: str
+    source_dtype: str
+    copies: tuple[Copy, ...]
+    sources: tuple[str, ...]
+    #: a dequantized target: its copies fill ``dequant.stored`` in ``source_dtype``, ``scale``'s fill the scales
+    dequant: Dequantize | None = None
+    scale: Target | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Every target tensor of the output, in output order, each proven to be tiled exactly once."""
+
+    root: str
+    format: str
+    targets: tuple[Target, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(target_sizes(self.targets))
+
+    def largest_target_bytes(self) -> int:
+        return max(target_sizes(self.targets), default=0)
+
+
+def target_sizes(targets: Sequence[Target]) -> Iterator[int]:
+    """Each target's :attr:`Target.nbytes`, computed at C speed (a plan sums 90k of them more than once)."""
+    return map(operator.mul, map(math.prod, map(_SHAPE, targets)), map(ITEMSIZES.__getitem__, map(_DTYPE, targets)))
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
+def plan_merge(
+    layout: Layout,
+    specs: Sequence[TargetSpec] | None = None,
+    *,
+    dtype: str | None = None,
+    notes: Iterable[str] = (),
+) -> Plan:
+    """Turn a layout and a target mapping into a coverage-checked plan. Reads no tensor data.
+
+    Args:
+        layout: the source, from :func:`ckpttool.read_layout`.
+        specs: what each target is made of; by default every source tensor becomes one target of the same
+            name with recorded padding stripped (see :func:`identity_specs`).
+        dtype: output dtype (safetensors name) for floating-point tensors; None keeps the source's.
+        notes: extra notes to carry into the plan.
+
+    Returns:
+        A :class:`Plan` whose every target is tiled exactly once.
+
+    Raises:
+        CoverageError: some target has a gap, an overlap or a copy out of bounds; every problem is listed,
+            with the region, the files holding its neighbours, and the likely cause.
+        ArgumentError: ``dtype`` is not a floating-point dtype (a cast to an integer type would zero weights).
+
+    Example:
+        >>> plan = plan_merge(read_layout("ckpt/"))  # doctest: +SKIP
+        >>> plan.nbytes  # doctest: +SKIP
+    """
+    plan, uncovered_targets = plan_covered(layout, specs, dtype=dtype, notes=notes)
+    if uncovered_targets:
+        raise CoverageError([problem for _, problems in uncovered_targets for problem in problems])
+    return plan
+
+
+def plan_covered(
+    layout: Layout,
+    specs: Sequence[TargetSpec] | None = None,
+    *,
+    dtype: str | None = None,
+    notes: Iterable[str] = (),
+    keep_dtype: Collection[str] = (),
+) -> tuple[Plan, list[tuple[TargetSpec, list[str]]]]:
+    """:func:`plan_merge` without raising: the plan of the targets tiled exactly once, and each other target
+    with its coverage problems (the audit reports them as findings, one plan for all targets). Targets named in
+    ``keep_dtype`` keep their source's dtype whatever ``dtype`` says (a family's rule, e.g. an FP32 router bias)."""
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ArgumentError(f"dtype={dtype!r}: floating-point tensors are cast only to {', '.join(sorted(FLOAT_DTYPES))}")
+    specs = identity_specs(layout) if specs is None else specs
+    targets: list[Target] = []
+    failed: list[tuple[TargetSpec, list[str]]] = []
+    for spec in specs:
+        cast = None if spec.name in keep_dtype else dtype
+        target = _whole_copy(layout, spec, cast) if len(spec.slices) == 1 and spec.dequant is None else None
+        if target is not None:  # most targets: one piece copied whole (_plan_target would try it first too)
+            targets.append(target)
+            continue
+        target, found = _plan_target(layout, spec, cast)
+        if found:
+            failed.append((spec, found))
+        elif target is not None:
+            targets.append(target)
+    return Plan(layout.root, layout.format, tuple(targets), tuple(layout.notes) + tuple(notes)), failed
+
+
+def identity_specs(layout: Layout) -> list[TargetSpec]:
+    """One target per source tensor, same name, recorded padding stripped, fused tensors split into parts."""
+    specs: list[TargetSpec] = []
+    for tensor in layout.tensors.values():
+        specs.extend(tensor_specs(tensor, tensor.fqn))
+    return specs
+
+
+def tensor_specs(tensor: TensorLayout, name: str) -> list[TargetSpec]:
+    """The targets one source tensor gives by default: itself (padding stripped), or its fused parts."""
+    shape = tensor.true_shape
+    if tensor.fusion is None:
+        pieces = tensor.pieces  # one piece of the whole tensor (most): its box is the slice's, not a copy of it
+        box = pieces[0].box if len(pieces) == 1 else None
+        whole = box if box is not None and box.sizes == shape and not any(box.offsets) else Box.whole(shape)
+        return [TargetSpec(name, shape, (Slice(tensor.fqn, whole, whole),))]
+    specs = []
+    start = 0
+    dim = tensor.fusion.dim
+    for part, size in tensor.fusion.parts:
+        offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
+        sizes = tuple(size if d == dim else n for d, n in enumerate(shape))
+        specs.append(TargetSpec(part, sizes, (Slice(tensor.fqn, Box(offsets, sizes), Box.whole(sizes)),)))
+        start += size
+    return specs
+
+
+def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[Target | None, list[str]]:
+    whole = _whole_copy(layout, spec, dtype) if len(spec.slices) == 1 and spec.dequant is None else None
+    if whole is not None:
+        return whole, []
+    problems: list[str] = []
+    copies: list[Copy] = []
+    source_dtypes = set()
+    for sl in spec.slices:
+        tensor = layout.tensors.get(sl.source)
+        if tensor is None:
+            problems.append(f"'{spec.name}': its source tensor '{sl.source}' is not in the checkpoint")
+            continue
+        source_dtypes.add(tensor.dtype)
+        if not sl.src.inside(tensor.global_shape):
+            problems.append(
+                f"'{spec.name}': needs {sl.src.describe()} of '{sl.source}', outside its global shape "
+                f"{list(tensor.global_shape)}"
+            )
+            continue
+        copies.extend(_slice_copies(sl, _unique_pieces(tensor)))
+    if len(source_dtypes) > 1:
+        problems.append(f"'{spec.name}': its sources have different dtypes {sorted(source_dtypes)}")
+    if not spec.slices:
+        problems.append(f"'{spec.name}': the whole tensor covered by no piece (the mapping names no source for it)")
+    if problems:
+        return None, problems
+    if spec.dequant is not None:
+        return _plan_dequantized(layout, spec, spec.dequant, copies, source_dtypes.pop(), dtype)
+    problems = check_tiling(spec.name, spec.shape, copies, layout, spec.slices)
+    source_dtype = source_dtypes.pop()
+    out_dtype = dtype if (dtype is not None and source_dtype in FLOAT_DTYPES) else source_dtype
+    sources = tuple(dict.fromkeys(sl.source for sl in spec.slices))
+    return Target(spec.name, spec.shape, out_dtype, source_dtype, tuple(copies), sources), problems
+
+
+def _whole_copy(layout: Layout, spec: TargetSpec, dtype: str | None) -> Target | None:
+    """The target :func:`_plan_target` plans when ``spec`` is one slice that is the whole of a one-piece source
+    tensor, copied as it is (most tensors of a checkpoint, and a plan can hold 90k of them), without the tiling
+    machinery; None for any other spec."""
+    sl = spec.slices[0]
+    tensor = layout.tensors.get(sl.source)
+    if tensor is None or len(tensor.pieces) != 1:
+        return None
+    piece = tensor.pieces[0]
+    box, src, dst = piece.box, sl.src, sl.dst
+    shape = box.sizes
+    if box is src and box is dst:  # one box object, as identity_specs and the readers give it: compared once
+        if not (shape == spec.shape == tensor.global_shape and not any(box.offsets) and min(shape, default=1) > 0):
+            return None
+    elif not (shape == src.sizes == dst.sizes == spec.shape == tensor.global_shape
+              and box.offsets == src.offsets == dst.offsets and not any(box.offsets) and min(shape, default=1) > 0):
+        return None
+    out_dtype = dtype if (dtype is not None and tensor.dtype in FLOAT_DTYPES) else tensor.dtype
+    return Target(spec.name, spec.shape, out_dtype, tensor.dtype, (Copy(piece, box, dst),), (sl.source,))
+
+
+def _plan_dequantized(layout: Layout, spec: TargetSpec, dq: Dequantize, copies: list[Copy], stored_dtype: str,
+                      dtype: str | None) -> tuple[Target | None, list[str]]:
+    """A computed target: its copies tile the stored elements, its scale (if it reads one) is a target of its own."""
+    scale, problems = _plan_target(layout, dq.scale, None) if dq.scale is not None else (None, [])
+    problems, dtype = check_tiling(spec.name, dq.stored, copies, layout, spec.slices) + problems, dq.dtype or dtype
+    if dtype is None:
+        problems.append(f"'{spec.name}': a dequantized target needs an output dtype")
+    if problems or dtype is None:
+        return None, problems
+    sources = tuple(dict.fromkeys([*(sl.source for sl in spec.slices), *(scale.sources if scale else ())]))
+    return Target(spec.name, spec.shape, dtype, stored_dtype, tuple(copies), sources, dq, scale), []
+
+
+def _unique_pieces(tensor: TensorLayout) -> list[Piece]:
+    """Pieces with identical boxes are replicas (e.g. a tensor every TP rank saved): keep the first."""
+    seen: dict[Box, Piece] = {}
+    for piece in tensor.pieces:
+        seen.setdefault(piece.box, piece)
+    return list(seen.values())
+
+
+def _slice_copies(sl: Slice, pieces: Iterable[Piece]) -> list[Copy]:
+    dim_map = sl.dim_map()
+    copies = []
+    for piece in pieces:
+        common = sl.src.intersect(piece.box)
+        if common is None:
+            continue
+        offsets = []
+        sizes = []
+        for d, s in enumerate(dim_map):
+            if s is None:
+                offsets.append(sl.dst.offsets[d])
+                sizes.append(1)
+            else:
+                offsets.append(sl.dst.offsets[d] + common.offsets[s] - sl.src.offsets[s])
+                sizes.append(common.sizes[s])
+        copies.append(Copy(piece, common.shift(piece.box.offsets), Box(tuple(offsets), tuple(sizes))))
+    return copies

@@ -1,0 +1,200 @@
+"""The one way from a source to a plan, used by merge, audit, diff and live.
+
+source + config + options -> :class:`Planned`: the layout (what the reader found), the family's mapping of it
+to HuggingFace names (:mod:`ckpttool.families`), and the coverage-checked plan, with everything that does not
+fit kept as data: tensors the adapter cannot place, mismatches against transformers, targets not covered
+exactly once. A merge refuses on any of them (:meth:`Planned.refuse`); the audit turns each into findings.
+Reads no tensor data.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpttool.model.architecture import ModelInfo, find_config, model_info, read_config
+from ckpttool.model.config_sizes import census, check_config_sizes
+from ckpttool.layout.layout import Layout
+from ckpttool.plan.plan import Plan, Target, TargetSpec, identity_specs, plan_covered
+from ckpttool.errors import CoverageError
+from ckpttool.families import (
+    Mismatch,
+    compare_with_model,
+    keeps_dtype,
+    map_to_hf,
+    mtp_absent,
+    mtp_missing_note,
+    refusal,
+)
+from ckpttool.families.quantize import quantized_specs
+from ckpttool.families.quantized import dequantized, with_quantized
+from ckpttool.families.quantized import problems as quantization_problems
+from ckpttool.families.quantized import refusal as quantization_refusal
+from ckpttool.quant.checks import Problem
+from ckpttool.quant.formats import read_quantization
+from ckpttool.readers import read_layout
+from ckpttool.console.startup import planned
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A source under its family's names, planned.
+
+    Attributes:
+        layout: what the reader found.
+        config_path, config, model: the config used (None: a generic plan) and what transformers says of it.
+        plan: every target tiled exactly once (targets that are not are left out and listed in ``uncovered``).
+        tied: targets ``save_pretrained`` drops because they are tied (not in ``plan``).
+        adapter: the family adapter used, in words; ``generic (...)`` when names are kept as recorded.
+        adapter_notes: what the adapter did for the user (a stripped wrapper prefix, vocab padding stripped).
+        unplaced: ``(source tensor, message)`` for tensors the adapter cannot place.
+        mismatches: the plan's names and shapes against the architecture.
+        uncovered: ``(target, problems)`` for targets with a gap, an overlap or a piece out of bounds.
+        quantization: what is wrong with a quantized checkpoint (scales, block size, quantization_config).
+        mtp_missing: the MTP layers the config declares that the source does not hold at all (indices of
+            ``model.layers``): not a refusal, a note on the plan and an ``mtp-missing`` warning in an audit.
+    """
+
+    layout: Layout
+    config_path: Path | None
+    config: dict[str, object] | None
+    model: ModelInfo | None
+    plan: Plan
+    tied: tuple[TargetSpec, ...]
+    adapter: str
+    adapter_notes: tuple[str, ...] = ()
+    unplaced: tuple[tuple[str, str], ...] = ()
+    mismatches: tuple[Mismatch, ...] = ()
+    uncovered: tuple[tuple[TargetSpec, list[str]], ...] = ()
+    mtp_missing: tuple[int, ...] = ()
+    quantization: tuple[Problem, ...] = ()
+    #: the family's targets before they were planned (quantized weights and scales apart), when asked for
+    #: (``keep_specs``: the audit's :func:`dequantized_targets`); None otherwise (a merge frees them)
+    specs: tuple[TargetSpec, ...] | None = None
+
+    @property
+    def generic(self) -> bool:
+        """No architecture was mapped: names are kept as the source recorded them."""
+        return self.model is None
+
+    def refuse(self) -> None:
+        """Raise what a merge refuses: tensors that do not fit the config, then targets not covered exactly once.
+
+        Raises:
+            ConfigError: unplaced tensors or mismatches, all listed, with the likely cause.
+            CoverageError: every coverage problem of every target.
+        """
+        if self.model is not None and (self.unplaced or self.mismatches):
+            raise refusal(self.layout, self.model, [m for _, m in self.unplaced], list(self.mismatches))
+        if self.quantization:
+            raise quantization_refusal(self.layout, self.quantization)
+        if self.uncovered:
+            raise CoverageError([problem for _, problems in self.uncovered for problem in problems])
+
+
+def plan_source(
+    src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
+    weights: str | None = None, quantize: tuple[int, int] | None = None,
+) -> Planned:
+    """Find and read the config, read the source's layout, and plan it (see :func:`plan_layout`).
+
+    Raises:
+        SourceError, ConfigError: the source or the config cannot be read (not what merely does not fit:
+            that is data in the result).
+    """
+    root = Path(src)
+    config_path = find_config(root, config)
+    config_dict = read_config(config_path) if config_path is not None else None
+    model = None
+    if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
+        check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights))
+        model = model_info(config_dict, label=str(config_path))
+    layout = read_layout(root, format=format, model=model, weights=weights)
+    return plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype, quantize=quantize)
+
+
+def plan_layout(
+    layout: Layout, *, config_path: Path | None, config: dict[str, object] | None, model: ModelInfo | None,
+    dtype: str | None = None, notes: Iterable[str] = (), no_config: str = "no config.json found",
+    quantize: tuple[int, int] | None = None, keep_specs: bool = False,
+) -> Planned:
+    """Map ``layout`` to HuggingFace names with its family's adapter (``model`` given) or keep its names
+    (generic), and plan every target; ``dtype`` is a safetensors name to cast floating tensors to (except the
+    tensors the families keep, :func:`~ckpttool.families.keeps_dtype`); ``notes`` follow the plan's own;
+    ``no_config`` says why there is no config, for the generic note. A quantized source is kept quantized, or
+    dequantized to ``dtype`` when one is given (:mod:`ckpttool.families.quantized`); a plain one is quantized to
+    FP8 in ``quantize`` blocks when given (:mod:`ckpttool.families.quantize`). ``keep_specs`` keeps the mapped
+    targets on the result (:attr:`Planned.specs`)."""
+    quant = read_quantization(config, str(config_path or "config.json")) if config is not None else None
+    if model is None:
+        specs = identity_specs(layout)
+        why = no_config if config is None else f"transformers has no causal LM for model_type {config.get('model_type')!r}"
+        adapter = f"generic ({why})"
+        own = [f"generic merge ({why}): tensor names kept as the source recorded them"]
+        adapter_notes: list[str] = []
+        unplaced: list[tuple[str, str]] = []
+        mismatches: list[Mismatch] = []
+        tied: list[TargetSpec] = []
+        mtp_missing: list[int] = []
+    else:
+        mapping = map_to_hf(layout, model)
+        specs, tied, unplaced, adapter = mapping.specs, mapping.tied, mapping.problems, mapping.adapter
+        adapter_notes = list(mapping.notes)
+        own = list(adapter_notes)
+        if tied:
+            dropped = [s.name for s in tied]
+            own.append(f"dropped {', '.join(dropped)}: tied to {', '.join(model.tied[n] for n in dropped)} "
+                         "(as save_pretrained does)")
+        shapes = {s.name: s.shape for s in specs}
+        mismatches = compare_with_model(shapes, with_quantized(model, specs, quant, shapes=shapes))
+        mtp_missing = mtp_absent([s.name for s in specs], model)
+        if mtp_missing:
+            own.append(mtp_missing_note(mtp_missing, model))
+    mapped = tuple(specs) if keep_specs else None
+    quant_problems = quantization_problems(specs, layout, quant, has_config=config is not None, dequantize=dtype is not None)
+    if dtype is not None and quant is not None and not quant_problems:
+        specs = dequantized(specs, layout, quant)
+        own.append(f"dequantized the {quant.describe()} weights to {dtype}; no scale and no quantization_config "
+                   "are written")
+    if quantize is not None:
+        specs = quantized_specs(specs, layout, quantize, source=layout.root, quant=quant, has_model=model is not None)
+        own.append(f"quantized the Linear weights of the decoder layers to FP8 E4M3 in {quantize[0]}x{quantize[1]} "
+                   "blocks with float32 weight_scale_inv; norms, embeddings, lm_head, routers and biases kept")
+    specs = sorted(specs, key=_natural_name)
+    keep = {s.name for s in specs if keeps_dtype(s.name)} if dtype is not None else set()
+    plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes], keep_dtype=keep)
+    planned()  # the command's collector runs again, and never walks this plan (ckpttool.console.startup)
+    return Planned(layout, config_path, config, model, plan, tuple(tied), adapter, tuple(adapter_notes), tuple(unplaced),
+                   tuple(mismatches), tuple(uncovered), tuple(mtp_missing), quantization=tuple(quant_problems), specs=mapped)
+
+
+def natural(name: str) -> list[object]:
+    """Sort key that puts ``layers.2`` before ``layers.10``."""
+    return [int(p) if p.isdigit() else p for p in _DIGITS.split(name)]
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _natural_name(spec: TargetSpec) -> list[object]:
+    return natural(spec.name)
+
+
+def dequantized_targets(planned: Planned, dtype: str) -> tuple[Target, ...]:
+    """The computed targets a plan of the same source given ``dtype`` holds for its quantized weights (what
+    :func:`plan_layout` with ``dtype`` plans for them), planned alone. ``planned`` must have a config and no
+    quantization problem; () when its config declares no quantization.
+
+    Raises:
+        ValueError: ``planned`` was made without ``keep_specs`` (a bug).
+    """
+    if planned.specs is None:
+        raise ValueError("dequantized_targets needs a plan made with keep_specs=True")
+    quant = read_quantization(planned.config, str(planned.config_path or "config.json")) if planned.config is not None else None
+    if quant is None or planned.quantization:
+        return ()
+    specs = [s for s in dequantized(planned.specs, planned.layout, quant) if s.dequant is not None]
+    keep = {s.name for s in specs if keeps_dtype(s.name)}
+    return plan_covered(planned.layout, specs, dtype=dtype, keep_dtype=keep)[0].targets

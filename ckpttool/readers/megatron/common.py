@@ -1,0 +1,250 @@
+"""What the two Megatron readers share: the iteration directory, the training ``args`` and vocab padding.
+
+Both readers (:mod:`.megatron_dist` for ``--ckpt-format torch_dist``, :mod:`.megatron_legacy` for
+``--ckpt-format torch``) describe a checkpoint with Megatron-Core's own *global* tensors, as ``torch_dist``
+defines them, so one source convention (:mod:`ckpttool.families.conventions.megatron_core`) names both the same way:
+
+- per-layer tensors are either stacked with a leading layer axis (``decoder.layers.mlp.linear_fc1.weight`` of
+  shape ``(L, 2F, H)``, torch_dist) or named per global layer (``decoder.layers.3.mlp.linear_fc1.weight``,
+  legacy after renumbering across pipeline stages); experts likewise, stacked ``(L, E, ...)`` under
+  ``mlp.experts.linear_fc1.weight`` or per global expert ``mlp.experts.5.linear_fc1.weight``;
+- ``linear_qkv`` rows are grouped by query group: for each of the ``G`` groups, ``heads/G`` query heads, then
+  one key head, then one value head, ``head_dim`` rows each (TP ranks hold whole groups);
+- a SwiGLU ``linear_fc1`` is ``[gate; up]`` over the whole FFN width (torch_dist's ShardedTensorFactory stores
+  it so; the legacy reader rearranges each TP rank's local ``[gate_r; up_r]`` into it);
+- the vocab rows of ``embedding.word_embeddings.weight`` and ``output_layer.weight`` may be padded to a
+  multiple of ``make_vocab_size_divisible_by * tp``: the readers record that as :class:`~ckpttool.layout.layout.Padding`
+  from the config's true vocab, checked against the args, so the cut strips it once.
+
+Megatron checkpoints carry no HuggingFace config: the config comes from ``--config``; where the checkpoint has
+``args``, :func:`.megatron_args.check_args` compares them with it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, ClassVar
+
+from ckpttool.io import torch_save
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.layout.layout import Layout, Padding, TensorLayout
+from ckpttool.errors import SourceError, UnsafePickleError
+from ckpttool.io.paths import inside, read_tag
+from ckpttool.io.pickle_bounds import EnumStandIn
+from ckpttool.io.safe_pickle import Record
+from ckpttool.readers.validate import integer
+from ckpttool.readers.megatron import fp8 as megatron_fp8
+
+TRACKER = "latest_checkpointed_iteration.txt"
+#: tensors whose rows are the (padded) vocab
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+# ------------------------------------------------------------------------------------------------
+# the iteration directory
+# ------------------------------------------------------------------------------------------------
+
+
+def iteration_dir(root: Path) -> Path:
+    """The directory of one saved iteration: ``root`` itself, or the one ``root``'s tracker file names
+    (``latest_checkpointed_iteration.txt`` holds an iteration number, or ``release``).
+
+    Raises:
+        SourceError: the tracker file is unreadable or names a directory that is not there.
+    """
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        return root
+    text = read_tag(tracker, TRACKER)
+    if text == "release":
+        name = "release"
+    elif text is not None and re.fullmatch(r"[0-9]+", text, re.ASCII):
+        name = f"iter_{int(text):07d}"
+    else:  # what did not parse is never shown: the file may be a link to anything
+        raise SourceError(f"'{TRACKER}': not an iteration number or 'release' (what Megatron-LM writes there)")
+    path = inside(root, name, named_by=TRACKER)
+    if not path.is_dir():
+        raise SourceError(f"'{TRACKER}' names iteration {text}, but '{name}/' is not in '{root}'")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# args: an argparse.Namespace pickled by Megatron-LM, read without importing anything
+# ------------------------------------------------------------------------------------------------
+
+
+class Opaque(Record):
+    """Stand-in for an argument value of a class ckpttool does not import (an enum of megatron's, numpy's
+    random state): keeps what the pickle passes, runs nothing. An enum keeps its value."""
+
+    kind = "Opaque"
+
+    @property
+    def value(self) -> Any:
+        return self._args[0] if self._args else None
+
+
+#: Megatron's enums that training args hold (``attention_backend``, ``model_type``, ...), with their members as
+#: Megatron-Core defines them, so an enum pickled as ``getattr(AttnBackend, "auto")`` (Python 3.11.0-3.11.4) gives
+#: the same :class:`Opaque` as ``AttnBackend(5)``; a name not listed is refused
+_MEGATRON_ENUMS: dict[str, dict[str, Any]] = {
+    "ModelType": {"encoder_or_decoder": 1, "encoder_and_decoder": 2, "retro_encoder": 3, "retro_decoder": 4},
+    "LayerType": {"embedding": 1, "loss": 2, "encoder": 3, "decoder": 4, "mtp": 5},
+    "AttnType": {"self_attn": 1, "cross_attn": 2},
+    "AttnMaskType": {"padding": 1, "causal": 2, "no_mask": 3, "padding_causal": 4, "arbitrary": 5,
+                     "causal_bottom_right": 6},
+    "AttnBackend": {"flash": 1, "fused": 2, "unfused": 3, "local": 4, "auto": 5},
+    "CudaGraphScope": {"full_iteration": 1, "attn": 2, "mlp": 3, "moe": 4, "moe_router": 5, "moe_preprocess": 6,
+                       "mamba": 7, "full_iteration_inference": 8},
+    "Fp8Recipe": {n: n for n in ("delayed", "tensorwise", "mxfp8", "blockwise", "custom")},
+    "Fp4Recipe": {n: n for n in ("nvfp4", "custom")},
+}
+_ENUM_MODULES = {
+    "megatron.core.enums": ("ModelType", "Fp8Recipe", "Fp4Recipe"),
+    "megatron.core.transformer.enums": ("ModelType", "LayerType", "AttnType", "AttnMaskType", "AttnBackend", "CudaGraphScope"),
+}
+
+
+class ArgsAllow(megatron_fp8.RefusingAllowList):
+    """The classes Megatron-LM's ``model_optim_rng.pt`` and ``common.pt`` pickles name, as stand-ins:
+    ``argparse.Namespace`` -> :class:`Record`; megatron's own enums and numpy's RNG state -> :class:`Opaque`.
+    Nothing is imported; anything else is refused by :func:`ckpttool.io.torch_save.scan`."""
+
+    _EXACT: ClassVar[dict[tuple[str, str], Any]] = {
+        ("argparse", "Namespace"): Record,
+        ("numpy", "dtype"): Opaque,
+        ("numpy", "ndarray"): Opaque,
+        ("numpy.core.multiarray", "_reconstruct"): Opaque,
+        ("numpy._core.multiarray", "_reconstruct"): Opaque,
+        ("numpy.core.multiarray", "scalar"): Opaque,
+        ("numpy._core.multiarray", "scalar"): Opaque,
+        ("_codecs", "encode"): lambda *args: b"",  # the bytes of numpy's RNG state array: not needed
+        **{(module, name): EnumStandIn(f"{module}.{name}", _MEGATRON_ENUMS[name], Opaque)
+           for module, names in _ENUM_MODULES.items() for name in names},
+    }
+
+    def __init__(self, label: str = "checkpoint") -> None:
+        self.label = label  # the file whose pickle asks, for the refusal of Transformer Engine's classes
+
+    def __getitem__(self, key: tuple[str, str]) -> Any:
+        if key in self._EXACT:
+            return self._EXACT[key]
+        module = key[0]
+        if module == "megatron" or module.startswith("megatron."):
+            return Opaque
+        if megatron_fp8.is_te(module):
+            raise UnsafePickleError(megatron_fp8.refusal(self.label, f"{module}.{key[1]}"))
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self._EXACT)
+
+    def __len__(self) -> int:
+        return len(self._EXACT)
+
+
+ALLOW = ArgsAllow()
+
+
+def scan_checkpoint(f: BinaryIO, *, label: str) -> Any:
+    """A whole Megatron ``torch.save`` file with every tensor as a :class:`~ckpttool.io.torch_save.StoredTensor`
+    (:func:`ckpttool.io.torch_save.scan` with :data:`ALLOW`).
+
+    Raises:
+        UnsafePickleError: the pickle names a class outside the allow-list (nothing is executed).
+        SourceError: not a readable ``torch.save`` archive.
+    """
+    return torch_save.scan(f, label=label, allow=ArgsAllow(label))
+
+
+def fp8_flags(args: Any) -> dict[str, Any]:
+    """The training arguments that record FP8 training (:data:`.megatron_fp8.FP8_ARGS`)."""
+    return {name: arg(args, name) for name in megatron_fp8.FP8_ARGS}
+
+
+def arg(args: Any, name: str, default: Any = None) -> Any:
+    """One training argument (None-safe); enum stand-ins give their value."""
+    if args is None:
+        return default
+    value = args.get(name, default) if isinstance(args, (Record, dict)) else getattr(args, name, default)
+    return value.value if isinstance(value, Opaque) else value
+
+
+def int_arg(args: Any, name: str, file: str, default: int = 0, *, minimum: int = 0) -> int:
+    """One integer training argument (``default`` when absent or None), checked.
+
+    Raises:
+        SourceError: naming ``file`` and ``args.<name>``: the value is not an integer of at least ``minimum``.
+    """
+    value = arg(args, name)
+    return default if value is None else integer(value, f"args.{name}", file, minimum=minimum)
+
+
+def parallel_of(args: Any, file: str) -> dict[str, int]:
+    """``tp``, ``pp``, ``ep`` (and ``vpp``, ``dp`` when recorded) from the args of ``file``.
+
+    Raises:
+        SourceError: a parallel size that is not a positive integer.
+    """
+    parallel = {
+        "tp": int_arg(args, "tensor_model_parallel_size", file, 1, minimum=1),
+        "pp": int_arg(args, "pipeline_model_parallel_size", file, 1, minimum=1),
+        "ep": int_arg(args, "expert_model_parallel_size", file, 1, minimum=1),
+    }
+    vpp = int_arg(args, "virtual_pipeline_model_parallel_size", file, 1, minimum=1)
+    if vpp > 1:
+        parallel["vpp"] = vpp
+    dp = arg(args, "data_parallel_size")
+    if isinstance(dp, int) and not isinstance(dp, bool) and dp > 0:
+        parallel["dp"] = dp
+    return parallel
+
+
+def vocab_padding(fqn: str, rows: int, args: Any, info: ModelInfo | None, file: str) -> tuple[Padding, ...]:
+    """The padding of a vocab tensor with ``rows`` rows (its args in ``file``): none when it holds exactly the
+    config's vocab; the rows beyond it when ``rows`` is the padded vocab the args record; an error otherwise.
+
+    Raises:
+        SourceError: ``rows`` is neither the true vocab nor the padded vocab of the args.
+    """
+    where = f"'{file}'"
+    vocab = info.config.get("vocab_size") if info is not None else None
+    if not isinstance(vocab, int) or rows == vocab:
+        return ()
+    tp = int_arg(args, "tensor_model_parallel_size", file, 1, minimum=1)
+    divisible = int_arg(args, "make_vocab_size_divisible_by", file, 0)
+    recorded = arg(args, "padded_vocab_size")
+    if recorded is not None:
+        recorded = integer(recorded, "args.padded_vocab_size", file, minimum=1)
+    if args is None or (recorded is None and not divisible > 0):
+        raise SourceError(
+            f"'{fqn}' in {where}: {rows} rows, but config.json says vocab_size {vocab}, and the checkpoint records no "
+            "args (padded_vocab_size, make_vocab_size_divisible_by) that say the extra rows are padding"
+        )
+    rules = []
+    padded = recorded
+    if divisible > 0:
+        multiple = divisible * tp
+        padded = -(-vocab // multiple) * multiple  # Megatron-LM's _vocab_size_with_padding
+        rules.append(f"{vocab} padded to a multiple of make_vocab_size_divisible_by {divisible} x tp {tp}")
+    if recorded is not None:
+        rules.append(f"args padded_vocab_size = {recorded}")
+    if rows != padded or (recorded is not None and recorded != padded):
+        raise SourceError(
+            f"'{fqn}' in {where}: inconsistent vocab padding: {rows} rows, expected either the true vocab {vocab} "
+            f"(config.json vocab_size) or the padded vocab {padded} ({'; '.join(rules)}). Is the config the one "
+            "this model trained with, or was the vocab padded twice?"
+        )
+    return (Padding(0, vocab),)
+
+
+def with_padding(layout: Layout, padding: Mapping[str, tuple[Padding, ...]]) -> Layout:
+    """``layout`` with recorded padding set on the named tensors."""
+    from dataclasses import replace
+
+    tensors: dict[str, TensorLayout] = {
+        fqn: replace(t, padding=padding[fqn]) if fqn in padding else t for fqn, t in layout.tensors.items()
+    }
+    return replace(layout, tensors=tensors)
