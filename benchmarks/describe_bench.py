@@ -84,7 +84,7 @@ def main() -> None:
     baseline = run([*merge, "--dry-run"], {**base_env, "CKPTTOOL_CACHE": str(work / "cache-0")}, report)["own"]
 
     os.environ["CKPTTOOL_CACHE"] = str(work / "cache-0")
-    from ckpttool.merge import prepare
+    from ckpttool.commands.merge import prepare
     from ckpttool.writers.hf import predict_peak_bytes
 
     predicted = predict_peak_bytes(prepare(src).plan, args.workers)

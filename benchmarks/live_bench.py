@@ -105,7 +105,7 @@ def worker(mode: str, out: Path, size_gib: float, result: Path) -> None:
 #: the offline merge in a fresh process, timing ``ckpttool.merge`` alone (as the live job times ``save_hf`` alone)
 OFFLINE = """
 import os, sys, time
-from ckpttool.merge import merge
+from ckpttool.commands.merge import merge
 start = time.perf_counter()
 merge(sys.argv[1], sys.argv[2], force=True, workers=os.cpu_count() or 1)
 print(time.perf_counter() - start)

@@ -160,7 +160,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ckpttool.distributed import Group, share_out
+    from ckpttool.execute.distributed import Group, share_out
     from ckpttool.live import save_hf
     from ckpttool.live.gather import _Gather
     from ckpttool.live.pieces import _describe, _plan

@@ -56,7 +56,7 @@ QUANTIZED = ("proj.weight", "proj_with_mqa.weight")
 
 def shapes() -> dict[str, tuple[int, ...]]:
     """On-disk names and shapes of the bf16 model, as transformers saves it (ckpttool's own description)."""
-    from ckpttool.architecture import model_info
+    from ckpttool.model.architecture import model_info
 
     return dict(model_info(CONFIG).disk_shapes)
 

@@ -165,7 +165,7 @@ def tool(tree: Path | None) -> list[str]:
 
 
 #: what every merge imports before it reads a byte: the start-up the goals are stated net of
-STARTUP = "import torch, safetensors, huggingface_hub, ckpttool.cli, ckpttool.merge, ckpttool.engine.executor"
+STARTUP = "import torch, safetensors, huggingface_hub, ckpttool.cli, ckpttool.merge, ckpttool.execute.executor"
 
 
 def main() -> None:
@@ -210,7 +210,7 @@ def main() -> None:
             drop_cache(src)
             results[name].append(measure(cmd))
     baseline = measure([*ckpttool, "--dry-run"])[1]
-    from ckpttool.merge import prepare
+    from ckpttool.commands.merge import prepare
     from ckpttool.writers.hf import predict_peak_bytes
 
     plan = prepare(src).plan

@@ -101,7 +101,7 @@ def codec_cpu(repeats: int = 8) -> float:
 
     import torch
 
-    from ckpttool.engine.executor import CHUNK_BYTES
+    from ckpttool.execute.executor import CHUNK_BYTES
     from ckpttool.quant.decode import Fp8Blocks
 
     torch.set_num_threads(1)

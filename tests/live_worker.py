@@ -144,7 +144,7 @@ def scenario_spec(out: Path, world: int) -> None:
     """Plain local tensors with PieceSpecs (a framework without DTensor): the vocab padded to a multiple of
     8 * world and split over the ranks, the seed incident at tiny scale; the rest replicated."""
     from ckpttool.live import save_hf
-    from ckpttool.sidecar import PieceSpec
+    from ckpttool.io.sidecar import PieceSpec
 
     model = load(LLAMA)
     rank = dist.get_rank()
@@ -167,7 +167,7 @@ def scenario_spec_missing(out: Path, world: int) -> None:
     """As ``spec``, but the last rank forgets its vocab piece: every rank must refuse, nothing written."""
     from ckpttool.errors import CoverageError
     from ckpttool.live import save_hf
-    from ckpttool.sidecar import PieceSpec
+    from ckpttool.io.sidecar import PieceSpec
 
     model = load(LLAMA)
     rank = dist.get_rank()

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, fixture_dir
 
-from ckpttool import architecture
-from ckpttool.architecture import DESCRIBE_ENV, model_info
+from ckpttool.model import architecture
+from ckpttool.model.architecture import DESCRIBE_ENV, model_info
 from ckpttool.errors import ArgumentError, ConfigError
 
 CONFIGS = {
@@ -105,7 +105,7 @@ def test_a_host_that_cannot_start_a_subprocess_describes_here(cold, tmp_path, mo
     expected = model_info(tied_llama())
     cold("subprocess")
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
-    with caplog.at_level(logging.INFO, logger="ckpttool.architecture"):
+    with caplog.at_level(logging.INFO, logger="ckpttool.model.architecture"):
         assert model_info(tied_llama()) == expected
     assert "cannot start a subprocess to describe the architecture" in caplog.text
     assert "in this process; cached for the next run" in caplog.text
@@ -113,7 +113,7 @@ def test_a_host_that_cannot_start_a_subprocess_describes_here(cold, tmp_path, mo
 
 def test_the_time_a_cold_description_takes_is_logged(cold, caplog):
     cold("subprocess")
-    with caplog.at_level(logging.INFO, logger="ckpttool.architecture"):
+    with caplog.at_level(logging.INFO, logger="ckpttool.model.architecture"):
         model_info(tied_llama(), label="llama.json")
         described = caplog.text
         caplog.clear()

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
 import ckpttool
-from ckpttool.diagnose import diagnose
+from ckpttool.plan.diagnose import diagnose
 from ckpttool.findings import CODES, ERROR
-from ckpttool.sidecar import PieceSpec, save_shard
+from ckpttool.io.sidecar import PieceSpec, save_shard
 from conftest import fixture_dir, load_output
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -558,10 +558,10 @@ def test_every_code_is_documented_in_the_readme():
 def test_headers_only_reads_no_tensor_data(tmp_path, monkeypatch):
     tensors, config = reference("llama_fsdp2_dcp")
     hf = write_hf(tmp_path / "hf", tensors, config)
-    import ckpttool.engine.reference
+    import ckpttool.execute.reference
 
     def refuse(*args, **kwargs):
         raise AssertionError("tensor data read with data=False")
 
-    monkeypatch.setattr(ckpttool.engine.reference.PieceLoader, "_bytes", refuse)
+    monkeypatch.setattr(ckpttool.execute.reference.PieceLoader, "_bytes", refuse)
     assert ckpttool.audit(hf, data=False).ok

@@ -8,8 +8,8 @@ import sys
 from test_audit import MOE, reference, write_hf
 
 from ckpttool.audit.causes import span
-from ckpttool.cli_show import CAUSE_LINES
-from ckpttool.sidecar import PieceSpec, save_shard
+from ckpttool.cli.show import CAUSE_LINES
+from ckpttool.io.sidecar import PieceSpec, save_shard
 
 ROUTER = "model.layers.{layer}.block_sparse_moe.gate.weight"
 

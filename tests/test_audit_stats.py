@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 
 from ckpttool.audit.quantized import ScaleCheck
 from ckpttool.audit.stats import BLOCK_ELEMENTS, Fingerprint, Statistics, _as_tensor, _read_direct, blocks, fold
-from ckpttool.engine.executor import Reader, buffer_sizes, build, chunks, piece_uses
-from ckpttool.engine.plan import Target
-from ckpttool.merge import prepare
+from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+from ckpttool.plan.plan import Target
+from ckpttool.commands.merge import prepare
 
 TENSORS = {
     "a.bf16": (torch.arange(6 * 5, dtype=torch.float32).reshape(6, 5) / 7).to(torch.bfloat16),

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpttool.sidecar import PieceSpec, save_shard
+from ckpttool.io.sidecar import PieceSpec, save_shard
 from conftest import FIXTURES, fixture_dir, tree_digest
 from test_errors import SHARD1, SHARD2, edit_header, edit_metadata, edit_sharding_info, raw_header, storage_of
 

@@ -12,7 +12,7 @@ import torch
 
 from ckpttool.errors import SourceError
 from ckpttool.readers import detect_format
-from ckpttool.sidecar import PieceSpec, save_shard
+from ckpttool.io.sidecar import PieceSpec, save_shard
 from conftest import FIXTURES, fixture_dir
 
 EXPECTED = {

@@ -16,9 +16,9 @@ from conftest import ROOT, fixture_dir
 from safetensors.torch import save_file
 from test_audit_cli import dead_expert_mixtral
 
-from ckpttool.terminal import size_text as _size
-from ckpttool.startup import MESSAGE, started_as_command
-from ckpttool.terminal import Bar, escaped, shown
+from ckpttool.console.terminal import size_text as _size
+from ckpttool.console.startup import MESSAGE, started_as_command
+from ckpttool.console.terminal import Bar, escaped, shown
 
 LLAMA = fixture_dir("llama_tp2_dcp") / "checkpoint"
 COMMAND = [sys.executable, "-m", "ckpttool"]

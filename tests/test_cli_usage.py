@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 from test_deepspeed import STEP, _model_states, _write
 
 import ckpttool
-from ckpttool.dtypes import cast_dtype
-from ckpttool.merge import config_dtype
+from ckpttool.io.dtypes import cast_dtype
+from ckpttool.commands.merge import config_dtype
 from ckpttool.writers.hf import parse_size
 
 LLAMA = fixture_dir("llama_tp2_dcp") / "checkpoint"

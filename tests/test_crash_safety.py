@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ckpttool
-import ckpttool.engine.executor
+import ckpttool.execute.executor
 from ckpttool.errors import OutputError
 from ckpttool.writers.hf import journal_name
 from conftest import fixture_dir, load_output
@@ -163,7 +163,7 @@ def _interrupt_after(nbytes: int):
 
 def corrupting_writes(monkeypatch) -> None:
     """Each output file loses a bit after it is written, as a failing disk would do."""
-    real = ckpttool.engine.executor.write_file
+    real = ckpttool.execute.executor.write_file
 
     def write_then_corrupt(path, *args, **kwargs):
         digest = real(path, *args, **kwargs)
@@ -205,7 +205,7 @@ def test_read_back_failure_is_an_output_error(tmp_path, monkeypatch):
 def test_source_file_gone_before_the_write_is_named(copy_fixture, tmp_path, monkeypatch):
     import importlib
 
-    merge_module = importlib.import_module("ckpttool.merge")  # ckpttool.merge is also the function's name
+    merge_module = importlib.import_module("ckpttool.commands.merge")  # ckpttool.merge is also the function's name
     src = copy_fixture(FIXTURE)
     real = merge_module.plan_id
 

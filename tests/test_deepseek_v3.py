@@ -110,7 +110,7 @@ def test_mtp_layers_are_carried_by_name_and_byte_and_load_in_transformers_mtp(tm
 
 def test_the_expected_mtp_layer_is_what_the_release_layout_holds():
     """ckpttool's expectation (transformers' MtpModel, named as the release stores it) is exactly the fixture's."""
-    from ckpttool.architecture import model_info
+    from ckpttool.model.architecture import model_info
     from ckpttool.families import mtp
 
     info = model_info(json.loads((MTP / "checkpoint" / "config.json").read_text()))
@@ -125,7 +125,7 @@ def test_the_expected_mtp_layer_is_what_the_release_layout_holds():
 def test_glm4_moe_mtp_layers_have_the_same_layout():
     from transformers import Glm4MoeConfig
 
-    from ckpttool.architecture import model_info
+    from ckpttool.model.architecture import model_info
     from ckpttool.families import mtp
 
     config = Glm4MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -248,8 +248,8 @@ def test_a_dry_run_shows_the_adapter_and_the_uncast_bias(cli):
 
 
 def test_only_the_named_targets_keep_their_dtype():
-    from ckpttool.engine.layout import Box, Layout, Piece, TensorLayout
-    from ckpttool.engine.plan import plan_covered
+    from ckpttool.layout.layout import Box, Layout, Piece, TensorLayout
+    from ckpttool.plan.plan import plan_covered
     from ckpttool.families import keeps_dtype
 
     assert keeps_dtype(BIAS) and keeps_dtype("e_score_correction_bias")
@@ -260,7 +260,7 @@ def test_only_the_named_targets_keep_their_dtype():
 
 
 def test_model_descriptions_with_mtp_layers_are_cached(tmp_path, monkeypatch):
-    from ckpttool import architecture
+    from ckpttool.model import architecture
 
     monkeypatch.setenv("CKPTTOOL_CACHE", str(tmp_path / "cache"))
     config = json.loads((MTP / "checkpoint" / "config.json").read_text())
@@ -276,7 +276,7 @@ def test_a_cached_description_without_mtp_layers_is_not_read(tmp_path, monkeypat
     import hashlib
     from importlib.metadata import version
 
-    from ckpttool import architecture
+    from ckpttool.model import architecture
 
     monkeypatch.setenv("CKPTTOOL_CACHE", str(tmp_path / "cache"))
     config = json.loads((MTP / "checkpoint" / "config.json").read_text())

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import ckpttool
-from ckpttool.readers import deepspeed as reader
+from ckpttool.readers.deepspeed import reader
 
 CASES = ("zero2", "zero3", "bf16_zero1", "bf16_zero2", "pipe", "universal")
 INPUT_IDS = torch.tensor([[1, 5, 17, 999, 1000, 42, 7, 3], [2, 640, 501, 500, 250, 251, 0, 9]])

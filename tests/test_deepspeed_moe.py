@@ -17,7 +17,7 @@ from test_deepspeed import _patch_pickle, _write
 from transformers import AutoModelForCausalLM
 
 import ckpttool
-from ckpttool.families import deepspeed_moe
+from ckpttool.families.conventions import deepspeed_moe
 
 CASES = ("zero2_ep2", "zero2_w4_ep2", "zero1_w4_ep2_de", "bf16_zero2_ep2", "bf16_zero1_ep2")
 FP32 = ("zero2_ep2", "zero2_w4_ep2", "zero1_w4_ep2_de")

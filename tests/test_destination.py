@@ -328,7 +328,7 @@ def _record(monkeypatch) -> list[tuple[str, ...]]:
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "posix_fadvise", fadvise)
-    monkeypatch.setattr("ckpttool.engine.executor.open", open_, raising=False)
+    monkeypatch.setattr("ckpttool.execute.executor.open", open_, raising=False)
     return events
 
 

@@ -48,7 +48,7 @@ def test_an_error_stops_every_process_with_one_message(tmp_path):
 
 def two_ranks(rank: int, others):
     """A Group of two whose collectives return what ``others`` says the other process did."""
-    from ckpttool.distributed import Group
+    from ckpttool.execute.distributed import Group
 
     group = Group()
     group.rank, group.world = rank, 2
@@ -58,7 +58,7 @@ def two_ranks(rank: int, others):
 
 
 def test_a_failure_on_another_rank_is_raised_here_with_its_message():
-    from ckpttool.distributed import ProcessGroupError
+    from ckpttool.execute.distributed import ProcessGroupError
 
     with pytest.raises(ProcessGroupError, match=r"^rank 1 failed: 'x.safetensors': cannot write: No space left on device$"):
         two_ranks(0, (None, "'x.safetensors': cannot write: No space left on device")).on_all(lambda: 3)
@@ -69,7 +69,7 @@ def test_a_failure_on_another_rank_is_raised_here_with_its_message():
 
 
 def test_files_are_shared_out_by_bytes():
-    from ckpttool.distributed import share_out
+    from ckpttool.execute.distributed import share_out
 
     # largest first, each to the lighter rank: 70 -> 0, 40 -> 1, 30 -> 1, 20 -> 0 (tie: lower rank), 10 -> 1
     assert share_out([10, 70, 20, 30, 40], 2) == [1, 0, 0, 1, 1]

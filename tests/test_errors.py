@@ -730,7 +730,7 @@ def test_tokenizer_file_that_cannot_be_copied(cli, copy_fixture, tmp_path, monke
 
 
 def test_torch_dtype_safetensors_cannot_store():
-    from ckpttool.dtypes import dtype_name
+    from ckpttool.io.dtypes import dtype_name
 
     with pytest.raises(SourceError) as excinfo:
         dtype_name(torch.complex64)

@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 
 import ckpttool
 from ckpttool.errors import SourceError
-from ckpttool.engine.reference import PieceLoader, assemble
-from ckpttool.engine.layout import RAW, TORCH_SAVE, Box, Piece
-from ckpttool.engine.plan import Plan
-from ckpttool.safetensors_format import encode_header
-from ckpttool.engine.executor import Reader, chunks, file_digest, piece_uses, write_file
+from ckpttool.execute.reference import PieceLoader, assemble
+from ckpttool.layout.layout import RAW, TORCH_SAVE, Box, Piece
+from ckpttool.plan.plan import Plan
+from ckpttool.io.safetensors_format import encode_header
+from ckpttool.execute.executor import Reader, chunks, file_digest, piece_uses, write_file
 from conftest import FIXTURE_NAMES, fixture_dir
 
 
@@ -90,8 +90,8 @@ def test_reading_past_the_end_names_the_truncation(tmp_path):
 
 def test_fused_parts_split_along_columns(tmp_path):
     """Each part of a tensor fused along dim 1 is a column slice of one piece: a strided region."""
-    from ckpttool.engine.layout import Fusion
-    from ckpttool.sidecar import PieceSpec, save_shard
+    from ckpttool.layout.layout import Fusion
+    from ckpttool.io.sidecar import PieceSpec, save_shard
 
     full = torch.arange(6 * 7, dtype=torch.float32).reshape(6, 7)
     fusion = Fusion(1, (("gate", 2), ("up", 5)))

@@ -9,12 +9,12 @@ from conftest import FIXTURE_NAMES, fixture_dir
 from test_quantized import DEEPSEEK, GPT_OSS, checkpoint
 
 import ckpttool
-from ckpttool.engine.buffers import distinct_targets
-from ckpttool.engine.buffers import predict_peak_bytes as stream_peak_bytes
-from ckpttool.engine.executor import chunks
-from ckpttool.engine.layout import Box, Piece
-from ckpttool.engine.layout_builder import LayoutBuilder
-from ckpttool.engine.plan import target_sizes
+from ckpttool.execute.buffers import distinct_targets
+from ckpttool.execute.buffers import predict_peak_bytes as stream_peak_bytes
+from ckpttool.execute.executor import chunks
+from ckpttool.layout.layout import Box, Piece
+from ckpttool.layout.builder import LayoutBuilder
+from ckpttool.plan.plan import target_sizes
 from ckpttool.errors import SourceError
 from ckpttool.quant.checks import check_tensors
 from ckpttool.quant.formats import read_quantization
@@ -39,7 +39,7 @@ def test_the_peak_predicted_from_distinct_targets_is_the_one_from_every_target()
 
 def test_targets_of_one_signature_count_once_and_others_each():
     box, other = Box((0, 0), (4, 8)), Box((0, 0), (4, 8))
-    from ckpttool.engine.plan import Copy, Target
+    from ckpttool.plan.plan import Copy, Target
 
     def whole(name: str, dtype: str = "F32", b: Box = box) -> Target:
         piece = Piece(f"{name}.safetensors", name, b, dtype)
@@ -138,8 +138,8 @@ def test_a_planning_command_collects_no_garbage_until_its_plan_is_built():
 
 
 def test_a_family_rule_applies_where_it_matches_whatever_the_filter_before_it():
-    from ckpttool.engine.layout import TensorLayout
-    from ckpttool.engine.plan import tensor_specs
+    from ckpttool.layout.layout import TensorLayout
+    from ckpttool.plan.plan import tensor_specs
     from ckpttool.families import mixtral, qwen2_moe
     from ckpttool.families.rules import Rename, _any_rule, cut
 

@@ -16,13 +16,13 @@ import torch
 from safetensors.torch import load_file
 
 import ckpttool
-import ckpttool.engine.copies as copies
-from ckpttool.engine.digest import FromSource, checks
-from ckpttool.engine.executor import Reader, buffer_sizes, chunks, file_digest, piece_uses, write_file
-from ckpttool.engine.plan import Plan
-from ckpttool.engine.reference import PieceLoader, assemble
+import ckpttool.execute.copies as copies
+from ckpttool.execute.digest import FromSource, checks
+from ckpttool.execute.executor import Reader, buffer_sizes, chunks, file_digest, piece_uses, write_file
+from ckpttool.plan.plan import Plan
+from ckpttool.execute.reference import PieceLoader, assemble
 from ckpttool.errors import OutputError, SourceError
-from ckpttool.safetensors_format import encode_header
+from ckpttool.io.safetensors_format import encode_header
 from ckpttool.writers.hf import JOURNAL_VERSION, journal_name
 from conftest import FIXTURE_NAMES, fixture_dir, load_output
 
@@ -243,7 +243,7 @@ def test_a_journal_of_another_digest_scheme_is_not_trusted(tmp_path, version):
 
 
 def test_verify_catches_a_copied_chunk_damaged_on_disk(tmp_path, monkeypatch, copy_small):
-    real = ckpttool.engine.executor.write_file
+    real = ckpttool.execute.executor.write_file
 
     def write_then_damage(path, prefix, chunk_list, *args, **kwargs):
         digest = real(path, prefix, chunk_list, *args, **kwargs)

@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ckpttool
-import ckpttool.engine.executor as executor
-from ckpttool.engine.executor import Reader, buffer_sizes, chunks, file_digest, piece_uses, write_file
-from ckpttool.engine.plan import Plan
+import ckpttool.execute.executor as executor
+from ckpttool.execute.executor import Reader, buffer_sizes, chunks, file_digest, piece_uses, write_file
+from ckpttool.plan.plan import Plan
 from ckpttool.errors import OutputError, SourceError
-from ckpttool.safetensors_format import encode_header
+from ckpttool.io.safetensors_format import encode_header
 from conftest import fixture_dir, load_output
 
 

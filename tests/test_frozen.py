@@ -1,4 +1,4 @@
-"""``ckpttool.frozen.quick_init``: a frozen slotted dataclass built through its slots' descriptors is the same
+"""``ckpttool.fast.frozen.quick_init``: a frozen slotted dataclass built through its slots' descriptors is the same
 object as the dataclass's own ``__init__`` builds: fields, defaults, ``__post_init__``, equality, hashing,
 frozenness, ``replace`` and pickling."""
 
@@ -10,8 +10,8 @@ import pickle
 
 import pytest
 
-from ckpttool.engine.layout import Box, Piece
-from ckpttool.frozen import quick_init
+from ckpttool.layout.layout import Box, Piece
+from ckpttool.fast.frozen import quick_init
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 import ckpttool
 from ckpttool.errors import CkptError
-from ckpttool.safe_pickle import load_metadata_pickle
-from ckpttool.safetensors_format import read_header
-from ckpttool.sidecar import parse_sidecar
+from ckpttool.io.safe_pickle import load_metadata_pickle
+from ckpttool.io.safetensors_format import read_header
+from ckpttool.io.sidecar import parse_sidecar
 from conftest import HYPOTHESIS_EXAMPLES, fixture_dir
 
 FUZZ = settings(max_examples=HYPOTHESIS_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))

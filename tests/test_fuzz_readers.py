@@ -26,11 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpttool
-from ckpttool import torch_save
-from ckpttool.engine.layout import c_strides
-from ckpttool.readers import colossalai, dcp, verl
-from ckpttool.safe_pickle import Record
-from ckpttool.torch_save import StoredTensor
+from ckpttool.io import torch_save
+from ckpttool.layout.layout import c_strides
+from ckpttool.readers import colossalai, dcp
+from ckpttool.readers.verl import reader as verl
+from ckpttool.io.safe_pickle import Record
+from ckpttool.io.torch_save import StoredTensor
 from conftest import FIXTURES, HYPOTHESIS_EXAMPLES
 from test_fuzz import only_ckpt_errors
 

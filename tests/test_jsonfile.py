@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ckpttool.jsonfile import JSONRefused, loads
+from ckpttool.io.jsonfile import JSONRefused, loads
 
 
 def test_plain_json_is_parsed_as_json_loads_parses_it():

@@ -1,4 +1,4 @@
-"""``ckpttool.jsontext.dumps`` writes exactly ``json.dumps(value, indent=2)``: the ``--json`` documents users and
+"""``ckpttool.fast.jsontext.dumps`` writes exactly ``json.dumps(value, indent=2)``: the ``--json`` documents users and
 tests parse, byte for byte, whatever the value."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckpttool.jsontext import dumps
+from ckpttool.fast.jsontext import dumps
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text()
 values = st.recursive(

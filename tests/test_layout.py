@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpttool.errors import SourceError
-from ckpttool.engine.layout import range_boxes
+from ckpttool.layout.layout import range_boxes
 
 from conftest import HYPOTHESIS_EXAMPLES
 

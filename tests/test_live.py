@@ -197,7 +197,7 @@ def test_large_tensors_are_built_from_the_buckets_not_copied_from_files(tmp_path
 
 
 def test_buckets_bound_what_a_rank_holds(tmp_path):
-    from ckpttool.distributed import Group
+    from ckpttool.execute.distributed import Group
     from ckpttool.live import _describe, _Gather, _plan
     from ckpttool.writers.hf import assign_files
 
@@ -224,7 +224,7 @@ def test_non_tensor_entries_are_skipped_with_a_note(tmp_path):
 def test_a_piece_that_does_not_fit_its_spec(tmp_path):
     from ckpttool.errors import SourceError
     from ckpttool.live import save_hf
-    from ckpttool.sidecar import PieceSpec
+    from ckpttool.io.sidecar import PieceSpec
 
     state = reference_state()
     specs = {"model.embed_tokens.weight": PieceSpec((1001, 32), (900, 0))}

@@ -15,12 +15,12 @@ import torch
 
 import ckpttool
 from ckpttool.errors import SourceError
-from ckpttool.engine.layout import Layout, TensorLayout
-from ckpttool.engine.layout_builder import LayoutBuilder
-from ckpttool.architecture import ModelInfo
+from ckpttool.layout.layout import Layout, TensorLayout
+from ckpttool.layout.builder import LayoutBuilder
+from ckpttool.model.architecture import ModelInfo
 from ckpttool.families import CONVENTIONS, megatron_core
-from ckpttool.readers import deepspeed
-from ckpttool.torch_save import scan
+from ckpttool.readers.deepspeed import reader as deepspeed
+from ckpttool.io.torch_save import scan
 from conftest import FIXTURES, assert_failed_cleanly, fixture_dir
 from test_errors import edit_metadata, storage_of
 from test_verl import _edit_pickle

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpttool.engine import plan as plan_module
-from ckpttool.engine.layout import RAW, Box, Piece
-from ckpttool.engine.layout_builder import LayoutBuilder
+from ckpttool.plan import plan as plan_module
+from ckpttool.layout.layout import RAW, Box, Piece
+from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError
-from ckpttool.planning import plan_source
-from ckpttool.safetensors_format import _check_contiguous, _entry, _well_formed
+from ckpttool.plan.source import plan_source
+from ckpttool.io.safetensors_format import _check_contiguous, _entry, _well_formed
 from conftest import FIXTURES
 
 # --------------------------------------------------------------------------------------------- safetensors headers
@@ -153,8 +153,8 @@ def test_a_whole_piece_copied_as_it_is_is_planned_as_the_general_path_plans_it(s
 
 
 def test_a_target_of_a_piece_not_at_the_origin_is_left_to_the_general_path():
-    from ckpttool.engine.layout import Layout, TensorLayout
-    from ckpttool.engine.plan import Slice, TargetSpec
+    from ckpttool.layout.layout import Layout, TensorLayout
+    from ckpttool.plan.plan import Slice, TargetSpec
 
     piece = _piece("x", "w", (2, 4), offsets=(2, 0))
     layout = Layout("root", "hf", {"w": TensorLayout("w", (4, 4), "BF16", (piece,))})

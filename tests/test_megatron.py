@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpttool.engine.layout import Padding
-from ckpttool.readers import detect_format, megatron_legacy, read_layout
+from ckpttool.layout.layout import Padding
+from ckpttool.readers import detect_format, read_layout
+from ckpttool.readers.megatron import legacy as megatron_legacy
 from conftest import FIXTURES, apply_spec, assert_failed_cleanly, load_output, tree_digest
 
 CASES = ("tp2_padvocab", "tp2_pp2", "pp2_uneven", "pp2_vpp2", "ep2_moe", "qwen2moe_tp2_ep2", "qwen2moe_pp2_ep2")
@@ -115,7 +116,7 @@ def test_singleton_local_shards_names_are_cut_too():
 
 @pytest.mark.parametrize(("case", "fmt"), SOURCES)
 def test_layout_records_parallel_layout_and_vocab_padding_once(case, fmt):
-    from ckpttool.architecture import model_info
+    from ckpttool.model.architecture import model_info
 
     info = model_info(json.loads((fixture(case) / "config.json").read_text()))
     layout = read_layout(fixture(case) / fmt, model=info)
@@ -292,9 +293,9 @@ def test_qkv_and_gate_up_cut_follow_megatrons_views():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from ckpttool.engine.layout import Layout, TensorLayout
-    from ckpttool.architecture import ModelInfo
-    from ckpttool.families import megatron_core as megatron
+    from ckpttool.layout.layout import Layout, TensorLayout
+    from ckpttool.model.architecture import ModelInfo
+    from ckpttool.families.conventions import megatron_core as megatron
 
     @settings(max_examples=40, deadline=None)
     @given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.integers(1, 5))

@@ -1,5 +1,5 @@
 """The training args of a Megatron checkpoint against its HuggingFace config, for DeepSeek-V3-style models (MLA,
-routing, MTP; ckpttool.readers.megatron_args), and what the legacy reader takes from them for MLA and MTP tensors.
+routing, MTP; ckpttool.readers.megatron.args), and what the legacy reader takes from them for MLA and MTP tensors.
 
 The fixtures are tests/test_megatron_deepseek.py's (fixtures/make_megatron_deepseek.py).
 """
@@ -11,9 +11,10 @@ import json
 import pytest
 
 import ckpttool
-from ckpttool.architecture import model_info
+from ckpttool.model.architecture import model_info
 from ckpttool.errors import ConfigError, SourceError
-from ckpttool.readers import megatron_args, megatron_legacy
+from ckpttool.readers.megatron import args as megatron_args
+from ckpttool.readers.megatron import legacy as megatron_legacy
 from conftest import assert_failed_cleanly
 from test_megatron_deepseek import ADAPTER, config_of, fixture
 
@@ -103,7 +104,7 @@ def test_unnormalised_sigmoid_weights_are_refused():
 def test_mla_down_projections_split_on_rows_or_whole_on_every_rank():
     """The local spec splits MLA's down projections over TP (the fixtures); Transformer Engine's keeps them whole
     on every rank ('duplicated'): the rows a rank holds against the args' tell which."""
-    from ckpttool.engine.layout_builder import LayoutBuilder
+    from ckpttool.layout.builder import LayoutBuilder
 
     builder = LayoutBuilder("x", megatron_legacy.NAME)
     builder.set_parallel(tp=2, pp=1, ep=1)
@@ -121,7 +122,7 @@ def test_mla_down_projections_split_on_rows_or_whole_on_every_rank():
 
 
 def test_legacy_mtp_layer_beyond_the_args_is_refused_and_its_experts_renumbered():
-    from ckpttool.engine.layout_builder import LayoutBuilder
+    from ckpttool.layout.builder import LayoutBuilder
 
     builder = LayoutBuilder("x", megatron_legacy.NAME)
     builder.set_parallel(tp=1, pp=2, ep=2)

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ckpttool
-from ckpttool.architecture import model_info
+from ckpttool.model.architecture import model_info
 from ckpttool.families import map_to_hf
 from ckpttool.readers import read_layout
 from conftest import FIXTURES, assert_failed_cleanly, load_output, tree_digest

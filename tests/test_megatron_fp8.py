@@ -42,7 +42,7 @@ from conftest import FIXTURES, load_output
 
 import ckpttool
 from ckpttool.errors import UnsafePickleError
-from ckpttool.readers.megatron_fp8 import dcp_extra_states, notes
+from ckpttool.readers.megatron.fp8 import dcp_extra_states, notes
 
 FIXTURE = FIXTURES / "megatron_fp8_tp2"
 NOTE = ("trained in FP8 (fp8='hybrid', fp8_recipe='delayed', fp8_param_gather): the weights are stored in their "

@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig
 
 import ckpttool
-from ckpttool.engine.layout import Fusion
-from ckpttool.sidecar import PieceSpec, save_shard
+from ckpttool.layout.layout import Fusion
+from ckpttool.io.sidecar import PieceSpec, save_shard
 from conftest import load_output
 
 SMALL = dict(vocab_size=1001, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -171,7 +171,7 @@ def test_unknown_architecture_merges_generically(tmp_path):
 
 
 def test_model_descriptions_are_cached_by_config_and_transformers_version(tmp_path, monkeypatch):
-    import ckpttool.architecture as models
+    import ckpttool.model.architecture as models
 
     monkeypatch.setenv("CKPTTOOL_CACHE", str(tmp_path / "cache"))
     config = json.loads((Path(__file__).resolve().parent.parent / "fixtures" / "mixtral_fsdp2_dcp" / "reference" / "config.json").read_text())
@@ -188,7 +188,7 @@ def test_model_descriptions_are_cached_by_config_and_transformers_version(tmp_pa
 
 
 def test_a_damaged_or_unwritable_cache_is_ignored(tmp_path, monkeypatch):
-    import ckpttool.architecture as models
+    import ckpttool.model.architecture as models
 
     config = dict(FAMILIES["mistral"].to_dict())
     monkeypatch.setenv("CKPTTOOL_CACHE", str(tmp_path / "cache"))

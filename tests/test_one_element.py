@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpttool.sidecar import PieceSpec, save_shard
+from ckpttool.io.sidecar import PieceSpec, save_shard
 
 #: one of each shape where dims of size 1 can end up without a stride (the last dim, every dim, no dim)
 TENSORS = {

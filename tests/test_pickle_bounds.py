@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ckpttool.errors import PickleBombError, SourceError
-from ckpttool.pickle_bounds import MAX_DEPTH, bound_graph
-from ckpttool.safe_pickle import load_metadata_pickle
-from ckpttool.torch_save import locate, scan
+from ckpttool.io.pickle_bounds import MAX_DEPTH, bound_graph
+from ckpttool.io.safe_pickle import load_metadata_pickle
+from ckpttool.io.torch_save import locate, scan
 from conftest import FIXTURES, fixture_dir
 
 

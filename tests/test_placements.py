@@ -1,4 +1,4 @@
-"""DTensor placement arithmetic (``ckpttool.placements``): the regions a rank holds are the ones torch computes.
+"""DTensor placement arithmetic (``ckpttool.layout.placements``): the regions a rank holds are the ones torch computes.
 
 The verl reader reads placements from pickles and uses this arithmetic; the live gather uses torch's own
 ``compute_local_shape_and_global_offset`` on live DTensors. These tests hold the two to the same answers: for
@@ -17,8 +17,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ckpttool.engine.layout import Box
-from ckpttool.placements import Placement, local_ranges, local_shape, range_pieces
+from ckpttool.layout.layout import Box
+from ckpttool.layout.placements import Placement, local_ranges, local_shape, range_pieces
 
 
 class _MeshAt:

@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from ckpttool.errors import CoverageError, SourceError
-from ckpttool.engine.reference import PieceLoader, assemble
-from ckpttool.engine.layout import RAW, Box, Fusion, Layout, Padding, Piece
-from ckpttool.engine.layout_builder import LayoutBuilder
-from ckpttool.engine.plan import Copy, Slice, TargetSpec, check_tiling, plan_merge, uncovered
-from ckpttool.safetensors_format import read_header
+from ckpttool.execute.reference import PieceLoader, assemble
+from ckpttool.layout.layout import RAW, Box, Fusion, Layout, Padding, Piece
+from ckpttool.layout.builder import LayoutBuilder
+from ckpttool.plan.plan import Copy, Slice, TargetSpec, check_tiling, plan_merge, uncovered
+from ckpttool.io.safetensors_format import read_header
 from conftest import HYPOTHESIS_EXAMPLES
 
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}

@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 
 from ckpttool.errors import UnsafePickleError
-from ckpttool.readers import colossalai, deepspeed, megatron, verl
-from ckpttool.safe_pickle import load_metadata_pickle
-from ckpttool.torch_save import scan
+from ckpttool.readers import colossalai
+from ckpttool.readers.deepspeed import reader as deepspeed
+from ckpttool.readers.megatron import common as megatron
+from ckpttool.readers.verl import reader as verl
+from ckpttool.io.safe_pickle import load_metadata_pickle
+from ckpttool.io.torch_save import scan
 from conftest import FIXTURES, load_output
 
 COMMITTED = FIXTURES / "python3112"  # written by Debian's /usr/bin/python3 (3.11.2): enums by name

@@ -16,8 +16,8 @@ from test_quantized import QWEN3, checkpoint
 from test_quantized_merge import assert_bitwise
 
 import ckpttool
-from ckpttool.engine.executor import Reader, buffer_sizes, build, chunks, piece_uses
-from ckpttool.engine.reference import PieceLoader, assemble
+from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+from ckpttool.execute.reference import PieceLoader, assemble
 from ckpttool.errors import ArgumentError, ConfigError
 from ckpttool.families.quantize import not_converted, quantizes
 

@@ -38,7 +38,7 @@ def checkpoint(name: str) -> Path:
 
 
 def scratch(name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-    from ckpttool.dtypes import torch_dtype
+    from ckpttool.io.dtypes import torch_dtype
 
     return torch.empty(shape, dtype=torch_dtype(dtype))
 
@@ -266,7 +266,7 @@ def test_the_model_check_accepts_only_the_quantized_tensors_of_the_architecture(
 def test_an_fp8_release_with_an_mtp_layer_merges_as_itself_scales_included(tmp_path):
     """DeepSeek-V3's FP8 release quantizes its MTP layer (``model.layers.61.*.weight_scale_inv``): those scales are
     expected like the main layers' ones, never 'unexpected'."""
-    from ckpttool.architecture import model_info
+    from ckpttool.model.architecture import model_info
     from ckpttool.families import mtp
 
     def add_mtp(tensors, config):

@@ -73,8 +73,8 @@ def test_the_statistics_are_those_of_the_dequantized_weights():
 
 
 def _fingerprint(directory, name):
-    from ckpttool.dtypes import dtype_name
-    from ckpttool.engine.plan import Target
+    from ckpttool.io.dtypes import dtype_name
+    from ckpttool.plan.plan import Target
 
     tensor = load_output(directory)[name]
     stats = Statistics(Target(name, tuple(tensor.shape), dtype_name(tensor.dtype), dtype_name(tensor.dtype), (), ()))

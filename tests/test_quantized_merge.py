@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 from test_quantized import DEEPSEEK, GPT_OSS, QWEN3, checkpoint
 
 import ckpttool
-from ckpttool.engine.executor import Reader, buffer_sizes, build, chunks, piece_uses
-from ckpttool.engine.reference import PieceLoader, assemble
+from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+from ckpttool.execute.reference import PieceLoader, assemble
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

@@ -17,7 +17,7 @@ from test_quantized_merge import assert_bitwise, fp8_oracle
 
 import ckpttool
 from ckpttool.errors import ConfigError
-from ckpttool.sidecar import PieceSpec, save_shard
+from ckpttool.io.sidecar import PieceSpec, save_shard
 
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")  # split on columns, as Megatron and torch's TP plans do
 

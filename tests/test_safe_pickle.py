@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckpttool.errors import SourceError, UnsafePickleError
-from ckpttool.safe_pickle import load_metadata_pickle
+from ckpttool.io.safe_pickle import load_metadata_pickle
 
 STATE = {
     "model.embed_tokens.weight": torch.arange(35, dtype=torch.float32).reshape(7, 5),

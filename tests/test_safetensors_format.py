@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpttool.dtypes import dtype_name
+from ckpttool.io.dtypes import dtype_name
 from ckpttool.errors import SourceError
-from ckpttool.safetensors_format import MAX_HEADER_BYTES, encode_header, read_header
+from ckpttool.io.safetensors_format import MAX_HEADER_BYTES, encode_header, read_header
 
 LABEL = "rank-00001-of-00004.safetensors"
 

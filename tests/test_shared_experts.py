@@ -87,9 +87,9 @@ def test_shared_expert_cut_follows_megatrons_glu_chunk():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from ckpttool.architecture import ModelInfo
-    from ckpttool.families import megatron_core
-    from ckpttool.engine.layout import Layout, TensorLayout
+    from ckpttool.model.architecture import ModelInfo
+    from ckpttool.families.conventions import megatron_core
+    from ckpttool.layout.layout import Layout, TensorLayout
 
     @settings(max_examples=30, deadline=None)
     @given(st.integers(1, 3), st.integers(1, 6), st.integers(1, 4), st.booleans())
@@ -135,7 +135,7 @@ def test_dcp_names_of_the_shared_expert_are_already_its_on_disk_names():
     """transformers keeps routed experts stacked in memory but the shared expert as on disk: no rule renames it."""
     import json
 
-    from ckpttool.architecture import model_info
+    from ckpttool.model.architecture import model_info
     from ckpttool.readers import read_layout
 
     info = model_info(json.loads((DCP / "checkpoint" / "config.json").read_text()))

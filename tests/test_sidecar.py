@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 import ckpttool
 from ckpttool.errors import CoverageError, SourceError, SourceNotFoundError
-from ckpttool.engine.layout import Fusion, Padding
-from ckpttool.sidecar import FORMAT, SUFFIX, VERSION, PieceSpec, parse_sidecar, save_shard, shard_name
+from ckpttool.layout.layout import Fusion, Padding
+from ckpttool.io.sidecar import FORMAT, SUFFIX, VERSION, PieceSpec, parse_sidecar, save_shard, shard_name
 
 WORLD = 4
 EMBED, NORM, PROJ = "model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.o_proj.weight"

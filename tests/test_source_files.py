@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpttool.config_sizes import CHEAP_LAYERS, MAX_LAYERS, Census, check_config_sizes
+from ckpttool.model.config_sizes import CHEAP_LAYERS, MAX_LAYERS, Census, check_config_sizes
 from ckpttool.errors import ConfigError, SourceError
-from ckpttool.paths import open_source, read_source, read_tag
-from ckpttool.sidecar import PieceSpec, save_shard
+from ckpttool.io.paths import open_source, read_source, read_tag
+from ckpttool.io.sidecar import PieceSpec, save_shard
 from conftest import FIXTURES, assert_failed_cleanly
 from test_pickle_bounds import within
 

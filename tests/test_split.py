@@ -22,9 +22,9 @@ from test_split_archive import masked
 from torch.distributed.checkpoint import FileSystemReader
 
 import ckpttool
-from ckpttool.engine.layout import Box
+from ckpttool.layout.layout import Box
 from ckpttool.errors import ArgumentError, ConfigError, OutputError
-from ckpttool.meshes import Sharding
+from ckpttool.commands.meshes import Sharding
 from conftest import assert_failed_cleanly, fixture_dir, load_output, tree_digest
 
 LLAMA = fixture_dir("llama_fsdp2_dcp") / "reference"

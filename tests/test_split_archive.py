@@ -17,8 +17,8 @@ import zlib
 import pytest
 import torch
 
-from ckpttool.dtypes import dtype_name
-from ckpttool.torch_save import locate
+from ckpttool.io.dtypes import dtype_name
+from ckpttool.io.torch_save import locate
 from ckpttool.writers.torch_archive import TensorArchive, crc32_combine
 
 SERIAL = b"archive/.data/serialization_id"

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import ckpttool
 from ckpttool.errors import ArgumentError, ConfigError
-from ckpttool.families import megatron_core
+from ckpttool.families.conventions import megatron_core
 
 MEGATRON_VENV = Path(os.environ.get("CKPTTOOL_MEGATRON_VENV", "/work/venv-megatron"))
 CONSUMER = Path(__file__).with_name("megatron_consumer.py")
@@ -266,8 +266,8 @@ def test_json_dry_run_reports_the_megatron_mesh(cli, tmp_path):
 
 def test_the_megatron_names_come_from_the_merge_cut_turned_around():
     """from_hf is to_hf's boxes reversed: cutting the Megatron tensors it describes gives back every HF element."""
-    from ckpttool.families.megatron_back import from_hf
-    from ckpttool.merge import prepare
+    from ckpttool.families.conventions.megatron_back import from_hf
+    from ckpttool.commands.merge import prepare
 
     case = fixture("qwen2moe_tp2_ep2")
     info = prepare(case / "reference", config=case / "config.json").model

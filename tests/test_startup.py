@@ -6,9 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from ckpttool import choices
+from ckpttool.cli import choices
 from ckpttool.readers import READERS
-from ckpttool.split import TARGETS
+from ckpttool.commands.split import TARGETS
 
 HEAVY = ("torch", "transformers", "numpy", "safetensors")
 
@@ -37,7 +37,7 @@ def test_the_package_loads_its_api_on_first_use() -> None:
     assert _imported_after("import ckpttool") == []
     # ckpttool.merge no longer imports torch with its module (a dry run needs none: tests/test_torch_free.py), so
     # the module's arrival is the sign the API loaded on first use
-    loads = "import ckpttool, sys\nassert 'ckpttool.merge' not in sys.modules\nckpttool.merge\nprint('ckpttool.merge' in sys.modules)"
+    loads = "import ckpttool, sys\nassert 'ckpttool.commands.merge' not in sys.modules\nckpttool.merge\nprint('ckpttool.commands.merge' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", loads], capture_output=True, text=True, check=True).stdout == "True\n"
 
 
@@ -51,7 +51,7 @@ def test_split_choices_are_the_split_targets() -> None:
 
 def test_api_names_stay_the_functions_after_their_modules_load() -> None:
     import ckpttool.audit.report_html  # binds nothing over the function ckpttool.audit
-    import ckpttool.diff
+    import ckpttool.commands.diff
 
     assert callable(ckpttool.merge) and callable(ckpttool.audit) and callable(ckpttool.diff)
     assert callable(ckpttool.split)

@@ -3,7 +3,7 @@ sidecar checkpoint plan from headers and JSON, so they run without importing tor
 start-up), nor transformers once the architecture's description is cached.
 
 Each command runs in a fresh interpreter (torch, once imported, stays in ``sys.modules``); the first run of a
-source warms the description cache (:mod:`ckpttool.architecture`), the second is the one checked.
+source warms the description cache (:mod:`ckpttool.model.architecture`), the second is the one checked.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpttool.deferred import torch as deferred_torch
-from ckpttool.sidecar import PieceSpec, save_shard
+from ckpttool.fast.deferred import torch as deferred_torch
+from ckpttool.io.sidecar import PieceSpec, save_shard
 from conftest import fixture_dir
 
 HEAVY = ("torch", "transformers")

@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from ckpttool.dtypes import itemsize
-from ckpttool.torch_save import locate
+from ckpttool.io.dtypes import itemsize
+from ckpttool.io.torch_save import locate
 
 
 def saved(obj) -> bytes:
@@ -69,8 +69,8 @@ def test_a_malicious_pickle_is_not_run(tmp_path):
 def test_scan_a_training_checkpoint_with_allowed_args(tmp_path):
     import argparse
 
-    from ckpttool.safe_pickle import Record
-    from ckpttool.torch_save import scan
+    from ckpttool.io.safe_pickle import Record
+    from ckpttool.io.torch_save import scan
 
     flat = torch.arange(30, dtype=torch.float32)
     state = {
@@ -100,7 +100,7 @@ def test_scan_refuses_what_it_does_not_allow(tmp_path):
     import pytest
 
     from ckpttool.errors import SourceError, UnsafePickleError
-    from ckpttool.torch_save import scan
+    from ckpttool.io.torch_save import scan
 
     path = tmp_path / "ckpt.pt"
     torch.save({"args": argparse.Namespace(x=1), "w": torch.ones(2)}, path)
@@ -115,7 +115,7 @@ def test_a_tensor_not_stored_in_place_is_named(tmp_path):
     import pytest
 
     from ckpttool.errors import SourceError
-    from ckpttool.torch_save import scan
+    from ckpttool.io.torch_save import scan
 
     buffer = io.BytesIO()
     torch.save({"w": torch.arange(12.0).reshape(3, 4).t()}, buffer)

@@ -22,11 +22,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckpttool
-from ckpttool.readers import detect_format, verl
-from ckpttool.placements import Placement, local_ranges
-from ckpttool.readers.verl_entries import _mesh
-from ckpttool.safe_pickle import Record
-from ckpttool.torch_save import StoredTensor
+from ckpttool.readers import detect_format
+from ckpttool.readers.verl import reader as verl
+from ckpttool.layout.placements import Placement, local_ranges
+from ckpttool.readers.verl.entries import _mesh
+from ckpttool.io.safe_pickle import Record
+from ckpttool.io.torch_save import StoredTensor
 
 MODELS = ("verl_llama_fsdp4", "verl_llama_dp2_tp2")
 INPUT_IDS = torch.tensor([[1, 5, 9, 42, 100, 999, 1000, 7]])

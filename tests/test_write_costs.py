@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 
 import ckpttool
-from ckpttool.engine.executor import chunks, piece_uses
-from ckpttool.safetensors_format import encode_header
+from ckpttool.execute.executor import chunks, piece_uses
+from ckpttool.io.safetensors_format import encode_header
 from ckpttool.writers.hf import assign_files, plan_id
 from conftest import fixture_dir
 
@@ -78,7 +78,7 @@ def test_a_checkpoint_of_raw_pieces_counts_no_archive():
 def test_the_progress_total_is_summed_once_not_per_chunk(tmp_path, monkeypatch):
     """The total handed to ``progress`` is a sum over every target: summed per chunk, a 90k-tensor merge with its
     progress bar took half an hour (quadratic) instead of seconds."""
-    from ckpttool.engine.plan import Plan
+    from ckpttool.plan.plan import Plan
 
     real, sums, calls = Plan.nbytes, [0], []
     monkeypatch.setattr(Plan, "nbytes", property(lambda plan: sums.__setitem__(0, sums[0] + 1) or real.fget(plan)))
