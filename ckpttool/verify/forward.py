@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from ckpttool.io import jsonfile
 from ckpttool.errors import ConfigError, SourceError, SourceNotFoundError
 from ckpttool.io.paths import JSON_LIMIT, read_source
-from ckpttool.verify.guard import check_config, refuse_remote_code
+from ckpttool.verify.guard import check_config, check_layers, refuse_remote_code
 from ckpttool.verify.prompt import choose_input
 from ckpttool.io.safetensors_format import read_header
 
@@ -170,6 +170,7 @@ def run_forward(path: Path, input_ids: list[int], *, stream: bool = True) -> For
     stored = stored_shapes(path)  # every header read and checked before transformers opens a file
     if not stored:
         raise SourceNotFoundError(f"'{path}': no safetensors weights (model.safetensors or an index and its files)")
+    check_layers(path, config, len(stored))
     with tempfile.TemporaryDirectory(prefix="ckpttool-verify-") as offload, _quiet_transformers():
         placement: dict[str, Any] = {"device_map": {"": "disk"}, "offload_folder": offload} if stream else {}
         try:

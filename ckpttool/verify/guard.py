@@ -170,3 +170,17 @@ def _check_quantization(file: Path, config: dict[str, Any]) -> None:
         raise ConfigError(f"'{file}': quantization_config.quant_method is {method!r}, which transformers "
                           f"{transformers.__version__} does not know; it cannot load the model (known: "
                           f"{', '.join(sorted(AUTO_QUANTIZATION_CONFIG_MAPPING))})")
+
+
+def check_layers(path: Path, config: dict[str, Any], tensors: int) -> None:
+    """Refuse a ``num_hidden_layers`` larger than the number of ``tensors`` the checkpoint stores: every decoder
+    layer has weights of its own, and building a billion of them (on the meta device even) never ends.
+
+    Raises:
+        ConfigError: naming ``path``'s ``config.json`` and the key.
+    """
+    for prefix, section in (("", config), ("text_config.", config.get("text_config"))):
+        layers = section.get("num_hidden_layers") if isinstance(section, dict) else None
+        if isinstance(layers, int) and layers > tensors:
+            raise ConfigError(f"'{path / 'config.json'}': {prefix}num_hidden_layers is {layers}, more than the "
+                              f"{tensors} tensors the checkpoint stores (each layer has weights of its own)")
