@@ -185,6 +185,15 @@ def test_the_api_refuses_it_too_and_the_audit_never_runs_it(tiny, tmp_path, cli)
     ({"max_position_embeddings": 4}, "max_position_embeddings is 4, fewer than the 16 tokens verify feeds; feed at "
                                      "most 4 (--tokens 4)"),
     ({"text_config": {"pad_token_id": 99, "vocab_size": 10}}, "text_config.pad_token_id is 99, outside the vocabulary"),
+    ({"dtype": "nosuch"}, "dtype is \"nosuch\"; it must name a torch dtype (\"float32\", \"bfloat16\", ...) or be \"auto\""),
+    ({"torch_dtype": 5}, "torch_dtype is 5; it must name a torch dtype"),
+    # what transformers' own validators reject, in their words (which name the field)
+    ({"num_attention_heads": 5}, "transformers rejects this config (StrictDataclassClassValidationError: Class "
+                                 "validation error for validator 'validate_architecture': ValueError: The hidden size "
+                                 "(32) is not a multiple of the number of attention heads (5).)"),
+    ({"rms_norm_eps": "x"}, "Field 'rms_norm_eps' expected float, got str"),
+    ({"model_type": "nosuch", "architectures": None}, "transformers rejects this config (ValueError: The checkpoint "
+                                                      "you are trying to load has model type `nosuch`"),
 ])
 def test_hostile_config_values_are_bad_input_named_by_key(tiny, tmp_path, cli, scratch, change, message):
     model = copy(tiny, tmp_path / "model", **change)
@@ -194,6 +203,16 @@ def test_hostile_config_values_are_bad_input_named_by_key(tiny, tmp_path, cli, s
     assert "Traceback" not in result.output and "internal error" not in result.output
     assert f"Error: '{model / 'config.json'}': " in result.stderr and message in result.stderr, result.stderr
     assert {p.name: p.read_bytes() for p in model.iterdir()} == before and not list(scratch.iterdir())
+
+
+def test_a_name_transformers_does_not_know_is_named(tiny, tmp_path, cli, scratch):
+    for change in ({"hidden_act": "nosuch"}, {"rope_parameters": {"rope_type": "nosuch"}}):
+        model = copy(tiny, tmp_path / f"model-{len(list(tmp_path.iterdir()))}", **change)
+        result = cli("verify", model)
+        assert result.exit_code == 1 and "Traceback" not in result.output and "internal error" not in result.output
+        assert (f"Error: '{model}': transformers cannot load it as LlamaForCausalLM: its config names 'nosuch', "
+                f"which transformers does not know") in result.stderr, result.stderr
+    assert not list(scratch.iterdir())
 
 
 def test_the_position_bound_follows_the_tokens_fed(tiny, tmp_path, cli):

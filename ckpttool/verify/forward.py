@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from ckpttool.io import jsonfile
 from ckpttool.errors import ConfigError, SourceError, SourceNotFoundError
 from ckpttool.io.paths import JSON_LIMIT, read_source
-from ckpttool.verify.guard import check_config, check_layers, refuse_remote_code
+from ckpttool.verify.guard import check_config, check_layers, check_with_transformers, refuse_remote_code
 from ckpttool.verify.prompt import choose_input
 from ckpttool.io.safetensors_format import read_header
 
@@ -167,6 +167,8 @@ def run_forward(path: Path, input_ids: list[int], *, stream: bool = True) -> For
     refuse_remote_code(path)  # before transformers reads a file: it would ask on stdin whether to run the code
     check_config(path, config, len(input_ids))
     cls = model_class(path, config)
+    with _quiet_transformers():
+        check_with_transformers(path, cls)
     stored = stored_shapes(path)  # every header read and checked before transformers opens a file
     if not stored:
         raise SourceNotFoundError(f"'{path}': no safetensors weights (model.safetensors or an index and its files)")
@@ -182,9 +184,14 @@ def run_forward(path: Path, input_ids: list[int], *, stream: bool = True) -> For
             asks = f"quantization_config.quant_method {method!r}" if method else "its config"
             raise ConfigError(f"'{path / 'config.json'}': transformers cannot load it as {cls.__name__} here: {asks} "
                               f"needs a package that is not installed ({e})") from None
-        except (OSError, ValueError, RuntimeError, KeyError, SafetensorError, AssertionError, TypeError,
-                IndexError) as e:  # transformers checks a config with several exception types, asserts included
+        except KeyError as e:  # a name the config gives that transformers has no entry for ('silu2', a rope_type)
+            raise SourceError(f"'{path}': transformers cannot load it as {cls.__name__}: its config names {e}, "
+                              f"which transformers does not know") from None
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
             raise SourceError(f"'{path}': transformers cannot load it as {cls.__name__}: {e}") from None
+        except Exception as e:  # on a config and weights it was given, transformers fails in ways of its own
+            raise SourceError(f"'{path}': transformers cannot load it as {cls.__name__} ({type(e).__name__}: "
+                              f"{e})") from None
         name = type(model).__name__
         mtp = _mtp_keys(config, info.get("unexpected_keys") or ())
         info = {**info, "unexpected_keys": [k for k in info.get("unexpected_keys") or () if k not in mtp]}

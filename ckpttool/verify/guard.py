@@ -108,12 +108,26 @@ def check_config(path: Path, config: dict[str, Any], positions: int | None = Non
         if isinstance(sub, dict):
             sections.append((f"{name}.", sub))
     for prefix, section in sections:
+        _check_dtype(file, prefix, section)
         _check_sizes(file, prefix, section)
         _check_pad(file, prefix, section, config)
         _check_kernels(file, prefix, section)
         if positions is not None:
             _check_positions(file, prefix, section, positions)
     _check_quantization(file, config)
+
+
+def _check_dtype(file: Path, prefix: str, section: dict[str, Any]) -> None:
+    import torch
+
+    for key in ("dtype", "torch_dtype"):
+        value = section.get(key)
+        values = value.values() if isinstance(value, dict) else [value]  # per sub-model dtypes
+        for v in values:
+            if v is None or v == "auto" or (isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype)):
+                continue
+            raise ConfigError(f"'{file}': {prefix}{key} is {_short(v)}; it must name a torch dtype (\"float32\", "
+                              f"\"bfloat16\", ...) or be \"auto\"")
 
 
 def _check_sizes(file: Path, prefix: str, section: dict[str, Any]) -> None:
@@ -184,3 +198,30 @@ def check_layers(path: Path, config: dict[str, Any], tensors: int) -> None:
         if isinstance(layers, int) and layers > tensors:
             raise ConfigError(f"'{path / 'config.json'}': {prefix}num_hidden_layers is {layers}, more than the "
                               f"{tensors} tensors the checkpoint stores (each layer has weights of its own)")
+
+
+def check_with_transformers(path: Path, cls: type) -> None:
+    """Let transformers parse the config as loading ``cls`` will (its own config class, never remote code), so
+    that what its validators reject (``hidden_size`` not a multiple of the heads, a string ``rms_norm_eps``) is a
+    named :class:`ConfigError` rather than a failure somewhere inside the load.
+
+    Raises:
+        ConfigError: transformers rejects the config; its message names the field.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    config_class = getattr(cls, "config_class", None)
+    try:
+        if isinstance(config_class, type) and issubclass(config_class, PretrainedConfig) \
+                and config_class is not PretrainedConfig:
+            config_class.from_pretrained(str(path), local_files_only=True)
+        else:
+            AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # transformers validates with its own error classes, not all of them ValueErrors
+        raise ConfigError(f"'{path / 'config.json'}': transformers rejects this config ({type(e).__name__}: "
+                          f"{_first_lines(str(e))})") from None
+
+
+def _first_lines(message: str, lines: int = 3) -> str:
+    kept = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return " ".join(kept[:lines]) + (" ..." if len(kept) > lines else "")
