@@ -327,3 +327,13 @@ def test_hostile_values_raise_config_errors_in_the_api(tiny, tmp_path):
         text = tmp_path / "t.txt"
         text.write_text("hi")
         verify(tiny, text=text)
+
+
+def test_a_tokenizer_that_does_not_parse_is_named(tiny, tmp_path, cli, scratch):
+    model = copy(tiny, tmp_path / "model")
+    (model / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (model / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 7}}')
+    result = cli("verify", model, "--json")
+    assert result.exit_code == 1 and "Traceback" not in result.output and "internal error" not in result.output
+    assert f"Error: '{model}': its tokenizer does not load: " in result.stderr
+    assert json.loads(result.stdout)["status"] == "error" and not list(scratch.iterdir())
