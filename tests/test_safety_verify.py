@@ -176,7 +176,8 @@ def test_the_api_refuses_it_too_and_the_audit_never_runs_it(tiny, tmp_path, cli)
     ({"attn_implementation": "flash_attention_2"}, "attn_implementation is \"flash_attention_2\"; verify runs the "
                                                    "model with torch's own kernels ('eager' or 'sdpa')"),
     ({"_attn_implementation": "flash_attention_2"}, "_attn_implementation is \"flash_attention_2\""),
-    ({"_attn_implementation": "kernels-community/flash-attn"}, "_attn_implementation is \"kernels-community/flash-attn\""),
+    ({"_attn_implementation": "kernels-community/flash-attn"},
+     "_attn_implementation is \"kernels-community/flash-attn\""),
     ({"experts_implementation": "deepgemm"}, "experts_implementation is \"deepgemm\""),
     ({"num_hidden_layers": -1}, "num_hidden_layers is -1; it must be a positive integer"),
     ({"num_hidden_layers": 0}, "num_hidden_layers is 0; it must be a positive integer"),
@@ -185,7 +186,8 @@ def test_the_api_refuses_it_too_and_the_audit_never_runs_it(tiny, tmp_path, cli)
     ({"max_position_embeddings": 4}, "max_position_embeddings is 4, fewer than the 16 tokens verify feeds; feed at "
                                      "most 4 (--tokens 4)"),
     ({"text_config": {"pad_token_id": 99, "vocab_size": 10}}, "text_config.pad_token_id is 99, outside the vocabulary"),
-    ({"dtype": "nosuch"}, "dtype is \"nosuch\"; it must name a torch dtype (\"float32\", \"bfloat16\", ...) or be \"auto\""),
+    ({"dtype": "nosuch"},
+     "dtype is \"nosuch\"; it must name a torch dtype (\"float32\", \"bfloat16\", ...) or be \"auto\""),
     ({"torch_dtype": 5}, "torch_dtype is 5; it must name a torch dtype"),
     # what transformers' own validators reject, in their words (which name the field)
     ({"num_attention_heads": 5}, "transformers rejects this config (StrictDataclassClassValidationError: Class "
@@ -259,7 +261,8 @@ def test_a_text_of_too_many_tokens_and_a_binary_text_are_refused(tmp_path, cli, 
     result = cli("verify", ref, "--text", text)
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert f"the text of '{text}' to " in result.stderr
-    assert f"tokens; verify feeds at most {MAX_TOKENS} (--text takes a prompt of at most {MAX_TOKENS} tokens)" in result.stderr
+    bound = f"tokens; verify feeds at most {MAX_TOKENS} (--text takes a prompt of at most {MAX_TOKENS} tokens)"
+    assert bound in result.stderr
     binary = tmp_path / "binary.txt"
     binary.write_bytes(b"\xff\xfe\x00bad")
     result = cli("verify", ref, "--text", binary)

@@ -212,7 +212,8 @@ def run_forward(path: Path, input_ids: list[int], *, stream: bool = True) -> For
                 output = model(input_ids=torch.tensor([input_ids], dtype=torch.long))
         except (ValueError, RuntimeError, IndexError, AssertionError, TypeError) as e:
             raise SourceError(f"'{path}': {name} loads but its forward fails on {len(input_ids)} tokens "
-                              f"({type(e).__name__}: {e}); its config and weights do not make a model that runs") from None
+                              f"({type(e).__name__}: {e}); its config and weights do not make a model that "
+                              f"runs") from None
         logits = getattr(output, "logits", None)
         if not isinstance(logits, torch.Tensor):
             raise SourceError(f"'{path}': {name} returns no logits: verify checks causal language models")

@@ -143,7 +143,8 @@ def _check_pad(file: Path, prefix: str, section: dict[str, Any], config: dict[st
         return
     vocab = section.get("vocab_size", config.get("vocab_size"))
     if not isinstance(pad, int) or isinstance(pad, bool):
-        raise ConfigError(f"'{file}': {prefix}pad_token_id is {_short(pad)}; it must be a token id (an integer) or null")
+        raise ConfigError(f"'{file}': {prefix}pad_token_id is {_short(pad)}; it must be a token id (an integer) "
+                          f"or null")
     if isinstance(vocab, int) and not 0 <= pad < vocab:
         raise ConfigError(f"'{file}': {prefix}pad_token_id is {pad}, outside the vocabulary (vocab_size {vocab}: ids "
                           f"0..{vocab - 1}); the embedding cannot pad with it")
