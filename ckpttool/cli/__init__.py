@@ -272,13 +272,15 @@ def diff_command(
 @main.command("verify")
 @click.argument("out", type=click.Path(path_type=str))
 @click.option("--against", "ref", metavar="REF", type=click.Path(path_type=str), help="Reference to compare logits with: an HF directory or any format merge reads.")
-@click.option("--tokens", metavar="N", type=click.IntRange(1, 4096), help="Feed N fixed token ids instead of the tokenizer's fixed sentence.")
-@click.option("--text", metavar="FILE", type=click.Path(path_type=str), help="Feed this text file, tokenized by the checkpoint's tokenizer.")
+@click.option("--tokens", metavar="N", type=click.IntRange(1, 4096), help="Feed N fixed token ids instead of the tokenizer's fixed sentence (at most 4096, ckpttool.verify.MAX_TOKENS).")
+@click.option("--text", metavar="FILE", type=click.Path(path_type=str), help="Feed this text file, tokenized by the checkpoint's tokenizer (at most 1 MiB and 4096 tokens).")
 @click.option("--tolerance", metavar="REL", type=click.FloatRange(0, min_open=True), help="Largest |Δlogit| relative to the reference's logit scale (default by dtype: float32 1e-5, bfloat16 3e-2).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def verify_command(out: str, ref: str | None, tokens: int | None, text: str | None, tolerance: float | None,
                    as_json: bool) -> None:
     """Load OUT with transformers as a user will (strictly) and run a forward; with --against, compare the logits.
+
+    Never runs code shipped in a checkpoint: a config or tokenizer config with an auto_map is refused.
 
     Exit 0: loads, logits sound (and equal to REF's within tolerance); 3: a check fails; 1: cannot run.
     """

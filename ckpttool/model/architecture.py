@@ -227,13 +227,13 @@ def _describe(model_type: str, config: Mapping[str, object], label: str) -> Mode
     if model_type not in CONFIG_MAPPING:
         log.info("transformers %s does not know model_type %r", transformers.__version__, model_type)
         return None
-    try:
+    try:  # for_model builds transformers' own class of model_type (CONFIG_MAPPING): it never imports remote code
         cfg = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
     except Exception as e:  # transformers validates configs with several exception types
         raise ConfigError(f"'{label}': transformers rejects this {model_type} config: {e}") from None
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)  # an auto_map is never run
     except ValueError:
         return None  # a model type transformers knows, but with no causal-LM head: stay generic
     except Exception as e:

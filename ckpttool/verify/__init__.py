@@ -19,9 +19,11 @@ import torch
 
 from ckpttool.errors import ArgumentError, SourceError, SourceNotFoundError
 from ckpttool.verify.forward import Forward, read_config, run_forward
-from ckpttool.verify.prompt import SENTENCE, choose_input
+from ckpttool.verify.guard import check_config, refuse_remote_code
+from ckpttool.verify.prompt import MAX_TOKENS, SENTENCE, TEXT_LIMIT, check_text, check_tokens, choose_input
 
-__all__ = ["SENTENCE", "Comparison", "Tolerance", "TOLERANCES", "VerifyResult", "compare", "tolerance_for", "verify"]
+__all__ = ["MAX_TOKENS", "SENTENCE", "TEXT_LIMIT", "Comparison", "Tolerance", "TOLERANCES", "VerifyResult", "compare",
+           "tolerance_for", "verify"]
 
 @dataclass(frozen=True, slots=True)
 class Tolerance:
@@ -180,22 +182,34 @@ def verify(
         A :class:`VerifyResult`; ``result.ok`` is False when loading was not strict, the logits are not finite or
         carry no information, or they differ from the reference's beyond the tolerance.
 
+    Every path is checked first (``out``, ``against``, ``text``), then each directory's configs, before a
+    reference is merged or transformers reads a file. A directory whose configs name code to import
+    (``auto_map``) is refused: verify never runs code shipped in a checkpoint, and never reads stdin.
+
     Raises:
-        ArgumentError: both ``tokens`` and ``text``, or ``tokens`` below 1.
-        ConfigError, SourceError, SourceNotFoundError: a model cannot be read or loaded.
+        ArgumentError: both ``tokens`` and ``text``, or ``tokens`` outside 1..:data:`MAX_TOKENS`.
+        SourceNotFoundError: ``out`` or ``against`` does not exist.
+        ConfigError: a config names code to import (``auto_map``), or holds a value transformers cannot load
+            (a ``pad_token_id`` outside the vocab, an unknown ``quantization_config.quant_method``, a kernel
+            other than torch's, a non-positive size, fewer ``max_position_embeddings`` than tokens fed).
+        SourceError: ``text`` is larger than :data:`TEXT_LIMIT` bytes or encodes to more than
+            :data:`MAX_TOKENS` tokens; a model cannot be read or loaded.
 
     Example:
         >>> ckpttool.verify("out/llama", against="ckpt/").ok  # doctest: +SKIP
     """
     if tokens is not None and text is not None:
         raise ArgumentError("tokens= and text= both given: feed fixed token ids or a text, not both")
-    if tokens is not None and tokens < 1:
-        raise ArgumentError(f"tokens={tokens}: feed at least one token")
+    if tokens is not None:
+        check_tokens(tokens)
     path = Path(out)
-    config = read_config(path)
+    _check_paths(path, Path(against) if against is not None else None, text)
+    config = _checked_config(path, tokens)
+    if against is not None and Path(against).is_dir():
+        refuse_remote_code(Path(against))  # a sharded reference's own configs, before merge copies them
     with tempfile.TemporaryDirectory(prefix="ckpttool-verify-ref-") as scratch:
         ref = _as_hf(Path(against), Path(scratch)) if against is not None else None
-        ref_config = read_config(ref) if ref is not None else None
+        ref_config = _checked_config(ref, tokens) if ref is not None else None
         ids, source = choose_input(path, ref, config, ref_config, tokens, text)
         output = run_forward(path, ids, stream=stream)
         if ref is None:
@@ -211,6 +225,25 @@ def verify(
     if output.logits.numel() and reference.logits.numel():
         comparison = compare(output.logits, reference.logits, chosen)
     return VerifyResult(tuple(ids), source, output, reference, comparison)
+
+
+def _check_paths(out: Path, against: Path | None, text: str | Path | None) -> None:
+    """Every path argument exists (and the text is small enough) before anything is read or merged."""
+    if not out.is_dir():
+        raise SourceNotFoundError(f"'{out}': no such directory")
+    if against is not None and not against.exists():
+        raise SourceNotFoundError(f"reference '{against}': no such file or directory")
+    if text is not None:
+        check_text(text)
+
+
+def _checked_config(path: Path, tokens: int | None) -> dict[str, object]:
+    """The config of the HF directory ``path``, refused when it names code to run or values transformers
+    cannot load (the length of a text or sentence is checked once it is tokenized)."""
+    config = read_config(path)
+    refuse_remote_code(path)
+    check_config(path, config, tokens)
+    return config
 
 
 def _labelled(forward: Forward, path: str) -> Forward:

@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from ckpttool.io import jsonfile
 from ckpttool.errors import ConfigError, SourceError, SourceNotFoundError
 from ckpttool.io.paths import JSON_LIMIT, read_source
+from ckpttool.verify.guard import check_config, check_layers, check_with_transformers, refuse_remote_code
 from ckpttool.verify.prompt import choose_input
 from ckpttool.io.safetensors_format import read_header
 
@@ -163,17 +164,34 @@ def run_forward(path: Path, input_ids: list[int], *, stream: bool = True) -> For
             the directory (its message says why).
     """
     config = read_config(path)
+    refuse_remote_code(path)  # before transformers reads a file: it would ask on stdin whether to run the code
+    check_config(path, config, len(input_ids))
     cls = model_class(path, config)
+    with _quiet_transformers():
+        check_with_transformers(path, cls)
     stored = stored_shapes(path)  # every header read and checked before transformers opens a file
     if not stored:
         raise SourceNotFoundError(f"'{path}': no safetensors weights (model.safetensors or an index and its files)")
+    check_layers(path, config, len(stored))
     with tempfile.TemporaryDirectory(prefix="ckpttool-verify-") as offload, _quiet_transformers():
         placement: dict[str, Any] = {"device_map": {"": "disk"}, "offload_folder": offload} if stream else {}
         try:
             model, info = cls.from_pretrained(str(path), dtype="auto", output_loading_info=True,
-                                              ignore_mismatched_sizes=True, **placement)
-        except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:
+                                              ignore_mismatched_sizes=True, trust_remote_code=False, **placement)
+        except ImportError as e:  # a quantization or kernel package this machine lacks: the config asks for it
+            quant = config.get("quantization_config")
+            method = quant.get("quant_method") if isinstance(quant, dict) else None
+            asks = f"quantization_config.quant_method {method!r}" if method else "its config"
+            raise ConfigError(f"'{path / 'config.json'}': transformers cannot load it as {cls.__name__} here: {asks} "
+                              f"needs a package that is not installed ({e})") from None
+        except KeyError as e:  # a name the config gives that transformers has no entry for ('silu2', a rope_type)
+            raise SourceError(f"'{path}': transformers cannot load it as {cls.__name__}: its config names {e}, "
+                              f"which transformers does not know") from None
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
             raise SourceError(f"'{path}': transformers cannot load it as {cls.__name__}: {e}") from None
+        except Exception as e:  # on a config and weights it was given, transformers fails in ways of its own
+            raise SourceError(f"'{path}': transformers cannot load it as {cls.__name__} ({type(e).__name__}: "
+                              f"{e})") from None
         name = type(model).__name__
         mtp = _mtp_keys(config, info.get("unexpected_keys") or ())
         info = {**info, "unexpected_keys": [k for k in info.get("unexpected_keys") or () if k not in mtp]}
@@ -189,8 +207,13 @@ def run_forward(path: Path, input_ids: list[int], *, stream: bool = True) -> For
         if info.get("missing_keys") or info.get("mismatched_keys"):  # offloaded, such a model has holes, not noise
             notes.append("no forward was run: the model does not load strictly")
             return Forward(str(path), name, dtype, tuple(problems), tuple(notes), torch.empty(0))
-        with torch.no_grad():
-            output = model(input_ids=torch.tensor([input_ids], dtype=torch.long))
+        try:
+            with torch.no_grad():
+                output = model(input_ids=torch.tensor([input_ids], dtype=torch.long))
+        except (ValueError, RuntimeError, IndexError, AssertionError, TypeError) as e:
+            raise SourceError(f"'{path}': {name} loads but its forward fails on {len(input_ids)} tokens "
+                              f"({type(e).__name__}: {e}); its config and weights do not make a model that "
+                              f"runs") from None
         logits = getattr(output, "logits", None)
         if not isinstance(logits, torch.Tensor):
             raise SourceError(f"'{path}': {name} returns no logits: verify checks causal language models")
