@@ -76,6 +76,21 @@ def test_a_cropped_edge_block_is_named_with_its_cropped_rows_and_the_count_of_ba
     )
 
 
+def test_the_file_named_is_the_shard_that_holds_the_bad_scale(tmp_path, cli):
+    from safetensors.torch import load_file, save_file
+
+    ckpttool.merge(checkpoint(QWEN3), tmp_path / "sharded", max_shard_size="20KB")  # kept quantized, several files
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = index[Q + "_scale_inv"]
+    assert len(set(index.values())) > 1
+    tensors = load_file(tmp_path / "sharded" / shard)
+    tensors[Q + "_scale_inv"][2, 3] = float("nan")
+    save_file(tensors, tmp_path / "sharded" / shard, metadata={"format": "pt"})
+    result = _merge(cli, tmp_path / "sharded", tmp_path / "out")
+    assert_failed_cleanly(result, tmp_path / "out", f"'{Q}': cannot dequantize row block 2, column block 3 (rows "
+                          f"16..24, columns 24..32): its scale '{Q}_scale_inv'[2, 3] in '{shard}' is NaN")
+
+
 def test_an_e8m0_nan_byte_among_fp8_ue8m0_scales_stops_the_merge(tmp_path, cli):
     """FP8 with ``scale_fmt: ue8m0`` may store its scales as bytes (``U8``, value ``2 ** (byte - 127)``): 0xFF is
     E8M0's NaN."""

@@ -217,7 +217,8 @@ def _refuse_bad_scale(chunk: Chunk, rows: Box, bad: BadScale | None) -> None:
     own audit reads headers only). Checked as the scale rows stream by: they are few."""
     scale = chunk.target.scale
     if bad is not None and scale is not None:
-        files = sorted({c.piece.file for c in scale.copies if c.dst.intersect(rows) is not None})
+        files = [c.piece.file for c in scale.copies  # the piece that holds the bad scale (of a sharded one, too)
+                 if all(o <= i < o + n for i, o, n in zip(bad.index, c.dst.offsets, c.dst.sizes))]
         raise SourceError(bad.message(chunk.target.name, scale.name, files[0] if files else None,
                                       (rows.offsets[0], rows.offsets[0] + rows.sizes[0])))
 
