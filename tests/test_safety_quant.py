@@ -284,3 +284,20 @@ def test_sound_releases_still_dequantize(tmp_path):
         result = ckpttool.merge(checkpoint(fixture), tmp_path / fixture, dtype="bfloat16")
         assert result.audit.ok
         assert all(torch.isfinite(t.float()).all() for t in load_output(tmp_path / fixture).values())
+
+
+def test_a_stacked_fp8_weights_bad_scale_is_named_by_expert_and_block():
+    """A stacked [E, O, I] weight's chunks are experts: the index is the expert's, the block within its matrix."""
+    scales = torch.ones(2, 3, 5)
+    scales[1, 2, 4] = float("inf")
+    decoder = Fp8Blocks((8, 8), ndim=3)
+    assert decoder.bad_scale(scales[:1], 0, (2, 20, 40)) is None
+    bad = decoder.bad_scale(scales[1:], 1, (2, 20, 40))
+    assert (bad.index, bad.value, bad.count) == ((1, 2, 4), "inf", 1)
+    assert bad.block == "expert 1, row block 2, column block 4 (rows 16..20, columns 32..40)"
+
+
+def test_scales_of_an_integer_dtype_never_reach_the_arithmetic():
+    """The plan refuses them (quant-scale-dtype); a decoder given them anyway says so rather than use them."""
+    with pytest.raises(ValueError, match="scales of dtype torch.int8 are not a scale format a decoder reads"):
+        Fp8Blocks((8, 8)).bad_scale(torch.ones(2, 2, dtype=torch.int8), 0, (16, 16))
