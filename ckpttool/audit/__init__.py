@@ -75,7 +75,8 @@ def audit(
         config: ``config.json`` or a directory holding it; found in or next to ``src`` when None.
         format: reader name; detected when None.
         data: read tensor data (NaN/Inf, zeros, identical experts, outliers, replicas); False reads only
-            headers and metadata.
+            headers and metadata, and the scale tensors of a quantized checkpoint (one scale per block of
+            weights: a NaN, infinite, zero or negative one is an error finding either way).
         progress: called as ``progress(bytes_just_read, total_bytes)`` during the data checks.
 
     Raises:
@@ -93,7 +94,7 @@ def audit(
         check_config_sizes(config_dict, str(config_path), lambda: census(root, format))
         model = model_info(config_dict, label=str(config_path))
     return check(root, config_path=config_path, config=config_dict, model=model, format=format, data=data,
-                 progress=progress)
+                 progress=progress, read_scales=True)
 
 
 def check(
@@ -105,8 +106,13 @@ def check(
     format: str | None = None,
     data: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    read_scales: bool = False,
 ) -> Report:
-    """:func:`audit` with the config already found and the architecture already built (the merge's case)."""
+    """:func:`audit` with the config already found and the architecture already built (the merge's case).
+
+    ``read_scales``: read a quantized checkpoint's scale tensors (and report NaN, infinite, zero or negative ones)
+    even without ``data``; :func:`audit` does, a merge's audit of what it wrote, whose scales it copied or used,
+    does not."""
     fmt = format or detect_format(root)
     found: list[Finding] = []
     if fmt == hf.NAME:
@@ -143,13 +149,14 @@ def check(
     found.extend(dtype_findings([t for t in plan.targets if t.name not in scales], config))
     found.extend(tokenizer_findings(root, config_path, config))
 
+    if data or read_scales:  # scales are few (one per block): read even when the weights are not
+        found.extend(scale_findings(plan, scales))
     stats: list[TensorStats] = []
     if data:
         values = data_plan(plan, planned)  # quantized weights as their dequantized values
         total = values.nbytes
         stats = fold(values, Statistics, (lambda n: progress(n, total)) if progress else (lambda n: None))
         found.extend(data_findings(stats))
-        found.extend(scale_findings(plan, scales))
         found.extend(replica_findings(layout))
         tokens = checkpoint_tokenizer_size(root, config_path)
         if tokens is not None:

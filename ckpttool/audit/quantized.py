@@ -15,7 +15,7 @@ from ckpttool.plan.plan import Plan, Target
 from ckpttool.findings import Finding, finding
 from ckpttool.plan.source import Planned, dequantized_targets
 from ckpttool.quant.checks import Problem
-from ckpttool.quant.formats import E8M0_NAN, links
+from ckpttool.quant.formats import E8M0_NAN, SCALES_SUFFIX, links
 from ckpttool.audit.stats import blocks, fold
 
 
@@ -32,38 +32,52 @@ class ScaleCheck:
         self.target = target
         self.counts = {"NaN": 0, "infinite": 0, "zero": 0, "negative": 0}
         self.total = 0
+        self.first: int | None = None  # the flat index of the first invalid scale, to name its block
 
     def add(self, chunk: torch.Tensor) -> None:
         for block in blocks(chunk):
+            at = self.total
             self.total += block.numel()
             if block.dtype == torch.uint8:
                 if int(block.max()) == E8M0_NAN:  # the largest byte: none is NaN unless the largest is
-                    self.counts["NaN"] += int((block == E8M0_NAN).sum())
+                    self._count("NaN", block == E8M0_NAN, at)
                 continue
             x = block.float()
             lo, hi = torch.aminmax(x)  # NaN in a block makes both NaN
             if float(lo) > 0 and float(hi) < math.inf:  # every scale positive and finite (most): nothing to count
                 continue
-            self.counts["NaN"] += int(torch.isnan(x).sum())
-            self.counts["infinite"] += int(torch.isinf(x).sum())
-            self.counts["zero"] += int((x == 0).sum())
-            self.counts["negative"] += int((x < 0).sum())
+            self._count("NaN", torch.isnan(x), at)
+            self._count("infinite", torch.isinf(x), at)
+            self._count("zero", x == 0, at)
+            self._count("negative", x < 0, at)
+
+    def _count(self, kind: str, mask: torch.Tensor, at: int) -> None:
+        n = int(mask.sum())
+        if n:
+            self.counts[kind] += n
+            first = at + int(mask.nonzero()[0, 0])
+            self.first = first if self.first is None else min(self.first, first)
 
     def add_bytes(self, view: memoryview) -> None:
         """A chunk's bytes, read straight from its file: float32 or E8M0 scales that are all valid are told by
         numpy's min and max, without a tensor (a scale tensor of a small checkpoint is a few values); any other
         chunk is counted by :meth:`add`."""
-        import numpy as np  # here, not at import: ``audit --no-data`` and ``merge --dry-run`` never need it
+        import numpy as np  # here, not at import: ``merge --dry-run`` never needs it
 
         dtype = self.target.dtype
         if dtype == "F32":
             x = np.frombuffer(view, dtype=np.float32)
-            if x.min() > 0 and x.max() < math.inf:  # NaN fails both
+            if x.size and x.min() > 0 and x.max() < math.inf:  # NaN fails both
                 self.total += x.size
                 return
-        elif dtype == "U8":
+        elif dtype in ("U8", "F8_E8M0"):
             x = np.frombuffer(view, dtype=np.uint8)
-            if x.max() != E8M0_NAN:
+            if x.size and x.max() != E8M0_NAN:
+                self.total += x.size
+                return
+        elif dtype in _HALF_LIMITS:  # as bit patterns: positive and finite is above 0 and below +inf's
+            x = np.frombuffer(view, dtype=np.uint16)
+            if x.size and x.min() > 0 and x.max() < _HALF_LIMITS[dtype]:
                 self.total += x.size
                 return
         self.add(torch.frombuffer(view, dtype=torch.uint8).view(torch_dtype(dtype)))
@@ -76,9 +90,32 @@ class ScaleCheck:
             "quant-scale-invalid",
             f"'{self.target.name}': {', '.join(bad)} of its {self.total} scales: every value of those blocks "
             "dequantizes to NaN, infinity, zero or its own negative, whatever is stored. Quantize those blocks again "
-            "from the original weights",
+            f"from the original weights{self._where()}",
             tensor=self.target.name,
         )
+
+    def _where(self) -> str:
+        """The first invalid scale's index, and the block of values it scales, in words."""
+        if self.first is None or not self.target.shape:
+            return ""
+        index, rest = [], self.first
+        for size in reversed(self.target.shape):
+            rest, i = divmod(rest, size)
+            index.append(i)
+        index.reverse()
+        if len(index) < 2:
+            return f" (the first is {index})"
+        *lead, a, b = index
+        if self.target.name.endswith(SCALES_SUFFIX):  # MXFP4 [..., R, G]: one scale per group of 32 in a row
+            words = f"row {a}, group {b}"
+        else:  # FP8 [..., O/B0, I/B1]
+            words = f"row block {a}, column block {b}"
+        expert = f"expert {lead[-1]}, " if lead else ""
+        return f" (the first is {index}: {expert}{words})"
+
+
+#: the bit pattern of +inf of the 16-bit float dtypes: a positive finite value's bits lie between 0 and it
+_HALF_LIMITS = {"BF16": 0x7F80, "F16": 0x7C00}
 
 
 def scale_findings(plan: Plan, scales: set[str]) -> list[Finding]:

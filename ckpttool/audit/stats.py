@@ -49,7 +49,7 @@ def fold(plan: Plan, start: Callable[[Target], Accumulator[R]], on_bytes: Callab
             for chunk in chunk_list:
                 view = _read_direct(chunk, reader)
                 if view is None:
-                    accumulator.add(build(chunk, reader))
+                    accumulator.add(build(chunk, reader, check_scales=False))  # invalid scales are findings here
                 elif add_bytes is not None:
                     add_bytes(view)
                 else:

@@ -40,7 +40,9 @@ from pathlib import Path
 
 from ckpttool.fast.deferred import torch
 from ckpttool.io.dtypes import itemsize
+from ckpttool.errors import SourceError
 from ckpttool.quant.codecs import codec
+from ckpttool.quant.decode import BadScale
 from ckpttool.execute.buffers import Chunk, _inputs, _row_box, _rows, _targets, buffer_sizes, predict_peak_bytes
 from ckpttool.execute import copies as file_copies
 from ckpttool.execute.copies import copied, copy_chunk, write_all
@@ -124,11 +126,17 @@ def _every_copy(target: Target) -> tuple[Copy, ...]:
     return target.copies if target.scale is None else (*target.copies, *target.scale.copies)
 
 
-def build(chunk: Chunk, reader: Reader) -> torch.Tensor:
-    """The chunk's elements in the output dtype, C order (a view of the read buffer when one region fills it)."""
+def build(chunk: Chunk, reader: Reader, *, check_scales: bool = True) -> torch.Tensor:
+    """The chunk's elements in the output dtype, C order (a view of the read buffer when one region fills it).
+
+    Raises:
+        SourceError: with ``check_scales`` (what is written: a merge, a split), a dequantized chunk whose scale
+            rows hold a NaN or infinite scale, which would make its block NaN or infinite; the audit passes False
+            to count such values in its findings instead.
+    """
     target = chunk.target
     if target.dequant is not None:
-        return _dequantize(chunk, reader)
+        return _dequantize(chunk, reader, check_scales)
     out = _gather(target.copies, _rows(chunk), target.source_dtype, reader, "chunk")
     if target.dtype != target.source_dtype:
         out = reader.scratch("cast", tuple(out.shape), target.dtype).copy_(out)
@@ -176,9 +184,10 @@ def _place(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def _dequantize(chunk: Chunk, reader: Reader) -> torch.Tensor:
-    """A computed target's rows: the scale rows a decoder names (copied out of the read buffer first), the stored
-    rows, and the codec's arithmetic into the ``cast`` buffer; an encoder's round trip is recorded."""
+def _dequantize(chunk: Chunk, reader: Reader, check_scales: bool = True) -> torch.Tensor:
+    """A computed target's rows: the scale rows a decoder names (copied out of the read buffer first, and with
+    ``check_scales`` checked: :func:`_refuse_bad_scale`), the stored rows, and the codec's arithmetic into the
+    ``cast`` buffer; an encoder's round trip is recorded."""
     target, dq, scale = chunk.target, chunk.target.dequant, chunk.target.scale
     assert dq is not None
     compute = codec(dq.method, dq.params)
@@ -189,6 +198,8 @@ def _dequantize(chunk: Chunk, reader: Reader) -> torch.Tensor:
         scales = _read_rows(scale.copies, rows, scale.source_dtype, reader, "scale")
         if scales is None:
             scales = _gather(scale.copies, rows, scale.source_dtype, reader, "scale", view=False)
+        if check_scales:
+            _refuse_bad_scale(chunk, rows, compute.bad_scale(scales, chunk.start, dq.stored))  # type: ignore[union-attr]
     rows = _row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop))
     stored = _read_rows(target.copies, rows, target.source_dtype, reader, "chunk")
     if stored is None:
@@ -198,6 +209,18 @@ def _dequantize(chunk: Chunk, reader: Reader) -> torch.Tensor:
     if measured is not None:
         reader.record(target.name, measured)
     return out
+
+
+def _refuse_bad_scale(chunk: Chunk, rows: Box, bad: BadScale | None) -> None:
+    """Stop before a chunk is written whose block a NaN or infinite scale (``bad``, found in the scale ``rows``
+    the chunk reads) would make NaN or infinite: a whole projection lost, with nothing else to show it (the merge's
+    own audit reads headers only). Checked as the scale rows stream by: they are few."""
+    scale = chunk.target.scale
+    if bad is not None and scale is not None:
+        files = [c.piece.file for c in scale.copies  # the piece that holds the bad scale (of a sharded one, too)
+                 if all(o <= i < o + n for i, o, n in zip(bad.index, c.dst.offsets, c.dst.sizes))]
+        raise SourceError(bad.message(chunk.target.name, scale.name, files[0] if files else None,
+                                      (rows.offsets[0], rows.offsets[0] + rows.sizes[0])))
 
 
 def _read_rows(copies: Sequence[Copy], rows: Box, dtype: str, reader: Reader, buffer: str) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ from ckpttool.errors import ArgumentError, ConfigError
 from ckpttool.quant.encode import FP8_SCALES, FP8_VALUES
 from ckpttool.quant.formats import (
     FP8_SCALE_SUFFIX,
+    MAX_FP8_BLOCK,
     Quantization,
     fp8_scale_name,
     fp8_scale_shape,
@@ -49,6 +50,8 @@ def quantize_block(method: str | None, block: int | tuple[int, int] | None) -> t
     sizes = (128, 128) if block is None else (block, block) if isinstance(block, int) else tuple(block)
     if len(sizes) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
         raise ArgumentError(f"block={block!r}: the FP8 block size is one or two positive integers (128, or 128x128)")
+    if max(sizes) > MAX_FP8_BLOCK:  # ckpttool would refuse to read its own output's weight_block_size
+        raise ArgumentError(f"block={block!r}: the FP8 block size is at most {MAX_FP8_BLOCK} rows or columns")
     return sizes[0], sizes[1]
 
 

@@ -123,15 +123,20 @@ def _check_link(method: str, weight: str, scale: str, tensors: Mapping[str, tupl
         return [Problem("quant-config-mismatch", weight,
                         f"'{weight}' and '{scale}' are {method} tensors, but '{quant.label}' declares {quant.describe()}")]
     if method == MXFP4:
-        return _check_mxfp4(weight, scale, w_dtype, w_shape, s_dtype, s_shape)
+        return _check_mxfp4(weight, scale, w_dtype, w_shape, s_dtype, s_shape, quant.label)
     problems = []
     if w_dtype != quant.weight_dtype:
         problems.append(Problem("quant-config-mismatch", weight,
                                 f"'{weight}' is {w_dtype}, but '{quant.label}' declares {quant.describe()}"))
     if s_dtype not in FP8_SCALE_DTYPES or (s_dtype == "U8" and quant.scale_fmt != "ue8m0"):
-        problems.append(Problem("quant-scale-dtype", scale,
-                                f"'{scale}' is {s_dtype}; FP8 scales are F32, BF16, F16 or F8_E8M0 (U8 only as E8M0 "
-                                f"bytes, with scale_fmt \"ue8m0\"; '{quant.label}' says {quant.scale_fmt!r})"))
+        problems.append(Problem(
+            "quant-scale-dtype", scale,
+            f"'{scale}' is {s_dtype}; FP8 scales are F32, BF16, F16 or F8_E8M0 (U8 only as E8M0 bytes, with scale_fmt "
+            f"\"ue8m0\"; '{quant.label}' says {quant.scale_fmt!r}): a scale of dtype {s_dtype} contradicts "
+            f"quantization_config.quant_method 'fp8' with quantization_config.scale_fmt {quant.scale_fmt!r} in "
+            f"'{quant.label}', and its values would be read as something they are not. Store the scales as the "
+            "release did, or give the release's config",
+        ))
     if len(w_shape) < 2:
         problems.append(Problem("quant-scale-shape", scale, f"'{weight}' has shape {list(w_shape)}; a block-scaled FP8 "
                                 "weight has at least 2 dims"))
@@ -150,11 +155,18 @@ def _check_link(method: str, weight: str, scale: str, tensors: Mapping[str, tupl
     return problems
 
 
-def _check_mxfp4(blocks: str, scales: str, b_dtype: str, b_shape: Shape, s_dtype: str, s_shape: Shape) -> list[Problem]:
+def _check_mxfp4(blocks: str, scales: str, b_dtype: str, b_shape: Shape, s_dtype: str, s_shape: Shape,
+                 label: str) -> list[Problem]:
     problems = []
     if b_dtype != "U8" or s_dtype != "U8":
-        problems.append(Problem("quant-scale-dtype", scales, f"'{blocks}' is {b_dtype} and '{scales}' is {s_dtype}; "
-                                "MXFP4 blocks and scales are both U8"))
+        # transformers' gpt-oss loader reads the scales as exponent bytes (``scales.to(int32) - 127``): any other
+        # dtype, F8_E8M0 included, would be read as its values
+        problems.append(Problem(
+            "quant-scale-dtype", scales if s_dtype != "U8" else blocks,
+            f"'{blocks}' is {b_dtype} and '{scales}' is {s_dtype}; MXFP4 blocks and scales are both U8 (scales: E8M0 "
+            f"exponent bytes): it contradicts quantization_config.quant_method 'mxfp4' in '{label}'. Store them as "
+            "the release did, or give the release's config",
+        ))
     if len(b_shape) < 3 or b_shape[-1] != MXFP4_GROUP_BYTES or s_shape != b_shape[:-1]:
         problems.append(Problem(
             "quant-scale-shape", scales,

@@ -10,6 +10,10 @@ bit for bit the same: FP8 ``float32(value) * float32(scale)`` rounded once to th
 ``weight_dequant`` too); MXFP4 ``FP4 value * 2 ** (byte - 127)``, exact in float32, rounded once. The one
 difference: an E8M0 byte 0xFF is NaN here (the OCP MX definition), where torch and transformers compute
 ``2 ** 128`` (inf); the audit reports such scales.
+
+A NaN or infinite scale would turn its whole block into NaN or infinity: :meth:`Fp8Blocks.bad_scale` and
+:meth:`Mxfp4Groups.bad_scale` find the first among a chunk's scale rows, with the block it scales, and the executor
+refuses to write that chunk (the audit, which counts such values, reads on).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from ckpttool.fast.deferred import torch
-from ckpttool.quant.formats import E8M0_BIAS, E8M0_NAN, FP4_VALUES
+from ckpttool.quant.formats import E8M0_BIAS, E8M0_NAN, FP4_VALUES, MXFP4_GROUP
 
 #: ``scratch(name, shape, dtype)``: a tensor of that shape and safetensors dtype on a reused per-thread buffer
 Scratch = Callable[[str, tuple[int, ...], str], "torch.Tensor"]
@@ -98,6 +102,66 @@ def scale_values(scales: torch.Tensor, scratch: Scratch, ue8m0_bytes: bool) -> t
 
 
 @dataclass(frozen=True, slots=True)
+class BadScale:
+    """The first scale of a chunk's scale rows that no value may be dequantized with (see :func:`nonfinite`).
+
+    Attributes:
+        index: its index in the whole scale tensor.
+        value: what it is: ``NaN``, ``inf``, ``-inf``, or ``0xFF (E8M0's NaN)``.
+        block: the block of the weight it scales, in words: its block indices, rows and columns.
+        count: how many of the chunk's scales no value may be dequantized with.
+    """
+
+    index: tuple[int, ...]
+    value: str
+    block: str
+    count: int
+
+    def message(self, weight: str, scale: str, file: str | None, rows: tuple[int, int]) -> str:
+        """Why the weight ``weight`` is not dequantized: its scale tensor ``scale`` (in ``file``), whose ``rows``
+        were read, holds this scale."""
+        where = f" in '{file}'" if file else ""
+        more = f" ({self.count} such scales in its rows {rows[0]}..{rows[1]})" if self.count > 1 else ""
+        return (f"'{weight}': cannot dequantize {self.block}: its scale '{scale}'{list(self.index)}{where} is "
+                f"{self.value}{more}, which would make every value of that block NaN or infinite. Quantize those "
+                "blocks again from the original weights, or merge without a dtype to keep the checkpoint quantized; "
+                "`ckpttool audit` lists every invalid scale")
+
+
+def nonfinite(scales: torch.Tensor, e8m0_bytes: bool) -> torch.Tensor | None:
+    """A mask of the ``scales`` that are NaN or infinite (E8M0, as ``float8_e8m0fnu`` or as bytes with
+    ``e8m0_bytes``: the byte 0xFF, its NaN), or None when none is. One reduction over a chunk's scale rows, which
+    are few: one scale per block (a 16384th of the values with 128x128 blocks).
+
+    Raises:
+        ValueError: scales of an integer dtype that are not E8M0 bytes (a bug: a plan is made only once
+            :func:`ckpttool.quant.checks.check_tensors` found their dtype sound).
+    """
+    if not scales.numel():
+        return None
+    if (scales.dtype == torch.uint8 and e8m0_bytes) or str(scales.dtype) == E8M0_DTYPE:
+        codes = scales.view(torch.uint8)
+        return codes == E8M0_NAN if int(codes.max()) == E8M0_NAN else None  # 0xFF is the largest byte
+    if not scales.is_floating_point():
+        raise ValueError(f"scales of dtype {scales.dtype} are not a scale format a decoder reads")
+    finite = torch.isfinite(scales)
+    return None if bool(finite.all()) else ~finite
+
+
+#: torch's E8M0 dtype by name (see :data:`FP8_DTYPES`)
+E8M0_DTYPE = "torch.float8_e8m0fnu"
+
+
+def _first_bad(scales: torch.Tensor, mask: torch.Tensor, e8m0_bytes: bool) -> tuple[tuple[int, ...], str, int]:
+    """The index (in ``scales``) of the first scale ``mask`` marks, what it is, and how many are marked."""
+    local = tuple(int(i) for i in mask.nonzero()[0])
+    if (scales.dtype == torch.uint8 and e8m0_bytes) or str(scales.dtype) == E8M0_DTYPE:
+        return local, "0xFF (E8M0's NaN)", int(mask.sum())
+    value = float(scales[local])
+    return local, "NaN" if math.isnan(value) else repr(value), int(mask.sum())
+
+
+@dataclass(frozen=True, slots=True)
 class Fp8Blocks:
     """FP8 values with one scale per ``block`` (rows x columns) of the last two dims, edge blocks cropped.
 
@@ -119,6 +183,21 @@ class Fp8Blocks:
         if self.ndim > 2:
             return start, stop
         return start // self.block[0], -(-stop // self.block[0])
+
+    def bad_scale(self, scales: torch.Tensor, start: int, stored: tuple[int, ...]) -> BadScale | None:
+        """The first scale among the rows :meth:`scale_rows` gave for rows ``start..`` of a weight ``stored``
+        that is NaN or infinite (:func:`nonfinite`), with the block it scales; None when every one is finite."""
+        mask = nonfinite(scales, self.ue8m0_bytes)
+        if mask is None:
+            return None
+        local, value, count = _first_bad(scales, mask, self.ue8m0_bytes)
+        # a stacked weight's scale rows are its experts; a matrix's start at the block row of ``start``
+        index = (start + local[0], *local[1:]) if self.ndim > 2 else (start // self.block[0] + local[0], local[1])
+        *lead, i, j = index
+        (rows, cols), (b0, b1) = stored[-2:], self.block
+        block = (f"{f'expert {lead[0]}, ' if lead else ''}row block {i}, column block {j} (rows {i * b0}.."
+                 f"{min((i + 1) * b0, rows)}, columns {j * b1}..{min((j + 1) * b1, cols)})")
+        return BadScale(index, value, block, count)
 
     def decode(self, stored: torch.Tensor, scales: torch.Tensor, start: int, out: torch.Tensor, scratch: Scratch) -> None:
         values = scale_values(scales, scratch, self.ue8m0_bytes)
@@ -172,6 +251,9 @@ def scale_blocks(work: torch.Tensor, scales: torch.Tensor, start: int, block: tu
     Each block row's scales are spread over the columns once (``[I]``, small) and the rows multiplied by that
     vector: a broadcast over a ``[.., I/B1, B1]`` view is 50 times slower with torch's two intra-op threads."""
     rows, cols = block
+    # a block wider than the weight has one scale column: spread it over the weight's columns, not the block's
+    # (the same values; a width from a config is never an allocation's size)
+    cols = min(cols, work.shape[-1])
     per_column = scales.repeat_interleave(cols, dim=-1)[:, : work.shape[-1]]
     if (start % rows == 0 and work.shape[0] == scales.shape[0] * rows and work.numel() <= SMALL_ELEMENTS
             and work.is_contiguous()):
@@ -203,6 +285,21 @@ class Mxfp4Groups:
 
     def scale_rows(self, start: int, stop: int) -> tuple[int, int]:
         return start, stop
+
+    def bad_scale(self, scales: torch.Tensor, start: int, stored: tuple[int, ...]) -> BadScale | None:
+        """The first E8M0 byte 0xFF (NaN) among the scales of experts ``start..``, with the group of values it
+        scales; None when there is none."""
+        mask = nonfinite(scales, True)
+        if mask is None:
+            return None
+        local, value, count = _first_bad(scales, mask, True)
+        e, r, g = start + local[0], local[1], local[2]
+        first = g * MXFP4_GROUP
+        span = f"{first}:{first + MXFP4_GROUP}"
+        named = f"[{e}, {span}, {r}]" if self.transpose else f"[{e}, {r}, {span}]"
+        del stored  # the index says it all: a group is 32 values of one row of one expert
+        return BadScale((e, r, g), value, f"expert {e}, row {r}, group {g} (the {MXFP4_GROUP} values {named} of the "
+                        "dequantized tensor)", count)
 
     def decode(self, stored: torch.Tensor, scales: torch.Tensor, start: int, out: torch.Tensor, scratch: Scratch) -> None:
         del start  # blocks and scales share their leading dims

@@ -39,6 +39,10 @@ MXFP4 = "mxfp4"
 FP8_FORMATS = {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2"}
 #: what transformers' FineGrainedFP8Config uses when a config gives no ``weight_block_size``
 DEFAULT_FP8_BLOCK = (128, 128)
+#: the largest block size (rows or columns) a ``weight_block_size`` may give: no dim of a released model's weight
+#: reaches it (releases use 128), and a config is untrusted input: a size from it is bounded before any buffer
+#: is sized by it (a block of 2**40 columns would ask for 4 TiB to spread one scale row)
+MAX_FP8_BLOCK = 1 << 16
 #: FP8 scale formats: plain floats, or powers of two (E8M0)
 SCALE_FORMATS = ("float", "ue8m0")
 #: safetensors dtypes an FP8 scale may have (U8 only as E8M0 bytes, with scale_fmt ue8m0)
@@ -105,7 +109,8 @@ def read_quantization(config: Mapping[str, object] | None, label: str = "config.
 
     Raises:
         ConfigError: a ``quantization_config`` ckpttool cannot honour: another method, a malformed or
-            per-tensor block size, an unknown ``fmt`` or ``scale_fmt``, static activation scales.
+            per-tensor block size, a block size over :data:`MAX_FP8_BLOCK`, an unknown ``fmt`` or ``scale_fmt``,
+            static activation scales.
     """
     raw = (config or {}).get("quantization_config")
     if raw is None:
@@ -138,6 +143,9 @@ def read_quantization(config: Mapping[str, object] | None, label: str = "config.
     if (not isinstance(block, list | tuple) or len(block) != 2
             or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block)):
         raise ConfigError(f"{where}.weight_block_size is {block!r}; it must be two positive integers, e.g. [128, 128]")
+    if max(block) > MAX_FP8_BLOCK:
+        raise ConfigError(f"{where}.weight_block_size is {block!r}; each block size must be at most {MAX_FP8_BLOCK} "
+                          f"rows or columns (ckpttool's bound; FP8 releases use [128, 128]). Is the config damaged?")
     return Quantization(FP8, (block[0], block[1]), scale_fmt, FP8_FORMATS[fmt], tuple(not_converted), label)
 
 
