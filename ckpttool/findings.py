@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from ckpttool.console.words import counted
+
 ERROR, WARNING, INFO = "error", "warning", "info"
 SEVERITIES = (ERROR, WARNING, INFO)
 
@@ -207,6 +209,13 @@ class Report:
                                findings=tuple(map(promote, c.findings))) for c in self.causes)
         return replace(self, findings=sort_findings([promote(f) for f in self.findings]),
                        causes=tuple(sorted(causes, key=_severity_order)))
+
+    def counts(self) -> str:
+        """The findings counted by severity, in words, as the terminal and the HTML report print them:
+        ``1 error, 2 warnings, 0 info``."""
+        found = Counter(f.severity for f in self.findings)
+        return (f"{counted(found[ERROR], 'error')}, {counted(found[WARNING], 'warning')}, "
+                f"{counted(found[INFO], 'info', 'info')}")
 
     def summary(self) -> dict[str, object]:
         counts = Counter(f.severity for f in self.findings)

@@ -264,8 +264,7 @@ def diff_command(
     else:
         for d in result.differences:
             click.echo(f"  {shown(d.name)}: {escaped(d.describe())}")
-        verdict = "equal" if result.equal else f"different ({len(result.differences)} tensors)"
-        click.echo(f"{verdict}: {len(result.fingerprints)} tensors identical")
+        click.echo(result.summary())
     sys.exit(EXIT_OK if result.equal else EXIT_AUDIT)
 
 
