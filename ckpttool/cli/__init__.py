@@ -229,6 +229,7 @@ def audit_command(
                 f.write(render(report))
         except OSError as e:
             _fail(f"'{html_path}': cannot write the HTML report: {e.strerror or e}", as_json)
+        click.echo(f"HTML report written to {shown(html_path)}", err=True)  # a message: stdout keeps the data
     if as_json:
         click.echo(json_text(report.to_json()))
     else:
