@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from ckpttool.console.words import counted
+
 ERROR, WARNING, INFO = "error", "warning", "info"
 SEVERITIES = (ERROR, WARNING, INFO)
 
@@ -23,7 +25,10 @@ CODES: dict[str, tuple[str, str]] = {
     "index-wrong-file": (ERROR, "the index puts a tensor in a file that does not hold it"),
     "index-total-size": (ERROR, "metadata.total_size is not the sum of the tensors' bytes"),
     "tensor-duplicated": (ERROR, "a tensor is stored in two files"),
-    "file-unreferenced": (WARNING, "a safetensors file the index does not name (transformers will not read it)"),
+    "file-unreferenced": (WARNING, "a safetensors file the index does not name, or beside model.safetensors without an "
+                                   "index (transformers ignores it)"),
+    "index-shadowed": (ERROR, "model.safetensors beside an index that does not name it: transformers loads it and "
+                              "ignores the index"),
     "tensor-unlisted": (WARNING, "a tensor in a file but not in the index (transformers will not load it)"),
     "no-weights": (ERROR, "no tensors at all"),
     # sharded sources
@@ -34,6 +39,8 @@ CODES: dict[str, tuple[str, str]] = {
     # names and shapes against the config
     "no-config": (INFO, "no config.json: names and shapes are not checked against an architecture"),
     "config-missing": (WARNING, "a HuggingFace directory without config.json: transformers cannot load it"),
+    "config-invalid": (ERROR, "transformers cannot load config.json: a key it rejects (vocab_size not an integer) or "
+                              "a model_type it does not know (and no auto_map to custom code)"),
     "tensor-missing": (ERROR, "the architecture expects a tensor that is not there"),
     "layers-missing": (ERROR, "every tensor of a range of layers is missing (a pipeline stage not merged)"),
     "expert-missing": (ERROR, "every tensor of an expert is missing"),
@@ -207,6 +214,13 @@ class Report:
                                findings=tuple(map(promote, c.findings))) for c in self.causes)
         return replace(self, findings=sort_findings([promote(f) for f in self.findings]),
                        causes=tuple(sorted(causes, key=_severity_order)))
+
+    def counts(self) -> str:
+        """The findings counted by severity, in words, as the terminal and the HTML report print them:
+        ``1 error, 2 warnings, 0 info``."""
+        found = Counter(f.severity for f in self.findings)
+        return (f"{counted(found[ERROR], 'error')}, {counted(found[WARNING], 'warning')}, "
+                f"{counted(found[INFO], 'info', 'info')}")
 
     def summary(self) -> dict[str, object]:
         counts = Counter(f.severity for f in self.findings)

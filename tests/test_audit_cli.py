@@ -170,7 +170,8 @@ def test_one_changed_element_is_found_and_named(cli, tmp_path):
     result = cli("diff", fixture_dir("llama_tp2_dcp") / "checkpoint", changed)
     assert result.exit_code == 3
     assert f"  {name}: 1 of 2048 elements differ, max |A-B| = 0.125" in result.stdout
-    assert "different (1 tensors): 20 tensors identical" in result.stdout
+    assert ("different: 0 tensors only in A, 0 only in B, 20 in both and equal, 1 in both and different "
+            "(A has 21 tensors, B 21)\n") in result.stdout
 
 
 def test_diff_names_missing_and_reshaped_tensors(tmp_path):

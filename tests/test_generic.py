@@ -33,7 +33,7 @@ def test_a_merge_without_config_warns_on_stderr_and_its_audit_does_not_pass_bare
     assert result.exit_code == 0, result.output
     assert (f"warning: generic merge (no config.json found): {UNCHECKED}; transformers cannot load '{out}' without a "
             "config.json (merge again with --config)\n") in result.stderr
-    assert (f"audit: PASS WITH WARNINGS, 0 errors, 1 warnings, 0 info (21 tensors, headers only) (report: "
+    assert (f"audit: PASS WITH WARNINGS, 0 errors, 1 warning, 0 info (21 tensors, headers only) (report: "
             f"{out}/ckpttool-audit.json)") in result.stderr
     report = json.loads((out / "ckpttool-audit.json").read_text())
     assert report["findings"] == [
@@ -48,7 +48,7 @@ def test_the_audit_of_an_output_without_config_warns(cli, tmp_path):
     audit = cli("audit", out, "--no-data")
     assert audit.exit_code == 0, audit.output
     assert f"warning  config-missing  config.json\n         {MISSING}\n" in audit.stdout
-    assert "audit: PASS WITH WARNINGS, 0 errors, 1 warnings, 0 info (21 tensors, headers only)" in audit.stdout
+    assert "audit: PASS WITH WARNINGS, 0 errors, 1 warning, 0 info (21 tensors, headers only)" in audit.stdout
     assert cli("audit", out, "--no-data", "--strict").exit_code == 3
     html = tmp_path / "report.html"
     assert cli("audit", out, "--no-data", "--html", html).exit_code == 0

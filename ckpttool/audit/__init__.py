@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from ckpttool.errors import ConfigError
 from ckpttool.model.architecture import ModelInfo, find_config, model_info, read_config
 from ckpttool.model.config_sizes import census, check_config_sizes
 from ckpttool.layout.layout import Layout
@@ -45,6 +46,7 @@ from ckpttool.audit.config import (
     tie_findings,
     tokenizer_findings,
     tokenizer_size,
+    unloadable_findings,
 )
 from ckpttool.audit.data import OUTLIER_FACTOR, data_findings, replica_findings
 from ckpttool.audit.mtp import mtp_findings
@@ -79,6 +81,9 @@ def audit(
             weights: a NaN, infinite, zero or negative one is an error finding either way).
         progress: called as ``progress(bytes_just_read, total_bytes)`` during the data checks.
 
+    A config transformers cannot load (a key it rejects, an unknown ``model_type`` in a HuggingFace directory) is
+    a ``config-invalid`` finding, and the weights are audited without an architecture.
+
     Raises:
         SourceError, ConfigError: the input cannot be read at all (exit 1), as opposed to findings (exit 3).
 
@@ -90,11 +95,19 @@ def audit(
     model = None
     config_path = find_config(root, config)
     config_dict = read_config(config_path) if config_path is not None else None
-    if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
+    fmt = format or detect_format(root)
+    invalid: list[Finding] = []
+    if config_path is not None and config_dict is not None:  # absurd sizes refused before transformers spends minutes
         check_config_sizes(config_dict, str(config_path), lambda: census(root, format))
-        model = model_info(config_dict, label=str(config_path))
-    return check(root, config_path=config_path, config=config_dict, model=model, format=format, data=data,
-                 progress=progress, read_scales=True)
+        rejected = None
+        try:
+            model = model_info(config_dict, label=str(config_path))
+        except ConfigError as e:  # the weights are still audited, as a generic checkpoint
+            rejected = e
+        if model is None:
+            invalid = unloadable_findings(config_path, config_dict, rejected, hf_directory=fmt == hf.NAME)
+    return check(root, config_path=config_path, config=config_dict, model=model, format=fmt, data=data,
+                 progress=progress, read_scales=True, config_problems=invalid)
 
 
 def check(
@@ -107,14 +120,15 @@ def check(
     data: bool = True,
     progress: Callable[[int, int], None] | None = None,
     read_scales: bool = False,
+    config_problems: Sequence[Finding] = (),
 ) -> Report:
     """:func:`audit` with the config already found and the architecture already built (the merge's case).
 
     ``read_scales``: read a quantized checkpoint's scale tensors (and report NaN, infinite, zero or negative ones)
     even without ``data``; :func:`audit` does, a merge's audit of what it wrote, whose scales it copied or used,
-    does not."""
+    does not. ``config_problems``: why transformers cannot load the config (``config-invalid``), if it cannot."""
     fmt = format or detect_format(root)
-    found: list[Finding] = []
+    found: list[Finding] = list(config_problems)
     if fmt == hf.NAME:
         scan = hf.scan(root)
         layout = scan.layout
@@ -130,7 +144,7 @@ def check(
     if model is not None:
         found.extend(finding("source-note", note) for note in planned.adapter_notes)
         found.extend(finding("shape-mismatch", message, tensor=fqn) for fqn, message in planned.unplaced)
-    found.extend(config_findings(root, fmt, config, checked=model is not None))
+    found.extend(config_findings(root, fmt, config, checked=model is not None, invalid=bool(config_problems)))
     tied_plan, tied_uncovered = plan_covered(layout, tied)
     plan = replace(planned.plan, targets=planned.plan.targets + tied_plan.targets)
     coverage = _coverage(layout, [*planned.uncovered, *tied_uncovered])
@@ -175,7 +189,7 @@ def check(
         tensors=tensors + len(tied),
         findings=findings,
         stats=tuple(stats),
-        adapter=planned.adapter,
+        adapter="generic (transformers cannot load the config)" if config_problems else planned.adapter,
         causes=group_findings(findings),
         expected=tuple(model.disk_shapes) if model is not None else (),
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from ckpttool.console.words import counted
 from ckpttool.findings import CODES, SEVERITIES, Cause, Finding, sort_findings
 from ckpttool.audit.shapes import LAYER_NAME
 
@@ -82,7 +83,7 @@ def _cause(key: tuple[str | None, ...], members: Sequence[Finding]) -> Cause:
     tensors = tuple(dict.fromkeys(f.tensor for f in members if f.tensor))
     severity = sort_findings(members)[0].severity
     layers = _layers(tensors)
-    n = f"{len(tensors)} tensor{'s' if len(tensors) != 1 else ''}"
+    n = counted(len(tensors), "tensor")
     if kind == "file":
         files = str(key[2]).split(", ")
         text = (f"file{'s' if len(files) > 1 else ''} {', '.join(map(repr, files))} "

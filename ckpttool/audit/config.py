@@ -21,7 +21,7 @@ from ckpttool.io import jsonfile
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.io.dtypes import FLOAT_DTYPES, dtype_name
 from ckpttool.plan.plan import Target, TargetSpec
-from ckpttool.errors import SourceError
+from ckpttool.errors import ConfigError, SourceError
 from ckpttool.families import keeps_dtype
 from ckpttool.findings import Finding, TensorStats, finding
 from ckpttool.io.paths import JSON_LIMIT, read_source
@@ -31,7 +31,8 @@ from ckpttool.writers.hf import find_extras
 CONFIG = "config.json"
 
 
-def config_findings(root: Path, fmt: str, config: Mapping[str, object] | None, checked: bool) -> list[Finding]:
+def config_findings(root: Path, fmt: str, config: Mapping[str, object] | None, checked: bool,
+                    invalid: bool = False) -> list[Finding]:
     """The findings about the config of the checkpoint in ``root``.
 
     Args:
@@ -39,6 +40,7 @@ def config_findings(root: Path, fmt: str, config: Mapping[str, object] | None, c
         fmt: its format.
         config: the config used (found in or next to ``root``, or given), if any.
         checked: whether names and shapes were checked against an architecture built from it.
+        invalid: whether ``config-invalid`` already says why not (then no ``no-config``).
 
     Returns:
         ``config-missing`` for a HuggingFace directory with no ``config.json`` of its own (even when a config
@@ -55,11 +57,45 @@ def config_findings(root: Path, fmt: str, config: Mapping[str, object] | None, c
             f"{CONFIG} first){unchecked}. Merge again with the model's config, or copy its {CONFIG} here",
             file=CONFIG,
         ))
-    if not checked and not (missing and config is None):
+    if not checked and not invalid and not (missing and config is None):
         why = "no config.json found" if config is None else (
             f"transformers has no causal LM for model_type {config.get('model_type')!r}")
         found.append(finding("no-config", f"{why}: names and shapes are not checked against an architecture"))
     return found
+
+
+def unloadable_findings(config_path: Path, config: Mapping[str, object], rejected: ConfigError | None,
+                        hf_directory: bool) -> list[Finding]:
+    """``config-invalid`` when transformers cannot load the config: it rejects a key (``rejected``, what building
+    the architecture raised), or, for a HuggingFace directory, its ``model_type`` is unknown to transformers and
+    no ``auto_map`` points to custom code (``from_pretrained`` stops at ``AutoConfig``).
+
+    A model type transformers knows without a causal LM (T5, ViT) loads with its own class: no finding. A
+    sharded source with an unknown type is a generic merge, which ``no-config`` reports.
+    """
+    if rejected is not None:
+        reason = " ".join(str(rejected).split())  # transformers' validation errors span lines
+        return [finding("config-invalid", f"{reason}. Fix {CONFIG}: from_pretrained cannot load this checkpoint",
+                        file=config_path.name)]
+    model_type = config.get("model_type")
+    if not hf_directory or "auto_map" in config or _known_model_type(str(model_type)):
+        return []
+    import transformers
+
+    return [finding(
+        "config-invalid",
+        f"'{config_path}': model_type {model_type!r} is not a model type transformers {transformers.__version__} "
+        f"knows, and {CONFIG} has no auto_map to custom code: from_pretrained cannot load this directory. Set "
+        "model_type to the architecture's (e.g. 'llama'), or upgrade transformers",
+        file=config_path.name,
+    )]
+
+
+def _known_model_type(model_type: str) -> bool:
+    # only reached when no architecture was built (rare): importing transformers here costs seconds, once
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
 
 
 def dtype_findings(targets: Sequence[Target], config: Mapping[str, object] | None) -> list[Finding]:

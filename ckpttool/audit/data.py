@@ -12,6 +12,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
+from ckpttool.console.words import counted
 from ckpttool.fast.deferred import torch
 from ckpttool.layout.layout import Layout
 from ckpttool.execute.reference import PieceLoader
@@ -84,7 +85,7 @@ def _outliers(stats: Sequence[TensorStats]) -> list[Finding]:
                 found.append(finding(
                     "norm-outlier",
                     f"'{s.name}' has RMS {s.rms:.4g}, {ratio:.3g}x the median {median:.4g} of '{pattern}' over "
-                    f"{len(members)} layers",
+                    f"{counted(len(members), 'layer')}",
                     tensor=s.name,
                 ))
     return found

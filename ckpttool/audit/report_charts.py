@@ -210,4 +210,6 @@ def number(value: float | None) -> str:
 
 
 def escape(value: object) -> str:
-    return html.escape(str(value), quote=True)
+    """``value`` as HTML text; a lone surrogate (a name decoded with ``surrogateescape``, or a ``\\udc80`` in a
+    safetensors header) becomes the visible text ``\\udc80``, since a UTF-8 page cannot hold it."""
+    return html.escape(str(value).encode("utf-8", "backslashreplace").decode("utf-8"), quote=True)

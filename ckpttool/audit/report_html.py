@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ckpttool.console.words import counted
 from ckpttool.findings import ERROR, WARNING, Cause, Report, TensorStats
 from ckpttool.audit.causes import group_findings
 from ckpttool.audit.report_charts import COLOURS, CSS, escape, expert_tables, layer_charts, number
@@ -51,7 +52,7 @@ def render(report: Report) -> str:
         f"<style>{_CSS}{CSS}</style></head><body>",
         f"<h1>ckpttool audit</h1><p><span class=\"verdict {verdict}\" id=\"verdict\">{verdict.upper()}"
         f"{' WITH WARNINGS' if report.ok and summary['warnings'] else ''}</span> "
-        f"{summary['errors']} errors, {summary['warnings']} warnings, {summary['info']} info</p>",
+        f"{report.counts()}</p>",
         '<table class="meta">',
         *(f"<tr><td>{escape(k)}</td><td><code>{escape(v)}</code></td></tr>" for k, v in (
             ("source", report.source), ("format", report.format), ("config", report.config or "(none)"),
@@ -85,7 +86,7 @@ def _causes(causes: Sequence[Cause]) -> str:
             f'<tr class="cause {c.severity}"><td><span class="sev" style="background:{COLOURS[c.severity]}">'
             f"{c.severity}</span></td><td><code>{escape(c.code)}</code></td><td class=\"num\">{c.count}</td>"
             f"<td>{escape(c.cause)}<details class=\"members\"{' open' if 1 < len(c.findings) <= 3 else ''}><summary>"
-            f"{len(c.findings)} finding{'s' if len(c.findings) != 1 else ''}</summary><table><tr><th>tensor</th>"
+            f"{counted(len(c.findings), 'finding')}</summary><table><tr><th>tensor</th>"
             f"<th>file</th><th>message</th></tr>{members}</table></details></td></tr>"
         )
     return (f'<h2>Findings, by cause</h2><table id="findings"><tr><th>severity</th><th>code</th><th>tensors</th>'
@@ -100,6 +101,6 @@ def _all_tensors(stats: Sequence[TensorStats], flagged: Mapping[str, str]) -> st
         f"<td class=\"num\">{s.nan}</td><td class=\"num\">{s.inf}</td><td><code>{s.fingerprint[:16]}</code></td></tr>"
         for s in stats
     )
-    return (f"<h2>Every tensor</h2><details><summary>{len(stats)} tensors</summary><table id=\"tensors\"><tr><th>name</th>"
+    return (f"<h2>Every tensor</h2><details><summary>{counted(len(stats), 'tensor')}</summary><table id=\"tensors\"><tr><th>name</th>"
             "<th>dtype</th><th>shape</th><th>RMS</th><th>mean</th><th>min</th><th>max</th><th>NaN</th><th>Inf</th>"
             f"<th>fingerprint</th></tr>{rows}</table></details>")

@@ -12,6 +12,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
+from ckpttool.console.words import counted
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.families import Mismatch
 from ckpttool.findings import Finding, finding
@@ -60,8 +61,8 @@ def _missing_layers(missing: set[str], expected: Mapping[str, object], found: li
             present = sorted(set(by_index) - set(gone))
             found.append(finding(
                 "layers-missing",
-                f"layers {span} of '{prefix}' are missing entirely ({len(names)} tensors; present: "
-                f"{_spans(present) or 'none'} of {len(by_index)} layers): a pipeline stage missing?",
+                f"layers {span} of '{prefix}' are missing entirely ({counted(len(names), 'tensor')}; present: "
+                f"{_spans(present) or 'none'} of {counted(len(by_index), 'layer')}): a pipeline stage missing?",
                 tensor=f"{prefix}.{span}",
             ))
     return grouped
@@ -74,8 +75,8 @@ def _missing_experts(missing: set[str], expected: Mapping[str, object], found: l
             grouped.update(by_index[e])
             found.append(finding(
                 "expert-missing",
-                f"expert {e} of '{prefix}' is missing entirely ({len(by_index[e])} tensors; "
-                f"{len(by_index) - len(gone)} of {len(by_index)} experts present)",
+                f"expert {e} of '{prefix}' is missing entirely ({counted(len(by_index[e]), 'tensor')}; "
+                f"{len(by_index) - len(gone)} of {counted(len(by_index), 'expert')} present)",
                 tensor=f"{prefix}.{e}",
             ))
     return grouped

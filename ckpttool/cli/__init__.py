@@ -229,6 +229,7 @@ def audit_command(
                 f.write(render(report))
         except OSError as e:
             _fail(f"'{html_path}': cannot write the HTML report: {e.strerror or e}", as_json)
+        click.echo(f"HTML report written to {shown(html_path)}", err=True)  # a message: stdout keeps the data
     if as_json:
         click.echo(json_text(report.to_json()))
     else:
@@ -264,8 +265,7 @@ def diff_command(
     else:
         for d in result.differences:
             click.echo(f"  {shown(d.name)}: {escaped(d.describe())}")
-        verdict = "equal" if result.equal else f"different ({len(result.differences)} tensors)"
-        click.echo(f"{verdict}: {len(result.fingerprints)} tensors identical")
+        click.echo(result.summary())
     sys.exit(EXIT_OK if result.equal else EXIT_AUDIT)
 
 

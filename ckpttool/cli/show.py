@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ckpttool.console.terminal import escaped, shown
+from ckpttool.console.words import counted
 from ckpttool.console.terminal import size_text as _size
 
 if TYPE_CHECKING:
@@ -25,25 +26,26 @@ def print_result(result: MergeResult, verbose: int) -> None:
         click.echo(f"parallel: {' '.join(f'{k}={v}' for k, v in result.parallel.items())}")
     click.echo(f"config:   {result.config or '(none: generic merge)'}")
     click.echo(f"family:   {result.adapter}")
-    click.echo(f"coverage: ok, {len(plan.targets)} tensors each covered exactly once")
+    click.echo(f"coverage: ok, {counted(len(plan.targets), 'tensor')} each covered exactly once")
     output = shown(result.output) if result.output is not None else "(none given)"
-    click.echo(f"output:   {output} ({verb} {_size(plan.nbytes)} in {len(result.files)} file{'s' if len(result.files) != 1 else ''})")
+    click.echo(f"output:   {output} ({verb} {_size(plan.nbytes)} in {counted(len(result.files), 'file')})")
     for f in result.files:
-        click.echo(f"  {f.name}  {len(f.targets)} tensors  {_size(f.nbytes)}")
+        click.echo(f"  {f.name}  {counted(len(f.targets), 'tensor')}  {_size(f.nbytes)}")
     if result.extras:
         click.echo(f"  + {', '.join(result.extras)}")
     if result.kept_files:
-        click.echo(f"resumed:  kept {result.kept_files} of {len(result.files)} files of the interrupted merge (each checked again)")
+        click.echo(f"resumed:  kept {result.kept_files} of {counted(len(result.files), 'file')} of the interrupted merge "
+                   "(each checked again)")
     worst = result.worst_round_trip()
     if worst is not None:
         name, trip = worst
-        click.echo(f"fp8:      {len(result.round_trips)} weights quantized; worst round trip {shown(name)}: max |error| "
+        click.echo(f"fp8:      {counted(len(result.round_trips), 'weight')} quantized; worst round trip {shown(name)}: max |error| "
                    f"{trip.max_abs_error:.3g} (|weight| up to {trip.source_max:.3g}), relative RMS error "
                    f"{trip.relative_error:.3g}")
     if result.dry_run:
         from ckpttool.writers.hf import predict_peak_bytes
-        click.echo(f"peak memory: at most {_size(predict_peak_bytes(plan, result.workers))} with {result.workers} "
-                   f"worker{'s' if result.workers != 1 else ''} (largest tensor {_size(plan.largest_target_bytes())})")
+        click.echo(f"peak memory: at most {_size(predict_peak_bytes(plan, result.workers))} with "
+                   f"{counted(result.workers, 'worker')} (largest tensor {_size(plan.largest_target_bytes())})")
     for note in plan.notes:
         click.echo(f"note: {escaped(note)}")
     if result.dry_run or verbose:
@@ -54,7 +56,7 @@ def print_result(result: MergeResult, verbose: int) -> None:
             shape = shapes.get(dims)
             if shape is None:
                 shape = shapes[dims] = "x".join(map(str, dims)) or "scalar"
-            pieces = f"{len(t.copies)} piece{'s' if len(t.copies) != 1 else ''}"
+            pieces = counted(len(t.copies), "piece")
             lines.append(f"  {shown(t.name)}  {t.dtype} [{shape}]  <- {', '.join(map(shown, t.sources))} ({pieces})")
             if len(lines) == ECHO_LINES:
                 click.echo("\n".join(lines))
@@ -107,7 +109,6 @@ def print_summary(report: Report, suffix: str, err: bool = True) -> None:
     checked = "data and headers" if report.data_checked else "headers only"
     verdict = "PASS WITH WARNINGS" if report.ok and s["warnings"] else str(s["verdict"]).upper()
     click.echo(
-        f"audit: {verdict}, {s['errors']} errors, {s['warnings']} warnings, {s['info']} info "
-        f"({report.tensors} tensors, {checked}){suffix}",
+        f"audit: {verdict}, {report.counts()} ({counted(report.tensors, 'tensor')}, {checked}){suffix}",
         err=err,
     )

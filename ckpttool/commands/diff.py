@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ckpttool.audit.stats import Fingerprint, blocks, fold
+from ckpttool.console.words import counted
 from ckpttool.io.dtypes import itemsize
 from ckpttool.execute.executor import (
     CHUNK_BYTES,
@@ -86,10 +87,29 @@ class DiffResult:
     def equal(self) -> bool:
         return not self.differences
 
+    def counts(self) -> dict[str, int]:
+        """How many tensors are only in A, only in B, in both and equal, in both and different (shape, dtype or
+        values): A holds ``only_a + equal + different`` tensors, B ``only_b + equal + different``."""
+        only_a = sum(d.status == ONLY_A for d in self.differences)
+        only_b = sum(d.status == ONLY_B for d in self.differences)
+        return {"only_a": only_a, "only_b": only_b, "equal": len(self.fingerprints),
+                "different": len(self.differences) - only_a - only_b}
+
+    def summary(self) -> str:
+        """The verdict line: ``equal: 21 tensors identical``, or every kind of difference with counts that add up
+        to each side's tensors."""
+        n = self.counts()
+        if self.equal:
+            return f"equal: {counted(n['equal'], 'tensor')} identical"
+        in_both = n["equal"] + n["different"]
+        return (f"different: {counted(n['only_a'], 'tensor')} only in A, {n['only_b']} only in B, {n['equal']} in both "
+                f"and equal, {n['different']} in both and different (A has {counted(n['only_a'] + in_both, 'tensor')}, "
+                f"B {n['only_b'] + in_both})")
+
     def to_json(self) -> dict[str, object]:
         return {
             "a": self.a, "b": self.b, "equal": self.equal, "dequantized": self.dequantized,
-            "tensors": len(self.fingerprints) + len(self.differences),
+            "tensors": len(self.fingerprints) + len(self.differences), "counts": self.counts(),
             "differences": [d.to_json() for d in self.differences],
             "fingerprints": self.fingerprints,
         }

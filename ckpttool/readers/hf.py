@@ -26,6 +26,7 @@ NAME = "hf"
 LOOKS_FOR = "model.safetensors or model.safetensors.index.json (HuggingFace)"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+ADAPTER = "adapter_model.safetensors"
 #: problems that leave a tensor unreadable; the others (a wrong total_size, a stray file) do not stop a merge
 FATAL = ("index-invalid", "index-outside", "index-missing-file", "header-invalid", "index-wrong-file")
 
@@ -150,12 +151,7 @@ def _cross_check(root: Path, weight_map: dict[str, str], headers: dict[str, Head
         elif key not in weight_map:
             found.append(finding("tensor-unlisted", f"'{key}' is in '{files[0]}' but not in '{INDEX}'; transformers will not load it",
                                  tensor=key, file=files[0]))
-    if (root / INDEX).is_file():
-        named = set(weight_map.values())
-        for path in sorted(root.glob("*.safetensors")):
-            if path.name not in named:
-                found.append(finding("file-unreferenced", f"'{path.name}' is not named by '{INDEX}'; transformers will not read it",
-                                     file=path.name))
+    found.extend(_stray_files(root, set(weight_map.values()) if (root / INDEX).is_file() else None))
     if total_size is not None and all(f.code not in FATAL for f in found):
         if listed:  # each tensor of the index in its file (no fatal finding) and no other: every entry, at C speed
             entries = [entry for header in headers.values() for entry in header.entries.values()]
@@ -168,5 +164,26 @@ def _cross_check(root: Path, weight_map: dict[str, str], headers: dict[str, Head
 
 
 _END, _BEGIN = operator.attrgetter("end"), operator.attrgetter("begin")
+
+
+def _stray_files(root: Path, named: set[str] | None) -> list[Finding]:
+    """The ``*.safetensors`` files of ``root`` that ``from_pretrained`` does not read as this scan does: it loads
+    ``model.safetensors`` when there is one, and the index only when there is none; ``named``: the files the
+    index names, None without an index."""
+    found = []
+    for path in sorted(root.glob("*.safetensors")):
+        if path.name == ADAPTER:  # a PEFT adapter beside its base: from_pretrained reads it through adapter_config.json
+            continue
+        if named is None and path.name != SINGLE:
+            found.append(finding("file-unreferenced", f"'{path.name}' is not {SINGLE} and no {INDEX} names it: "
+                                 f"transformers ignores it (from_pretrained reads only {SINGLE})", file=path.name))
+        elif named is not None and path.name == SINGLE and SINGLE not in named:
+            found.append(finding("index-shadowed", f"'{SINGLE}' is not named by '{INDEX}', but transformers loads it and "
+                                 f"ignores the index (from_pretrained reads {SINGLE} first): the tensors audited here are "
+                                 f"not the ones it loads. Remove '{SINGLE}' or the index", file=SINGLE))
+        elif named is not None and path.name not in named:
+            found.append(finding("file-unreferenced", f"'{path.name}' is not named by '{INDEX}': transformers ignores it "
+                                 "(from_pretrained reads only the files the index names)", file=path.name))
+    return found
 
 READER = FormatReader(NAME, LOOKS_FOR, matches, read)
