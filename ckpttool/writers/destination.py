@@ -10,16 +10,22 @@ The earlier output survives until the new one is complete: it is moved aside
 A run killed between those two renames leaves no output at ``NAME`` and the old one aside; the next run
 puts it back and says so. A lock file beside the destination (``.NAME.ckpttool-lock``) keeps two runs from
 writing one destination at once.
+
+Nothing is ever written through a link: every output file is created new (``O_EXCL | O_NOFOLLOW``), and a
+staging directory, a file kept on ``resume`` or a lock file is trusted only when it is what ckpttool makes: a
+directory or regular file of this user, with one link (:func:`untrusted` says why not).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +114,7 @@ def check_destination(dest: Path, sources: Sequence[Path], force: bool, output: 
             not ``force``, or holds anything a merge does not write (named, at most :data:`SHOWN`); or its
             parent does not exist or cannot be written.
     """
+    check_name_length(dest)
     protected = _protected(dest)
     if protected:
         raise DestinationError(f"destination '{dest}' is {protected}; ckpttool never writes there. Give a new directory")
@@ -161,14 +168,90 @@ def _protected(dest: Path) -> str | None:
 def siblings(dest: Path, kind: str) -> list[Path]:
     """Directories beside ``dest`` that ckpttool made for it (``kind``: :data:`PARTIAL` or :data:`OLD`), newest
     first. Matched by exact name, never by glob, so a destination named ``m[v2]`` or ``m*`` finds its own."""
+    found = [d for d in named(dest, kind) if untrusted(d, directory=True) is None]
+    return sorted(found, key=lambda d: d.lstat().st_mtime, reverse=True)
+
+
+def named(dest: Path, kind: str) -> list[Path]:
+    """Every entry beside ``dest`` named as ckpttool names its ``kind`` of directory, whatever it is (a symbolic
+    link, another user's directory: see :func:`siblings` for those ckpttool can trust)."""
     pattern = re.compile(re.escape(f".{dest.name}{kind}") + "[0-9a-f]{8}")
     parent = dest.parent
     try:
-        found = [parent / n for n in os.listdir(parent) if pattern.fullmatch(n)]
+        return [parent / n for n in os.listdir(parent) if pattern.fullmatch(n)]
     except FileNotFoundError:
         return []
-    found = [d for d in found if d.is_dir() and not d.is_symlink()]
-    return sorted(found, key=lambda d: d.stat().st_mtime, reverse=True)
+
+
+def untrusted(path: Path, *, directory: bool = False) -> str | None:
+    """Why ckpttool must not trust ``path`` as one of its own files (``directory``: its own directory), in words,
+    or None when it may: it is a regular file with exactly one link (a directory), owned by this user.
+
+    A symbolic link or a hard link would make a write land in (or publish) a file elsewhere; another user's
+    entry is not ckpttool's to take over. Never follows a link.
+    """
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return "gone"
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symbolic link to '{os.readlink(path)}'"
+    if directory and not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if not directory and not stat.S_ISREG(st.st_mode):
+        return "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+    if not directory and st.st_nlink != 1:
+        return f"a file with {st.st_nlink} hard links (another name shares its bytes)"
+    if st.st_uid != os.geteuid():
+        return f"owned by another user (uid {st.st_uid})"
+    return None
+
+
+def journaled(directory: Path, *, finished: bool = False) -> bool:
+    """True when ``directory`` holds a journal ckpttool can trust (see :func:`untrusted`); with ``finished``, one
+    that records at least one finished file (something a resume would keep)."""
+    for path in directory.glob(JOURNAL_GLOB):
+        if untrusted(path) is None:
+            doc = read_journal(path) if finished else None
+            if not finished or (doc is not None and isinstance(doc.get("files"), dict) and doc["files"]):
+                return True
+    return False
+
+
+def read_journal(path: Path) -> dict | None:
+    """The JSON object of the journal file at ``path``, or None when it is not one (unreadable, not JSON, not a
+    regular file). Never follows a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read()) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def check_name_length(dest: Path) -> None:
+    """Refuse a destination whose name leaves no room for the names ckpttool derives from it (its staging,
+    aside and lock entries), before anything is created.
+
+    Raises:
+        DestinationError: a derived name is longer than the file system allows.
+    """
+    parent = dest.parent if str(dest.parent) else Path(".")
+    try:
+        limit = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    longest = len(f".{dest.name}{PARTIAL}00000000".encode())
+    if longest > limit:
+        room = limit - (longest - len(dest.name.encode()))
+        raise DestinationError(
+            f"destination '{dest}': its name is too long: ckpttool's staging directory beside it "
+            f"('.NAME{PARTIAL}XXXXXXXX') would take {longest} bytes, over the file system's {limit}. Give a name of "
+            f"at most {room} bytes"
+        )
 
 
 class Staging:
@@ -191,10 +274,13 @@ class Staging:
         self.path = dest.parent / f".{dest.name}{PARTIAL}{uuid.uuid4().hex[:8]}"
         self.resumed = False
         self.restored: Path | None = None
+        #: the staging directory :meth:`abandon` kept for ``resume`` (after Ctrl-C, with finished files), else None
+        self.kept: Path | None = None
         self._lock: _Lock | None = None
 
     def open(self) -> Path:
         """Lock, repair, check and create (or take up) the staging directory; returns its path."""
+        check_name_length(self.dest)
         self._lock = _Lock(self.dest.parent / f".{self.dest.name}{LOCK}", self.dest)
         try:
             self._restore()
@@ -206,26 +292,47 @@ class Staging:
                 raise DestinationError(f"{self.restoration}; {e}") from None
             earlier = siblings(self.dest, PARTIAL)
             if self.resume:
-                journaled = [d for d in earlier if any(d.glob(JOURNAL_GLOB))]
-                if journaled:
-                    self.path, self.resumed = journaled[0], True
+                self._refuse_foreign_staging()
+                taken = [d for d in earlier if journaled(d)]
+                if taken:
+                    self.path, self.resumed = taken[0], True
             for stale in earlier:
                 if stale != self.path:
                     shutil.rmtree(stale, ignore_errors=True)
-            self.path.mkdir(exist_ok=self.resumed)
+            if not self.resumed:
+                self.path.mkdir()
         except BaseException:
             self._release()
             raise
         return self.path
 
+    def _refuse_foreign_staging(self) -> None:
+        """On ``resume``, refuse an entry named like a staging directory of this destination that ckpttool did
+        not make: a symbolic link, a file, another user's directory. Resuming into it would write there."""
+        for entry in named(self.dest, PARTIAL):
+            reason = untrusted(entry, directory=True)
+            if reason is not None:
+                raise DestinationError(
+                    f"cannot resume into '{entry}': it is {reason}, not a staging directory this ckpttool run can "
+                    "trust. Nothing was touched: move it away, or run without --resume"
+                )
+
     def abandon(self, error: BaseException | None = None) -> None:
-        """Remove the staging directory (kept after Ctrl-C when it holds a journal) and release the lock."""
+        """Remove the staging directory (kept after Ctrl-C when its journal records a finished file: then
+        :attr:`kept` names it) and release the lock."""
         try:
             interrupted = isinstance(error, KeyboardInterrupt)
-            if self.path.exists() and not (interrupted and any(self.path.glob(JOURNAL_GLOB))):
-                shutil.rmtree(self.path, ignore_errors=True)
+            if untrusted(self.path, directory=True) is None:
+                if interrupted and journaled(self.path, finished=True):
+                    self.kept = self.path
+                else:
+                    shutil.rmtree(self.path, ignore_errors=True)
         finally:
             self._release()
+
+    def release(self) -> None:
+        """Release the lock and leave the staging directory as it is (one that a resume refused untouched)."""
+        self._release()
 
     def publish(self) -> None:
         """Make every byte durable, then replace the destination; the earlier output goes only at the end."""
@@ -259,7 +366,7 @@ class Staging:
             os.rename(self.restored, self.dest)
             log.info("%s", self.restoration)
             for staged in siblings(self.dest, PARTIAL):  # the killed run's new output: without a journal, no use
-                if not any(staged.glob(JOURNAL_GLOB)):
+                if not journaled(staged):
                     shutil.rmtree(staged, ignore_errors=True)
         for leftover in aside:  # an earlier output already replaced: the run was killed before removing it
             shutil.rmtree(leftover, ignore_errors=True)
@@ -279,15 +386,19 @@ class Staging:
 
 
 class _Lock:
-    """An exclusive ``flock`` on a lock file beside the destination, removed on release."""
+    """An exclusive ``flock`` on a lock file beside the destination, removed on release.
+
+    The file is created new (``O_CREAT | O_EXCL | O_NOFOLLOW``). One that is there already (left by a run that
+    was killed, or held by a running one) is opened without following a link and locked only when it is a
+    regular file with one link: a symbolic or hard link named like the lock is refused, never truncated nor
+    written. Our process id is written only into a file of this user, for the message of a second run.
+    """
 
     def __init__(self, path: Path, dest: Path) -> None:
         self.path = path
+        self.dest = dest
         while True:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            except OSError as e:
-                raise DestinationError(f"cannot lock '{dest}' ('{path.name}'): {e.strerror or e}") from None
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -300,17 +411,46 @@ class _Lock:
                     f"'{path}'); wait for it to finish or stop it, then run again"
                 ) from None
             try:  # the previous holder may have removed the file between our open and our lock
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                if os.lstat(path).st_ino == os.fstat(fd).st_ino:
                     break
             except FileNotFoundError:
                 pass
             os.close(fd)
-        try:  # who holds the lock, for the message of a second run; a full disk only loses that
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError:
-            pass
+        if os.fstat(fd).st_uid == os.geteuid():
+            try:  # who holds the lock, for the message of a second run; a full disk only loses that
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError:
+                pass
         self._fd: int | None = fd
+
+    def _open(self) -> int:
+        """A new lock file, or the one there when it is a plain lock file (see the class)."""
+        flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        try:
+            try:
+                return os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                pass
+            try:
+                fd = os.open(self.path, flags | os.O_NONBLOCK)
+            except FileNotFoundError:  # removed by its holder between the two opens: create it again
+                return self._open()
+        except OSError as e:
+            if not os.path.islink(self.path):
+                raise DestinationError(f"cannot lock '{self.dest}' ('{self.path.name}'): {e.strerror or e}") from None
+            raise DestinationError(
+                f"cannot lock '{self.dest}': '{self.path}' is a symbolic link to '{os.readlink(self.path)}', not a "
+                "lock file of ckpttool; nothing was written through it. Remove it if no ckpttool run is writing there"
+            ) from None
+        st = os.fstat(fd)
+        problem = ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+                   f"a file with {st.st_nlink} hard links" if st.st_nlink != 1 else None)
+        if problem is not None:
+            os.close(fd)
+            raise DestinationError(f"cannot lock '{self.dest}': '{self.path}' is {problem}, not a lock file of "
+                                   "ckpttool; nothing was written to it. Remove it if no ckpttool run is writing there")
+        return fd
 
     def release(self) -> None:
         if self._fd is not None:
