@@ -36,7 +36,8 @@ from ckpttool.quant.encode import RoundTrip
 from ckpttool.io.safetensors_format import encode_header, read_header
 from ckpttool.writers.destination import EXTRA_FILES, INDEX, journal_name
 from ckpttool.writers.files import OutputFile
-from ckpttool.writers.journal import JOURNAL_VERSION, Journal, clean_staging, create_file, plan_id, recorded, write_text
+from ckpttool.writers.journal import JOURNAL_VERSION, Journal, clean_staging, plan_id, recorded, write_text
+from ckpttool.writers.trust import create_file
 
 __all__ = [  # the journal's names (ckpttool.writers.journal) are offered here too
     "JOURNAL_VERSION", "SIZE_HELP", "SIZE_UNITS", "Journal", "OutputFile", "assign_files", "check_written", "clean_staging",

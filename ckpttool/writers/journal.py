@@ -15,10 +15,11 @@ from ckpttool.execute.executor import CHUNK_BYTES
 from ckpttool.plan.plan import Plan
 from ckpttool.errors import DestinationError, OutputError, SourceError
 from ckpttool.version import __version__
-from ckpttool.writers.destination import JOURNAL_GLOB, journal_name, read_journal, untrusted
+from ckpttool.writers.destination import JOURNAL_GLOB, journal_name
+from ckpttool.writers.trust import create_file, read_journal, untrusted
 from ckpttool.writers.files import OutputFile
 
-__all__ = ["JOURNAL_VERSION", "Journal", "check_kept", "clean_staging", "create_file", "plan_id", "recorded", "write_text"]
+__all__ = ["JOURNAL_VERSION", "Journal", "check_kept", "clean_staging", "plan_id", "recorded", "write_text"]
 
 
 #: the journal's format; a journal of another (its digests made another way, see :mod:`ckpttool.execute.digest`)
@@ -86,7 +87,7 @@ def clean_staging(directory: Path, plan_id: str) -> None:
 
     Raises:
         DestinationError: an entry is a symbolic link, a hard link, or another user's (see
-            :func:`~ckpttool.writers.destination.untrusted`); nothing was touched. ckpttool never makes one, so
+            :func:`~ckpttool.writers.trust.untrusted`); nothing was touched. ckpttool never makes one, so
             the directory is not as a ckpttool run left it, and a resume would write or publish through it.
     """
     for entry in sorted(directory.iterdir()):
@@ -153,17 +154,6 @@ def _layout_text(out: OutputFile, index: Mapping[str, int]) -> str:
         if t.scale is not None:
             parts.extend(f"\n s {index[c.piece.file]} {c.piece.key!r} {c.piece.byte_offset}" for c in t.scale.copies)
     return "".join(parts)
-
-
-def create_file(path: Path) -> int:
-    """Open a new output file for writing, replacing the name ``path`` if it exists: an earlier file (or a link) of
-    that name is unlinked, never written through, and the file is created anew (``O_EXCL | O_NOFOLLOW``).
-    Returns its descriptor; raises ``OSError``."""
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
 
 
 def write_text(path: Path, text: str) -> None:
