@@ -100,3 +100,15 @@ class ForwardError(CkptError):
             f"the merged checkpoint fails its forward check ({count} problem{'s' if count != 1 else ''}); nothing was "
             f"published at '{output}':\n" + "\n".join(lines)
         )
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a merge that kept its staging directory, with a journal, for ``resume=True``.
+
+    Not an error of the input: a ``KeyboardInterrupt`` (so callers that catch that still do), saying what can
+    be resumed: ``kept`` is the staging directory that holds the files finished so far.
+    """
+
+    def __init__(self, kept: str) -> None:
+        self.kept = kept
+        super().__init__(f"interrupted; the files finished so far are kept in '{kept}' for resume=True")

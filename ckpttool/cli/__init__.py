@@ -1,7 +1,7 @@
 """The ``ckpttool`` command line: parse options, call the API, hand the result to one output sink.
 
 Data goes to stdout, progress and logs to stderr; ``--json`` prints exactly one JSON document and turns
-progress off. Exit codes: 0 ok, 1 error, 2 usage, 3 audit found errors.
+progress off. Exit codes: 0 ok, 1 error, 2 usage, 3 audit found errors, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # the commands import the API when they run: --help stays tor
     from ckpttool.commands.merge import MergeResult
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_AUDIT = 0, 1, 2, 3
+#: Ctrl-C while a command runs: 128 + SIGINT, as a shell reports a process that SIGINT ended
+EXIT_INTERRUPTED = 130
 FORMATS = click.Choice(list(FORMAT_NAMES))
 #: what --dtype casts floating-point tensors to (ckpttool.io.dtypes.CAST_DTYPES); integer tensors are never cast
 DTYPES = click.Choice(["bfloat16", "float16", "float32", "bf16", "fp16", "fp32"], case_sensitive=False)
@@ -40,13 +42,23 @@ def _speaks() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _fail(message: str, as_json: bool) -> None:
+def _fail(message: str, as_json: bool, code: int = EXIT_ERROR) -> None:
     if not _speaks():
-        sys.exit(EXIT_ERROR)
+        sys.exit(code)
     if as_json:
         click.echo(json.dumps({"status": "error", "error": message}))
     click.echo(f"Error: {escaped(message, lines=True)}", err=True)
-    sys.exit(EXIT_ERROR)
+    sys.exit(code)
+
+
+def _interrupted(error: KeyboardInterrupt) -> str:
+    """What Ctrl-C left: the staging directory a merge kept for ``--resume`` (:class:`ckpttool.errors.Interrupted`),
+    named only when one was really kept."""
+    kept = getattr(error, "kept", None)
+    if kept is None:
+        return "interrupted; nothing was published"
+    return (f"interrupted; nothing was published. The files finished so far are kept in '{kept}': run the same "
+            "merge with --resume to continue")
 
 
 #: the API's arguments, as library errors name them, and the options that set them on the command line
@@ -83,8 +95,8 @@ def _run(as_json: bool, call: Callable[[], Any], bar: Bar | None = None) -> Any:
         if os.environ.get("CKPTTOOL_DEBUG") == "1":
             traceback.print_exc()
         _fail(_as_flags(str(e)), as_json)
-    except KeyboardInterrupt:
-        _fail("interrupted; nothing was published (merge --resume continues an interrupted merge)", as_json)
+    except KeyboardInterrupt as e:
+        _fail(_interrupted(e), as_json, EXIT_INTERRUPTED)
     except Exception as e:  # bad input is a CkptError: anything else is a bug in ckpttool; no traceback unless asked
         if os.environ.get("CKPTTOOL_DEBUG") == "1":
             traceback.print_exc()

@@ -11,7 +11,7 @@ from ckpttool.model.architecture import ModelInfo, read_config
 from ckpttool.execute.distributed import Group, share_out
 from ckpttool.io.dtypes import cast_dtype, dtype_name, prevailing_float
 from ckpttool.plan.plan import Plan
-from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError, SourceError
+from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError, Interrupted, SourceError
 from ckpttool.families.quantize import output_config as quantized_config
 from ckpttool.families.quantize import quantize_block
 from ckpttool.families.quantized import output_config, scale_names
@@ -240,6 +240,8 @@ def merge(
             except BaseException as e:
                 if group.rank == 0:
                     staging.abandon(e)
+                    if isinstance(e, KeyboardInterrupt) and staging.kept is not None:
+                        raise Interrupted(str(staging.kept)) from None
                 raise
             log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
     finally:
@@ -268,7 +270,11 @@ def _enter(staging: Staging, identity: str) -> tuple[str, str | None]:
     """Lock the destination, create (or, with resume, take up) the staging directory and clear what no journal
     of this plan holds. Returns its path and what was restored at the destination, if anything."""
     path = staging.open()
-    clean_staging(path, identity)
+    try:
+        clean_staging(path, identity)
+    except BaseException:
+        staging.release()  # the staging directory stays as it is: a resume refused it untouched
+        raise
     return str(path), staging.restoration
 
 

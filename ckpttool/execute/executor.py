@@ -290,9 +290,11 @@ def write_file(
 
     The file is allocated at its full size first, so a full disk shows before any tensor is read. ``on_chunk``
     sees each chunk's bytes as they are written, on the thread that wrote them (a DCP item's CRC-32).
+    ``path`` must not exist: the file is created new and never through a link (``O_EXCL | O_NOFOLLOW``), so a
+    name in the staging directory linked to a file elsewhere can never make the write land there.
     """
     size = len(prefix) + sum(c.nbytes for c in chunk_list)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         if size:
             try:

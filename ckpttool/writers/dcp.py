@@ -32,6 +32,7 @@ from ckpttool.layout.layout import Box, Shape
 from ckpttool.plan.plan import Target
 from ckpttool.errors import OutputError
 from ckpttool.writers.torch_archive import TensorArchive, crc32_combine
+from ckpttool.writers.trust import create_file
 
 METADATA = ".metadata"
 
@@ -174,7 +175,7 @@ def _write_file(path: Path, out: DcpFile, reader: Reader, workers: int, on_bytes
 
     try:
         stream_file(path, b"", [c for cs in per_item for c in cs], reader, workers, on_bytes, take_crc)
-        fd = os.open(path, os.O_WRONLY)
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)  # the file stream_file just created
         try:
             for item, item_chunk_list in zip(out.items, per_item):
                 crc = 0
@@ -238,7 +239,7 @@ def write_metadata(files: Sequence[DcpFile], directory: Path) -> None:
     metadata = Metadata({**tensors, **objects}, planner_data={name: (name,) for name in tensors}, storage_data=storage,
                         storage_meta=StorageMeta(checkpoint_id=None, save_id=save_id), version=CURRENT_DCP_VERSION)
     try:
-        with open(directory / METADATA, "wb") as f:
+        with os.fdopen(create_file(directory / METADATA), "wb") as f:
             pickle.dump(metadata, f)
     except OSError as e:
         raise OutputError(f"'{METADATA}': cannot write: {e.strerror or e}; nothing was published") from None

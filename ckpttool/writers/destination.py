@@ -10,12 +10,14 @@ The earlier output survives until the new one is complete: it is moved aside
 A run killed between those two renames leaves no output at ``NAME`` and the old one aside; the next run
 puts it back and says so. A lock file beside the destination (``.NAME.ckpttool-lock``) keeps two runs from
 writing one destination at once.
+
+Nothing is ever written through a link: every output file is created new (``O_EXCL | O_NOFOLLOW``), and a
+staging directory, a file kept on ``resume`` or a lock file is trusted only when it is what ckpttool makes: a
+directory or regular file of this user, with one link (:func:`ckpttool.writers.trust.untrusted` says why not).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import re
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from ckpttool.errors import DestinationError, OutputError
 from ckpttool.io.paths import is_within
+from ckpttool.writers.trust import Lock, read_journal, untrusted
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +111,7 @@ def check_destination(dest: Path, sources: Sequence[Path], force: bool, output: 
             not ``force``, or holds anything a merge does not write (named, at most :data:`SHOWN`); or its
             parent does not exist or cannot be written.
     """
+    check_name_length(dest)
     protected = _protected(dest)
     if protected:
         raise DestinationError(f"destination '{dest}' is {protected}; ckpttool never writes there. Give a new directory")
@@ -161,14 +165,52 @@ def _protected(dest: Path) -> str | None:
 def siblings(dest: Path, kind: str) -> list[Path]:
     """Directories beside ``dest`` that ckpttool made for it (``kind``: :data:`PARTIAL` or :data:`OLD`), newest
     first. Matched by exact name, never by glob, so a destination named ``m[v2]`` or ``m*`` finds its own."""
+    found = [d for d in named(dest, kind) if untrusted(d, directory=True) is None]
+    return sorted(found, key=lambda d: d.lstat().st_mtime, reverse=True)
+
+
+def named(dest: Path, kind: str) -> list[Path]:
+    """Every entry beside ``dest`` named as ckpttool names its ``kind`` of directory, whatever it is (a symbolic
+    link, another user's directory: see :func:`siblings` for those ckpttool can trust)."""
     pattern = re.compile(re.escape(f".{dest.name}{kind}") + "[0-9a-f]{8}")
     parent = dest.parent
     try:
-        found = [parent / n for n in os.listdir(parent) if pattern.fullmatch(n)]
+        return [parent / n for n in os.listdir(parent) if pattern.fullmatch(n)]
     except FileNotFoundError:
         return []
-    found = [d for d in found if d.is_dir() and not d.is_symlink()]
-    return sorted(found, key=lambda d: d.stat().st_mtime, reverse=True)
+
+
+def journaled(directory: Path, *, finished: bool = False) -> bool:
+    """True when ``directory`` holds a journal ckpttool can trust (see :func:`untrusted`); with ``finished``, one
+    that records at least one finished file (something a resume would keep)."""
+    for path in directory.glob(JOURNAL_GLOB):
+        if untrusted(path) is None:
+            doc = read_journal(path) if finished else None
+            if not finished or (doc is not None and isinstance(doc.get("files"), dict) and doc["files"]):
+                return True
+    return False
+
+
+def check_name_length(dest: Path) -> None:
+    """Refuse a destination whose name leaves no room for the names ckpttool derives from it (its staging,
+    aside and lock entries), before anything is created.
+
+    Raises:
+        DestinationError: a derived name is longer than the file system allows.
+    """
+    parent = dest.parent if str(dest.parent) else Path(".")
+    try:
+        limit = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    longest = len(f".{dest.name}{PARTIAL}00000000".encode())
+    if longest > limit:
+        room = limit - (longest - len(dest.name.encode()))
+        raise DestinationError(
+            f"destination '{dest}': its name is too long: ckpttool's staging directory beside it "
+            f"('.NAME{PARTIAL}XXXXXXXX') would take {longest} bytes, over the file system's {limit}. Give a name of "
+            f"at most {room} bytes"
+        )
 
 
 class Staging:
@@ -191,11 +233,14 @@ class Staging:
         self.path = dest.parent / f".{dest.name}{PARTIAL}{uuid.uuid4().hex[:8]}"
         self.resumed = False
         self.restored: Path | None = None
-        self._lock: _Lock | None = None
+        #: the staging directory :meth:`abandon` kept for ``resume`` (after Ctrl-C, with finished files), else None
+        self.kept: Path | None = None
+        self._lock: Lock | None = None
 
     def open(self) -> Path:
         """Lock, repair, check and create (or take up) the staging directory; returns its path."""
-        self._lock = _Lock(self.dest.parent / f".{self.dest.name}{LOCK}", self.dest)
+        check_name_length(self.dest)
+        self._lock = Lock(self.dest.parent / f".{self.dest.name}{LOCK}", self.dest)
         try:
             self._restore()
             try:
@@ -206,26 +251,47 @@ class Staging:
                 raise DestinationError(f"{self.restoration}; {e}") from None
             earlier = siblings(self.dest, PARTIAL)
             if self.resume:
-                journaled = [d for d in earlier if any(d.glob(JOURNAL_GLOB))]
-                if journaled:
-                    self.path, self.resumed = journaled[0], True
+                self._refuse_foreign_staging()
+                taken = [d for d in earlier if journaled(d)]
+                if taken:
+                    self.path, self.resumed = taken[0], True
             for stale in earlier:
                 if stale != self.path:
                     shutil.rmtree(stale, ignore_errors=True)
-            self.path.mkdir(exist_ok=self.resumed)
+            if not self.resumed:
+                self.path.mkdir()
         except BaseException:
             self._release()
             raise
         return self.path
 
+    def _refuse_foreign_staging(self) -> None:
+        """On ``resume``, refuse an entry named like a staging directory of this destination that ckpttool did
+        not make: a symbolic link, a file, another user's directory. Resuming into it would write there."""
+        for entry in named(self.dest, PARTIAL):
+            reason = untrusted(entry, directory=True)
+            if reason is not None:
+                raise DestinationError(
+                    f"cannot resume into '{entry}': it is {reason}, not a staging directory this ckpttool run can "
+                    "trust. Nothing was touched: move it away, or run without --resume"
+                )
+
     def abandon(self, error: BaseException | None = None) -> None:
-        """Remove the staging directory (kept after Ctrl-C when it holds a journal) and release the lock."""
+        """Remove the staging directory (kept after Ctrl-C when its journal records a finished file: then
+        :attr:`kept` names it) and release the lock."""
         try:
             interrupted = isinstance(error, KeyboardInterrupt)
-            if self.path.exists() and not (interrupted and any(self.path.glob(JOURNAL_GLOB))):
-                shutil.rmtree(self.path, ignore_errors=True)
+            if untrusted(self.path, directory=True) is None:
+                if interrupted and journaled(self.path, finished=True):
+                    self.kept = self.path
+                else:
+                    shutil.rmtree(self.path, ignore_errors=True)
         finally:
             self._release()
+
+    def release(self) -> None:
+        """Release the lock and leave the staging directory as it is (one that a resume refused untouched)."""
+        self._release()
 
     def publish(self) -> None:
         """Make every byte durable, then replace the destination; the earlier output goes only at the end."""
@@ -259,7 +325,7 @@ class Staging:
             os.rename(self.restored, self.dest)
             log.info("%s", self.restoration)
             for staged in siblings(self.dest, PARTIAL):  # the killed run's new output: without a journal, no use
-                if not any(staged.glob(JOURNAL_GLOB)):
+                if not journaled(staged):
                     shutil.rmtree(staged, ignore_errors=True)
         for leftover in aside:  # an earlier output already replaced: the run was killed before removing it
             shutil.rmtree(leftover, ignore_errors=True)
@@ -276,49 +342,6 @@ class Staging:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-
-class _Lock:
-    """An exclusive ``flock`` on a lock file beside the destination, removed on release."""
-
-    def __init__(self, path: Path, dest: Path) -> None:
-        self.path = path
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            except OSError as e:
-                raise DestinationError(f"cannot lock '{dest}' ('{path.name}'): {e.strerror or e}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                os.close(fd)
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise DestinationError(f"cannot lock '{dest}' ('{path.name}'): {e.strerror or e}") from None
-                raise DestinationError(
-                    f"destination '{dest}' is being written by another ckpttool run (process {holder or '?'}, lock "
-                    f"'{path}'); wait for it to finish or stop it, then run again"
-                ) from None
-            try:  # the previous holder may have removed the file between our open and our lock
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        try:  # who holds the lock, for the message of a second run; a full disk only loses that
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError:
-            pass
-        self._fd: int | None = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            try:
-                self.path.unlink(missing_ok=True)
-            finally:
-                os.close(self._fd)
-                self._fd = None
 
 
 def sync_tree(directory: Path) -> None:

@@ -37,6 +37,7 @@ from ckpttool.io.safetensors_format import encode_header, read_header
 from ckpttool.writers.destination import EXTRA_FILES, INDEX, journal_name
 from ckpttool.writers.files import OutputFile
 from ckpttool.writers.journal import JOURNAL_VERSION, Journal, clean_staging, plan_id, recorded, write_text
+from ckpttool.writers.trust import create_file
 
 __all__ = [  # the journal's names (ckpttool.writers.journal) are offered here too
     "JOURNAL_VERSION", "SIZE_HELP", "SIZE_UNITS", "Journal", "OutputFile", "assign_files", "check_written", "clean_staging",
@@ -135,6 +136,7 @@ def write_weights(
                 on_bytes(out.nbytes)
                 continue
             try:
+                path.unlink(missing_ok=True)  # a file that failed its check: the name only, created anew
                 digest = stream_file(path, prefix, chunk_list, reader, workers, on_bytes)
             except OSError as e:
                 raise OutputError(f"'{out.name}': cannot write: {e.strerror or e}; nothing was published") from None
@@ -231,7 +233,9 @@ def write_extras(directory: Path, config: Mapping[str, object] | None, search: S
         log.warning("%s", note)
     for candidate in extras:
         try:
-            shutil.copyfile(candidate, directory / candidate.name)
+            with open(candidate, "rb") as source:
+                with os.fdopen(create_file(directory / candidate.name), "wb") as copy:
+                    shutil.copyfileobj(source, copy)
         except OSError as e:
             raise SourceError(f"'{candidate}': cannot copy: {e.strerror or e}") from None
         written.append(candidate.name)

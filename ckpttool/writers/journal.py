@@ -7,17 +7,19 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ckpttool.execute.executor import CHUNK_BYTES
 from ckpttool.plan.plan import Plan
-from ckpttool.errors import OutputError, SourceError
+from ckpttool.errors import DestinationError, OutputError, SourceError
 from ckpttool.version import __version__
 from ckpttool.writers.destination import JOURNAL_GLOB, journal_name
+from ckpttool.writers.trust import create_file, read_journal, untrusted
 from ckpttool.writers.files import OutputFile
 
-__all__ = ["JOURNAL_VERSION", "Journal", "clean_staging", "plan_id", "recorded", "write_text"]
+__all__ = ["JOURNAL_VERSION", "Journal", "check_kept", "clean_staging", "plan_id", "recorded", "write_text"]
 
 
 #: the journal's format; a journal of another (its digests made another way, see :mod:`ckpttool.execute.digest`)
@@ -44,8 +46,9 @@ class Journal:
     def kept(self, name: str, path: Path, nbytes: int, digest: Callable[[], str]) -> bool:
         """True when ``name`` was finished by an earlier run and still has its recorded size and digest."""
         record = self.files.get(name)
-        if not isinstance(record, dict) or record.get("bytes") != nbytes or not path.is_file():
+        if not isinstance(record, dict) or record.get("bytes") != nbytes or not os.path.lexists(path):
             return False
+        check_kept(path)
         if path.stat().st_size != nbytes or digest() != record.get("digest"):
             self.files.pop(name)
             return False
@@ -73,22 +76,44 @@ def recorded(directory: Path, plan_id: str) -> dict[str, dict[str, object]]:
 
 def _journal(path: Path, plan_id: str) -> dict | None:
     """The journal at ``path`` when it is one of ``plan_id`` in this :data:`JOURNAL_VERSION`, else None."""
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    ours = isinstance(doc, dict) and doc.get("plan") == plan_id and doc.get("version") == JOURNAL_VERSION
+    doc = read_journal(path)
+    ours = doc is not None and doc.get("plan") == plan_id and doc.get("version") == JOURNAL_VERSION
     return doc if ours else None
 
 
 def clean_staging(directory: Path, plan_id: str) -> None:
     """Remove what no journal of ``plan_id`` holds: half-written files, another plan's files and journals, an
-    old index or report. Done once, before any process writes."""
+    old index or report. Done once, before any process writes.
+
+    Raises:
+        DestinationError: an entry is a symbolic link, a hard link, or another user's (see
+            :func:`~ckpttool.writers.trust.untrusted`); nothing was touched. ckpttool never makes one, so
+            the directory is not as a ckpttool run left it, and a resume would write or publish through it.
+    """
+    for entry in sorted(directory.iterdir()):
+        reason = untrusted(entry, directory=entry.is_dir() and not entry.is_symlink())
+        if reason is not None:
+            raise DestinationError(
+                f"'{entry}': it is {reason}; ckpttool never makes one in its staging directory, so it cannot trust "
+                f"what is there. Nothing was touched: remove '{directory}' (or run without --resume) and merge again"
+            )
     keep = set(recorded(directory, plan_id))
     keep.update(path.name for path in directory.glob(JOURNAL_GLOB) if _journal(path, plan_id) is not None)
     for leftover in directory.iterdir():
         if leftover.name not in keep:
-            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+            shutil.rmtree(leftover) if stat.S_ISDIR(leftover.lstat().st_mode) else leftover.unlink()
+
+
+def check_kept(path: Path) -> None:
+    """Refuse to keep ``path`` (a file a journal records as finished) unless ckpttool can trust it.
+
+    Raises:
+        DestinationError: it is a symbolic link, a hard link, not a regular file, or another user's.
+    """
+    reason = untrusted(path)
+    if reason is not None:
+        raise DestinationError(f"'{path}': the journal keeps it, but it is {reason}; ckpttool never makes one, so it "
+                               f"cannot trust it. Nothing was touched: remove '{path.parent}' and merge again")
 
 
 def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
@@ -132,8 +157,10 @@ def _layout_text(out: OutputFile, index: Mapping[str, int]) -> str:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write a small output file (a journal, an index, a config); a failure is an :class:`OutputError`."""
+    """Write a small output file (a journal, an index, a config) with :func:`create_file`; a failure is an
+    :class:`OutputError`."""
     try:
-        path.write_text(text)
+        with os.fdopen(create_file(path), "w") as f:
+            f.write(text)
     except OSError as e:
         raise OutputError(f"'{path.name}': cannot write: {e.strerror or e}; nothing was published") from None

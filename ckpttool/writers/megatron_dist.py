@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
 from ckpttool.errors import OutputError
+from ckpttool.writers.trust import create_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
@@ -40,8 +42,10 @@ def write_common(directory: Path, args: Mapping[str, object], iteration: int) ->
 
     state = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": iteration}
     try:
-        torch.save(state, directory / COMMON)
-        (directory / METADATA_JSON).write_text(json.dumps(BACKENDS))
+        with os.fdopen(create_file(directory / COMMON), "wb") as f:
+            torch.save(state, f)
+        with os.fdopen(create_file(directory / METADATA_JSON), "w") as f:
+            f.write(json.dumps(BACKENDS))
     except OSError as e:
         raise OutputError(f"'{COMMON}': cannot write: {e.strerror or e}; nothing was published") from None
 
@@ -49,6 +53,7 @@ def write_common(directory: Path, args: Mapping[str, object], iteration: int) ->
 def write_tracker(root: Path, iteration: int) -> None:
     """``latest_checkpointed_iteration.txt`` naming ``iteration`` (Megatron-LM writes the bare number)."""
     try:
-        (root / TRACKER).write_text(str(iteration))
+        with os.fdopen(create_file(root / TRACKER), "w") as f:
+            f.write(str(iteration))
     except OSError as e:
         raise OutputError(f"'{TRACKER}': cannot write: {e.strerror or e}; nothing was published") from None
