@@ -363,3 +363,67 @@ def test_verify_against_a_bin_reference_merges_it_without_unpickling(merged, mon
     result = ckpttool.verify(merged["hf_bin_mixtral_sharded"], against=checkpoint("hf_bin_mixtral_sharded"), tokens=8)
     assert result.ok, result.problems
     assert result.comparison is not None and result.comparison.max_abs == 0.0
+
+
+def test_the_legacy_torch_save_format_is_named(cli, tmp_path):
+    """torch < 1.6 wrote a pickle stream, not a zip (old hub models' pytorch_model.bin): refused with what it is."""
+    src = tmp_path / "whole"
+    shutil.copytree(checkpoint("hf_bin_llama"), src)
+    state = torch.load(src / "pytorch_model.bin", weights_only=True)
+    torch.save(state, src / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    out = tmp_path / "out"
+    assert_failed_cleanly(cli("merge", src, out), out,
+                          "'pytorch_model.bin': written in torch.save's legacy format (torch < 1.6, not a zip archive)")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Fuzzing what the pickles hold
+# ------------------------------------------------------------------------------------------------------------
+def _fuzz_values():
+    from hypothesis import strategies as st
+
+    from ckpttool.io.torch_save import StoredTensor
+
+    ints = st.one_of(st.integers(-2, 70), st.sampled_from([2**31, 2**62, 2**63]))
+    tensors = st.builds(StoredTensor, st.sampled_from(["F32", "BF16", "I64", "BOOL"]),
+                        st.lists(ints, max_size=3).map(tuple), st.lists(ints, max_size=3).map(tuple),
+                        st.sampled_from(["0", "1"]), ints, st.one_of(st.none(), st.integers(-8, 2**20)), ints)
+    return st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=4), st.just({}),
+                     st.lists(st.integers(), max_size=2), tensors)
+
+
+def test_any_values_in_a_bin_state_dict_are_refused_or_read_never_a_crash():
+    """A .bin pickle read with the allow-list can still hold any plain value where a tensor belongs, any key, any
+    tensor shape, stride or offset: only a CkptError may come out of reading and planning."""
+    from unittest import mock
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from conftest import HYPOTHESIS_EXAMPLES
+    from ckpttool.readers import hf_bin
+    from test_fuzz import only_ckpt_errors
+
+    src = checkpoint("hf_bin_llama_sharded")
+    real = hf_bin.scan
+    mutation = st.tuples(st.integers(0, 2**16), st.one_of(st.none(), st.integers(-1, 2), st.text(max_size=3)),
+                         _fuzz_values())
+
+    @settings(max_examples=HYPOTHESIS_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(mutation, min_size=1, max_size=3))
+    def run(mutations):
+        def scan(f, *args, label, **kwargs):
+            state = dict(real(f, *args, label=label, **kwargs))
+            for where, key, value in mutations:
+                names = list(state)
+                old = names[where % len(names)] if names else None
+                if key is not None and old is not None:
+                    state[key] = state.pop(old)  # a key of another type, or another tensor's name
+                elif old is not None:
+                    state[old] = value
+            return state
+
+        with mock.patch.object(hf_bin, "scan", scan):
+            only_ckpt_errors(lambda: ckpttool.prepare(src))
+
+    run()

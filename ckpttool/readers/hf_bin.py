@@ -18,13 +18,16 @@ import os
 
 from ckpttool.errors import SourceError
 from ckpttool.io.dtypes import itemsize
-from ckpttool.io.paths import open_source
+from ckpttool.io.paths import open_source, source_os_error
 from ckpttool.io.safetensors_format import Entry, Header
 from ckpttool.io.torch_save import StoredTensor, scan
 
 #: transformers' names (``WEIGHTS_NAME``, ``WEIGHTS_INDEX_NAME``)
 BIN_SINGLE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
+#: how a ``torch.save`` file of the legacy format (torch < 1.6, a pickle stream, not a zip) starts: the pickled
+#: magic number 0x1950a86a20f9469cfc6c (protocol 2)
+LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
 #: the files of a sharded save an index should name (``pytorch_model-00001-of-00003.bin``); never
 #: ``training_args.bin`` or ``optimizer.bin``, which the Trainer saves beside the weights
 BIN_PATTERN = "pytorch_model*.bin"
@@ -40,9 +43,9 @@ def read_bin(path: str | os.PathLike[str], name: str | None = None) -> Header:
     Raises:
         UnsafePickleError: the pickle asks for a class that is not a tensor or a plain container (named).
         PickleBombError: reading the pickle would take work without bound.
-        SourceError: not a ``torch.save`` archive (truncated, garbage, the pre-1.6 format), not a dict of tensors,
-            a key that is not a string, or a tensor whose bytes are not in place in the file (compressed,
-            big-endian, a strided view).
+        SourceError: not a ``torch.save`` archive (truncated, garbage, the legacy pre-1.6 format: named so), not a
+            dict of tensors, a key that is not a string, or a tensor whose bytes are not in place in the file
+            (compressed, big-endian, a strided view).
 
     Example:
         >>> read_bin("pytorch_model.bin").entries["lm_head.weight"].shape  # doctest: +SKIP
@@ -50,6 +53,14 @@ def read_bin(path: str | os.PathLike[str], name: str | None = None) -> Header:
     """
     label = str(path) if name is None else name
     with open_source(path, label) as f:
+        try:
+            start = f.read(len(LEGACY_MAGIC))
+        except OSError as e:
+            raise source_os_error(label, e) from None
+        if start == LEGACY_MAGIC:
+            raise SourceError(
+                f"'{label}': written in torch.save's legacy format (torch < 1.6, not a zip archive), which ckpttool "
+                "does not read; save it again with torch 1.6 or later (from_pretrained, then save_pretrained)")
         state = scan(f, label=label)
     if not isinstance(state, dict):
         raise SourceError(f"'{label}': holds a {type(state).__name__}, not a state dict (a dict of tensor names to "
