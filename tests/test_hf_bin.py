@@ -427,3 +427,9 @@ def test_any_values_in_a_bin_state_dict_are_refused_or_read_never_a_crash():
             only_ckpt_errors(lambda: ckpttool.prepare(src))
 
     run()
+
+
+def test_verify_of_a_bin_directory_says_to_merge_it_first(cli):
+    result = cli("verify", checkpoint("hf_bin_llama"))
+    assert result.exit_code == 1, result.output
+    assert "no safetensors weights" in result.stderr and "it holds .bin weights: merge it (ckpttool merge)" in result.stderr

@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from ckpttool.io import jsonfile
 from ckpttool.errors import ConfigError, SourceError, SourceNotFoundError
 from ckpttool.io.paths import JSON_LIMIT, read_source
+from ckpttool.readers.hf import BIN
 from ckpttool.verify.prompt import choose_input
 from ckpttool.io.safetensors_format import read_header
 
@@ -166,7 +167,10 @@ def run_forward(path: Path, input_ids: list[int], *, stream: bool = True) -> For
     cls = model_class(path, config)
     stored = stored_shapes(path)  # every header read and checked before transformers opens a file
     if not stored:
-        raise SourceNotFoundError(f"'{path}': no safetensors weights (model.safetensors or an index and its files)")
+        bins = BIN.present(path)  # never handed to transformers, which would unpickle them
+        raise SourceNotFoundError(f"'{path}': no safetensors weights (model.safetensors or an index and its files)"
+                                  + ("; it holds .bin weights: merge it (ckpttool merge) and verify the output, or "
+                                     "give it as the reference (--against)" if bins else ""))
     with tempfile.TemporaryDirectory(prefix="ckpttool-verify-") as offload, _quiet_transformers():
         placement: dict[str, Any] = {"device_map": {"": "disk"}, "offload_folder": offload} if stream else {}
         try:
