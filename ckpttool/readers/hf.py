@@ -47,6 +47,7 @@ class Weights:
     read_header: Callable[[Path, str], Header]
 
     def present(self, root: Path) -> bool:
+        """True when ``root`` holds this kind's index or single file."""
         return (root / self.index).is_file() or (root / self.single).is_file()
 
 
