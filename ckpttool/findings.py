@@ -17,16 +17,19 @@ SEVERITIES = (ERROR, WARNING, INFO)
 #: code -> (severity, what it means)
 CODES: dict[str, tuple[str, str]] = {
     # files and index of a HuggingFace directory
-    "header-invalid": (ERROR, "a safetensors file cannot be read: truncated, bad header, offsets outside the file, "
-                                "a key twice, bytes between or after the tensors (the safetensors library refuses it)"),
-    "index-invalid": (ERROR, "model.safetensors.index.json is not valid JSON or has no weight_map"),
+    "header-invalid": (ERROR, "a weights file cannot be read: a safetensors file truncated, with a bad header, offsets "
+                                "outside the file, a key twice, bytes between or after the tensors (the safetensors "
+                                "library refuses it); a .bin file that is no torch.save state dict, or whose pickle asks "
+                                "for a class that is not a tensor (refused unread)"),
+    "index-invalid": (ERROR, "model.safetensors.index.json (or pytorch_model.bin.index.json) is not valid JSON or has "
+                             "no weight_map"),
     "index-outside": (ERROR, "the index names a file outside the directory (../, an absolute path, a symlink out)"),
     "index-missing-file": (ERROR, "the index names a file that does not exist"),
     "index-wrong-file": (ERROR, "the index puts a tensor in a file that does not hold it"),
     "index-total-size": (ERROR, "metadata.total_size is not the sum of the tensors' bytes"),
     "tensor-duplicated": (ERROR, "a tensor is stored in two files"),
-    "file-unreferenced": (WARNING, "a safetensors file the index does not name, or beside model.safetensors without an "
-                                   "index (transformers ignores it)"),
+    "file-unreferenced": (WARNING, "a safetensors (or pytorch_model*.bin) file the index does not name, or beside "
+                                   "model.safetensors without an index (transformers ignores it)"),
     "index-shadowed": (ERROR, "model.safetensors beside an index that does not name it: transformers loads it and "
                               "ignores the index"),
     "tensor-unlisted": (WARNING, "a tensor in a file but not in the index (transformers will not load it)"),

@@ -32,7 +32,7 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "megatron-legacy": ("latest_checkpointed_iteration.txt", "iter_*", "release", "mp_rank_*"),
     "dcp": (".metadata", "*.distcp"),
     "hf-distributed": ("shard-*-model-*-of-*.safetensors",),
-    "hf": ("model.safetensors", "model.safetensors.index.json"),
+    "hf": ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"),
 }
 
 #: entries named per format in the message

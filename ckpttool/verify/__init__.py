@@ -251,13 +251,14 @@ def _labelled(forward: Forward, path: str) -> Forward:
 
 
 def _as_hf(ref: Path, scratch: Path) -> Path:
-    """The reference as an HF directory: itself when it is one, else merged (unaudited) into ``scratch``."""
+    """The reference as an HF directory: itself when it is one of safetensors, else merged (unaudited) into
+    ``scratch``; ``.bin`` weights too, which transformers would unpickle and ckpttool reads without running a pickle."""
     from ckpttool.commands.merge import merge
-    from ckpttool.readers import detect_format
+    from ckpttool.readers import detect_format, hf
 
     if not ref.exists():
         raise SourceNotFoundError(f"reference '{ref}': no such file or directory")
-    if detect_format(ref) == "hf" and (ref / "config.json").is_file():
+    if detect_format(ref) == "hf" and hf.SAFETENSORS.present(ref) and (ref / "config.json").is_file():
         return ref
     merged = scratch / "reference"
     merge(ref, merged, audit=False)

@@ -29,6 +29,7 @@ from ckpttool.io import jsonfile
 from ckpttool.errors import ConfigError, SourceError, SourceNotFoundError
 from ckpttool.io.paths import JSON_LIMIT, read_source
 from ckpttool.verify.guard import check_config, check_layers, check_with_transformers, refuse_remote_code
+from ckpttool.readers.hf import BIN
 from ckpttool.verify.prompt import choose_input
 from ckpttool.io.safetensors_format import read_header
 
@@ -171,7 +172,10 @@ def run_forward(path: Path, input_ids: list[int], *, stream: bool = True) -> For
         check_with_transformers(path, cls)
     stored = stored_shapes(path)  # every header read and checked before transformers opens a file
     if not stored:
-        raise SourceNotFoundError(f"'{path}': no safetensors weights (model.safetensors or an index and its files)")
+        bins = BIN.present(path)  # never handed to transformers, which would unpickle them
+        raise SourceNotFoundError(f"'{path}': no safetensors weights (model.safetensors or an index and its files)"
+                                  + ("; it holds .bin weights: merge it (ckpttool merge) and verify the output, or "
+                                     "give it as the reference (--against)" if bins else ""))
     check_layers(path, config, len(stored))
     with tempfile.TemporaryDirectory(prefix="ckpttool-verify-") as offload, _quiet_transformers():
         placement: dict[str, Any] = {"device_map": {"": "disk"}, "offload_folder": offload} if stream else {}
