@@ -1,8 +1,9 @@
 """The first hour of a new user: a merge that exits 0 must give something transformers loads, or say so once.
 
 A source named in a convention of its own (Megatron-Core torch_dist, Megatron legacy, DeepSpeed MoE) with no config
-to map its names is refused unless raw names are asked for (``--raw-names``); a PEFT adapter, in the source or in a
-subfolder of it, is refused rather than left out of the merge; ``-q`` prints nothing on success.
+to map its names is refused by ``merge(raw_names=False)`` and otherwise warned about once; a PEFT adapter, in the
+source, beside the base or in a subfolder, is refused rather than left out of the merge; ``-q`` leaves stderr empty
+on success.
 """
 
 from __future__ import annotations
