@@ -176,7 +176,8 @@ def main() -> None:
               "forward (see ckpttool verify); a problem stops the publish.")
 @click.option("--workers", type=click.IntRange(1, 256), default=DEFAULT_WORKERS, show_default=True, help="Threads reading and writing at once.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar, warnings only.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no audit line: stderr holds only warnings and errors "
+              "(the summary stays on stdout).")
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug); with --dry-run, list every tensor.")
 def merge_command(
     src: str, out: str | None, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str, weights: str | None,

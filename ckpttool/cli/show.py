@@ -47,6 +47,8 @@ def print_result(result: MergeResult, verbose: int) -> None:
         click.echo(f"peak memory: at most {_size(predict_peak_bytes(plan, result.workers))} with "
                    f"{counted(result.workers, 'worker')} (largest tensor {_size(plan.largest_target_bytes())})")
     for note in plan.notes:
+        if result.generic and note.startswith(GENERIC_NOTE):  # said once, by the command's warning (generic_warning)
+            continue
         click.echo(f"note: {escaped(note)}")
     if result.dry_run or verbose:
         shapes: dict[tuple[int, ...], str] = {}  # a checkpoint has few shapes and 90k tensors
@@ -64,6 +66,9 @@ def print_result(result: MergeResult, verbose: int) -> None:
         if lines:
             click.echo("\n".join(lines))
 
+
+#: how the plan's note of a generic merge begins (ckpttool.plan.source.plan_layout); the warning says it instead
+GENERIC_NOTE = "generic merge ("
 
 #: the tensor lines of a dry run are printed this many at a time (one write each)
 ECHO_LINES = 4096
@@ -97,6 +102,11 @@ def print_report(report: Report, quiet: bool) -> None:
 def generic_warning(result: MergeResult) -> str:
     """The line a generic merge prints on stderr: nothing was checked, and without a config nothing loads it."""
     unchecked = "tensor names are kept as the source recorded them and nothing was checked against an architecture"
+    if result.raw_names is not None:  # a convention's own names: no config.json copied beside them makes them loadable
+        why = "no config.json found" if result.config is None else f"transformers has no causal LM for the config '{result.config}'"
+        where = f"'{result.output}'" if result.output is not None else "the output"
+        return (f"generic merge ({why}): the {result.raw_names} {unchecked}; transformers cannot load {where} (merge "
+                "again with --config path/to/config.json of the HuggingFace model for its names)")
     if result.config is None:
         where = f"'{result.output}'" if result.output is not None else "the output"
         return (f"generic merge (no config.json found): {unchecked}; transformers cannot load {where} without a "

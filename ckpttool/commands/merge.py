@@ -59,6 +59,9 @@ class MergeResult:
     generic: bool = False
     #: the family adapter that named the tensors, in words (see ckpttool.families)
     adapter: str = ""
+    #: a generic merge of a source named in a convention of its own: that convention (``"Megatron-Core"``), whose
+    #: names were written as they are (transformers loads none of them); None otherwise (see merge's raw_names)
+    raw_names: str | None = None
     #: quantize="fp8": per quantized weight this process wrote, its round trip against the source
     round_trips: dict[str, RoundTrip] = field(default_factory=dict)
 
@@ -77,6 +80,7 @@ class MergeResult:
             "config": self.config,
             "generic": self.generic,
             "adapter": self.adapter,
+            "raw_names": self.raw_names,
             "coverage": "every target tensor is covered exactly once",
             "tensors": len(self.plan.targets),
             "total_bytes": self.plan.nbytes,
@@ -150,6 +154,7 @@ def merge(
     quantize: str | None = None,
     block: int | tuple[int, int] | None = None,
     verify_forward: bool = False,
+    raw_names: bool | None = None,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
 
@@ -179,6 +184,11 @@ def merge(
         block: the FP8 block size, rows and columns (an int for both; default 128x128).
         verify_forward: before publishing, load the output with transformers strictly and run a forward
             (:func:`ckpttool.verify.forward.check_output`); a problem stops the publish. Needs a config.
+        raw_names: for a source named in a convention of its own (Megatron-Core, Megatron legacy, DeepSpeed
+            MoE) that no config maps to HuggingFace names: True writes its names as it recorded them
+            (transformers loads none of them; :attr:`MergeResult.raw_names` names the convention), False
+            refuses. None does as True for now (existing callers merge such sources without a config); it is
+            meant to refuse once they pass True.
 
     Under ``torchrun --nproc_per_node N`` every process calls this; output files are shared out among them
     by bytes (see :mod:`ckpttool.execute.distributed`) and every process returns the same result.
@@ -191,6 +201,8 @@ def merge(
         AuditError: the written checkpoint has audit errors (``audit=True``); nothing was published.
         ForwardError: the written checkpoint fails its forward check (``verify_forward=True``); nothing was published.
         SourceError, ConfigError, DestinationError: bad input, config or destination; nothing is written.
+            ConfigError too, with ``raw_names=False``, for a source whose names are not HuggingFace's and that
+            no config maps.
         ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``; ``quantize``
             unknown or given with ``dtype``.
 
@@ -208,6 +220,8 @@ def merge(
     group = Group()
     try:
         prepared = prepare(root, format=format, config=config, dtype=dtype, weights=weights, quantize=quantizing)
+        if raw_names is False:
+            prepared.refuse_raw_names()
         plan = prepared.plan
         if not plan.targets:
             raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
@@ -263,6 +277,7 @@ def merge(
         generic=prepared.generic,
         adapter=prepared.adapter,
         round_trips=round_trips,
+        raw_names=prepared.raw_names,
     )
 
 

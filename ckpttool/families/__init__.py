@@ -11,7 +11,8 @@ Entry points: :func:`map_to_hf` (a layout under on-disk HuggingFace names, unche
 :func:`map_from_hf` (the way back, for split: every in-memory tensor as slices of the on-disk ones),
 :func:`compare_with_model` (those names and shapes against transformers'), :func:`mtp_absent` and
 :func:`mtp_missing_note` (declared MTP layers a source does not hold, :mod:`.mtp`), :func:`keeps_dtype` (targets a
-cast leaves alone) and :func:`refusal` (the error a merge raises for what does not fit). Commands reach them through
+cast leaves alone), :func:`convention_of` (whose names a format holds) and :func:`refusal` (the error a merge raises
+for what does not fit). Commands reach them through
 :mod:`ckpttool.plan.source`.
 Adding a family is one adapter module here and one line in :data:`FAMILIES`.
 """
@@ -36,8 +37,8 @@ from ckpttool.families.mtp import missing_note as mtp_missing_note
 from ckpttool.families.rules import Rules, cut, keeps_dtype, memory_slices, stacks_experts
 
 __all__ = [
-    "CONVENTIONS", "FAMILIES", "HfMapping", "MemoryTensor", "Mismatch", "compare_with_model", "keeps_dtype",
-    "map_from_hf", "map_to_hf", "mtp_absent",
+    "CONVENTIONS", "FAMILIES", "HfMapping", "MemoryTensor", "Mismatch", "compare_with_model", "convention_of",
+    "keeps_dtype", "map_from_hf", "map_to_hf", "mtp_absent",
     "mtp_missing_note", "refusal",
 ]
 
@@ -49,6 +50,14 @@ Cut = Callable[[Layout, ModelInfo], tuple[list[TargetSpec], list[str], list[tupl
 #: transformers' in-memory or on-disk names, cut by the family's rules
 CONVENTIONS: dict[str, tuple[str, Cut]] = dict.fromkeys(megatron_core.FORMATS, (megatron_core.NAME, megatron_core.to_hf))
 CONVENTIONS.update(dict.fromkeys(deepspeed_moe.FORMATS, (deepspeed_moe.NAME, deepspeed_moe.to_hf)))
+
+
+def convention_of(layout_format: str) -> str | None:
+    """The name of the source convention a format's tensors are named in (``"Megatron-Core"``), or None for a
+    format holding transformers' own names. Without an architecture to cut them, a convention's names are not
+    HuggingFace's: transformers loads none of them (a merge refuses them unless asked for raw names)."""
+    convention = CONVENTIONS.get(layout_format)
+    return convention[0] if convention is not None else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,10 +18,11 @@ from ckpttool.model.architecture import ModelInfo, find_config, model_info, read
 from ckpttool.model.config_sizes import census, check_config_sizes
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import Plan, Target, TargetSpec, identity_specs, plan_covered
-from ckpttool.errors import CoverageError
+from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families import (
     Mismatch,
     compare_with_model,
+    convention_of,
     keeps_dtype,
     map_to_hf,
     mtp_absent,
@@ -79,6 +80,12 @@ class Planned:
         """No architecture was mapped: names are kept as the source recorded them."""
         return self.model is None
 
+    @property
+    def raw_names(self) -> str | None:
+        """The source convention whose names a generic plan keeps (``"Megatron-Core"``): names transformers
+        loads under no config. None for a mapped plan, or a source holding transformers' own names."""
+        return convention_of(self.layout.format) if self.generic else None
+
     def refuse(self) -> None:
         """Raise what a merge refuses: tensors that do not fit the config, then targets not covered exactly once.
 
@@ -92,6 +99,27 @@ class Planned:
             raise quantization_refusal(self.layout, self.quantization)
         if self.uncovered:
             raise CoverageError([problem for _, problems in self.uncovered for problem in problems])
+
+    def refuse_raw_names(self) -> None:
+        """Raise for a generic plan of names transformers cannot load (:attr:`raw_names`): what a merge refuses
+        unless asked for those names (merge's ``raw_names``). Not part of :meth:`refuse`: an audit, a diff or a
+        split reads such a source as it is, and writes nothing transformers is meant to load.
+
+        Raises:
+            ConfigError: the convention, why nothing maps its names, and what to pass.
+        """
+        convention = self.raw_names
+        if convention is None:
+            return
+        if self.config is None:
+            why = "no config.json was found in or next to it"
+        else:
+            why = f"transformers has no causal LM for the model_type {self.config.get('model_type')!r} of '{self.config_path}'"
+        raise ConfigError(
+            f"'{self.layout.root}': its tensors are named in the {convention} convention, not HuggingFace's, and {why}, "
+            "so a merge would write names transformers cannot load. Pass config='path/to/config.json' (the config of "
+            f"the HuggingFace model) to write HuggingFace names, or raw_names=True to keep the {convention} names"
+        )
 
 
 def plan_source(

@@ -3,7 +3,8 @@
 Each reader module defines ``READER``, a :class:`~.base.Reader` (``name``, ``looks_for``, ``options``,
 ``matches(root)``, ``read(root, model, **options)``; the call order is in :mod:`.base`). :data:`READERS` lists
 them in detection order; :func:`detect_format` picks one (:mod:`.claims` when several claim a directory) and
-:func:`read_layout` runs it.
+:func:`read_layout` runs it. A PEFT adapter is no format read yet: :func:`find_adapter` finds one, and a source
+that is one, holds one beside the base or holds one in a subfolder is refused (the base would come out without it).
 
 Format knowledge lives only here; the plan and executor see pieces and boxes, and what tensor names mean for a
 model family is :mod:`ckpttool.families`' business.
@@ -11,6 +12,7 @@ model family is :mod:`ckpttool.families`' business.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ckpttool.model.architecture import ModelInfo
@@ -40,14 +42,18 @@ def detect_format(root: Path) -> str:
 
     Raises:
         SourceNotFoundError: ``root`` does not exist.
+        SourceError: ``root`` is or holds a PEFT adapter, or holds no checkpoint and a subfolder holds one (the
+            message names the adapter's weights file).
         SourceError: ``root`` holds checkpoints of two formats; the message names both and what was found.
         FormatNotDetectedError: no reader matched; the message lists what was looked for.
     """
     _check_directory(root)
+    _refuse_adapter(root, find_adapter(root))
     found = claimed_format(root, READERS)
     if found is not None:
         return found
     below = _checkpoints_below(root)
+    _refuse_adapter(root, _adapter_below(root), below)
     if below:
         listed = "\n".join(f"  - '{path}' ({name})" for path, name in below)
         raise FormatNotDetectedError(
@@ -57,6 +63,41 @@ def detect_format(root: Path) -> str:
     looked = "\n".join(f"  - {reader.looks_for} ({name})" for name, reader in READERS.items())
     raise FormatNotDetectedError(
         f"'{root}': no checkpoint format recognised. Looked for:\n{looked}\nPass format='NAME' to name one."
+    )
+
+
+#: what PEFT's ``save_pretrained`` writes for an adapter: its config, and its weights in one of these files
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def find_adapter(root: Path) -> Path | None:
+    """The weights file of the PEFT adapter saved at the top level of ``root`` (``adapter_config.json`` beside
+    ``adapter_model.safetensors`` or ``.bin``), or None."""
+    if not (root / ADAPTER_CONFIG).is_file():
+        return None
+    return next((root / name for name in ADAPTER_WEIGHTS if (root / name).is_file()), None)
+
+
+def _adapter_below(root: Path) -> Path | None:
+    """The first PEFT adapter in a subfolder of ``root`` (a run's folder holding ``base/`` and ``adapter/``)."""
+    try:
+        folders = sorted(p for p in root.iterdir() if not p.name.startswith(".") and p.is_dir())
+    except OSError:
+        return None
+    return next((found for found in map(find_adapter, folders[:SUBFOLDERS_LOOKED_AT]) if found is not None), None)
+
+
+def _refuse_adapter(root: Path, adapter: Path | None, below: Sequence[tuple[Path, str]] = ()) -> None:
+    """Refuse a source that is, holds or sits above a PEFT adapter (``below``: the checkpoints in the subfolders
+    of such a source): merging the base alone would silently leave the adapter out."""
+    if adapter is None:
+        return
+    base = f"a merge of '{below[0][0]}'" if below else "a merge"
+    raise SourceError(
+        f"'{adapter}': a PEFT adapter ({ADAPTER_CONFIG} beside it). ckpttool does not merge adapters yet: {base} "
+        "would write the base without it. Fuse the adapter into its base with peft first "
+        "(PeftModel.from_pretrained(base, ADAPTER).merge_and_unload().save_pretrained(DIR)) and give DIR as the source"
     )
 
 
@@ -97,7 +138,8 @@ def read_layout(
             take an option refuses it.
 
     Raises:
-        SourceError: the metadata is malformed (every value is checked: :mod:`ckpttool.readers.validate`), inconsistent,
+        SourceError: ``src`` is, holds or sits above a PEFT adapter (:func:`find_adapter`), which no reader
+            reads yet; the metadata is malformed (every value is checked: :mod:`ckpttool.readers.validate`), inconsistent,
             or names files outside the directory; a file cannot be read (the ``OSError``, naming the file).
         FormatNotDetectedError: nothing recognisable in ``src``.
 
@@ -115,6 +157,7 @@ def read_layout(
         raise SourceError(f"format={format!r} is not a format ckpttool reads; known: {', '.join(READERS)}")
     else:
         _check_directory(root)
+        _refuse_adapter(root, find_adapter(root))
     reader = READERS[format]
     given = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(given) - set(reader.options))

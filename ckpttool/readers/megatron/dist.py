@@ -99,8 +99,6 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                                            directory / dcp.METADATA, f"{prefix}{dcp.METADATA}")
     if args is None:
         notes.append(f"no args in '{prefix}{COMMON}': parallel layout unknown, nothing checked against the config")
-    if model is None:
-        notes.append("no config: tensor names kept as Megatron stored them (pass --config for HuggingFace names)")
     if prefix:
         layout = _rebase(layout, prefix, root)
     return replace(layout, format=NAME, notes=tuple(notes),
