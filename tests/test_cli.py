@@ -11,7 +11,7 @@ from conftest import assert_failed_cleanly, fixture_dir, tree_digest
 
 def test_merge_prints_summary_and_exits_0(cli, tmp_path):
     out = tmp_path / "hf"
-    result = cli("merge", fixture_dir("llama_tp2_dcp") / "checkpoint", out, "-q")
+    result = cli("merge", fixture_dir("llama_tp2_dcp") / "checkpoint", out)
     assert result.exit_code == 0, result.output
     assert "coverage: ok, 21 tensors each covered exactly once" in result.stdout
     assert "model.safetensors  21 tensors" in result.stdout

@@ -290,7 +290,7 @@ def _files() -> dict[str, object]:
 
 def test_hand_made_checkpoint_merges_with_global_expert_ids(tmp_path):
     root = _write(tmp_path / "ckpt", _files())
-    ckpttool.merge(root, tmp_path / "out", audit=False)
+    ckpttool.merge(root, tmp_path / "out", audit=False, raw_names=True)
     got = load_output(tmp_path / "out")  # no config: DeepSpeed's names, as the reader reports them
     assert sorted(got) == ["embed.weight", f"{MOE}.experts.deepspeed_experts.0.w",
                            f"{MOE}.experts.deepspeed_experts.1.w", f"{MOE}.gate.wg.weight"]

@@ -1,9 +1,9 @@
 """The first hour of a new user: a merge that exits 0 must give something transformers loads, or say so once.
 
 A source named in a convention of its own (Megatron-Core torch_dist, Megatron legacy, DeepSpeed MoE) with no config
-to map its names is refused by ``merge(raw_names=False)`` and otherwise warned about once; a PEFT adapter, in the
-source, beside the base or in a subfolder, is refused rather than left out of the merge; ``-q`` leaves stderr empty
-on success.
+to map its names is refused unless raw names are asked for (``--raw-names``, then warned about once); a PEFT
+adapter, in the source, beside the base or in a subfolder, is refused rather than left out of the merge; ``-q``
+prints nothing on success.
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ def _megatron(tmp_path: Path, kind: str) -> Path:
 
 def _refusal(src: Path, why: str = "no config.json was found in or next to it", convention: str = "Megatron-Core") -> str:
     return (f"'{src}': its tensors are named in the {convention} convention, not HuggingFace's, and {why}, so a merge "
-            "would write names transformers cannot load. Pass config='path/to/config.json' (the config of the "
-            f"HuggingFace model) to write HuggingFace names, or raw_names=True to keep the {convention} names")
+            "would write names transformers cannot load. Pass --config path/to/config.json (the config of the "
+            f"HuggingFace model) to write HuggingFace names, or --raw-names to keep the {convention} names")
+
+
+def _api(message: str) -> str:
+    return message.replace("--config path/to/config.json", "config='path/to/config.json'").replace("--raw-names", "raw_names=True")
 
 
 def _warning(out: Path) -> str:
@@ -46,69 +50,66 @@ def _warning(out: Path) -> str:
 
 
 @pytest.mark.parametrize("kind", ["torch_dist", "legacy"])
-def test_raw_names_false_refuses_a_megatron_merge_without_config(tmp_path, kind):
+def test_a_megatron_merge_without_config_is_refused_and_says_what_to_pass(cli, tmp_path, kind):
     src, out = _megatron(tmp_path, kind), tmp_path / "out"
     before = tree_digest(src)
-    for dry_run in (False, True):  # the dry run says what the merge would do: refuse
-        with pytest.raises(ConfigError) as refused:
-            ckpttool.merge(src, out, raw_names=False, dry_run=dry_run)
-        assert str(refused.value) == _refusal(src)
-    assert not out.exists() and not list(tmp_path.glob(".out.ckpttool-partial-*"))
-    assert tree_digest(src) == before
+    result = cli("merge", src, out)
+    assert_failed_cleanly(result, out)
+    assert result.stderr == f"Error: {_refusal(src)}\n" and result.stdout == ""
+    dry = cli("merge", src, "--dry-run")  # the dry run says what the merge would do: refuse
+    assert dry.exit_code == 1 and dry.stderr == f"Error: {_refusal(src)}\n" and dry.stdout == ""
+    with pytest.raises(ConfigError) as refused:
+        ckpttool.merge(src, out)
+    assert str(refused.value) == _api(_refusal(src))
+    assert not out.exists() and tree_digest(src) == before
 
 
-def test_raw_names_false_refuses_a_deepspeed_moe_merge_without_config(tmp_path):
+def test_a_deepspeed_moe_merge_without_config_is_refused(cli, tmp_path):
     src = tmp_path / "moe" / "checkpoint"
     shutil.copytree(fixture_dir("deepspeed_moe_zero2_ep2") / "checkpoint", src, ignore=shutil.ignore_patterns("config.json"))
-    with pytest.raises(ConfigError) as refused:
-        ckpttool.merge(src, tmp_path / "out", raw_names=False)
-    assert str(refused.value) == _refusal(src, convention="DeepSpeed MoE")
-    assert not (tmp_path / "out").exists()
+    out = tmp_path / "out"
+    result = cli("merge", src, out)
+    assert_failed_cleanly(result, out)
+    assert result.stderr == f"Error: {_refusal(src, convention='DeepSpeed MoE')}\n"
 
 
-def test_raw_names_false_refuses_megatron_names_a_config_transformers_cannot_build_leaves_unmapped(tmp_path):
-    src = _megatron(tmp_path, "torch_dist")
+def test_megatron_names_a_config_transformers_cannot_build_leaves_unmapped_are_refused(cli, tmp_path):
+    src, out = _megatron(tmp_path, "torch_dist"), tmp_path / "out"
     config = src.parent / "config.json"
     config.write_text(json.dumps({"model_type": "not-a-real-model", "vocab_size": 3}))
-    with pytest.raises(ConfigError) as refused:
-        ckpttool.merge(src, tmp_path / "out", raw_names=False)
-    assert str(refused.value) == _refusal(src, f"transformers has no causal LM for the model_type 'not-a-real-model' of '{config}'")
-    assert not (tmp_path / "out").exists()
-
-
-def test_raw_names_false_refuses_nothing_a_config_maps_or_that_holds_hf_names(tmp_path):
-    src = _megatron(tmp_path, "torch_dist")
-    mapped = ckpttool.merge(src, tmp_path / "mapped", config=FIXTURES / "megatron_tp2_pp2" / "config.json", raw_names=False)
-    assert not mapped.generic and mapped.raw_names is None
-    bare = tmp_path / "bare" / "checkpoint"  # DCP of a transformers model: its own names, a generic merge as before
-    shutil.copytree(LLAMA, bare, ignore=shutil.ignore_patterns("config.json"))
-    generic = ckpttool.merge(bare, tmp_path / "generic", raw_names=False)
-    assert generic.generic and generic.raw_names is None
-
-
-def test_a_megatron_merge_without_config_keeps_its_names_and_warns_exactly_once(cli, tmp_path):
-    src, out = _megatron(tmp_path, "torch_dist"), tmp_path / "out"
     result = cli("merge", src, out)
-    assert result.exit_code == 0, result.output
-    assert _warning(out) in result.stderr
-    said = result.stdout + result.stderr
-    assert said.count("kept as") == 1 and said.count("generic merge (") == 1 and said.count("--config") == 1
-    assert "decoder.final_layernorm.weight" in load_output(out)  # Megatron-Core's names, layers stacked
-    assert json.loads(cli("merge", src, tmp_path / "doc", "--json").stdout)["raw_names"] == "Megatron-Core"
-    kept = ckpttool.merge(src, tmp_path / "api", raw_names=True)
-    assert kept.raw_names == "Megatron-Core" and kept.generic
-    quiet = cli("merge", src, tmp_path / "quiet", "-q")  # -q: the warning alone on stderr
-    assert quiet.exit_code == 0 and quiet.stderr == _warning(tmp_path / "quiet")
-    assert "generic merge (" not in quiet.stdout
+    assert_failed_cleanly(result, out)
+    why = f"transformers has no causal LM for the model_type 'not-a-real-model' of '{config}'"
+    assert result.stderr == f"Error: {_refusal(src, why)}\n"
 
 
-def test_a_generic_merge_of_hf_names_says_so_once(cli, tmp_path):
-    bare = tmp_path / "bare" / "checkpoint"
+def test_nothing_a_config_maps_or_that_holds_hf_names_is_refused(cli, tmp_path):
+    src = _megatron(tmp_path, "torch_dist")
+    mapped = cli("merge", src, tmp_path / "mapped", "--config", FIXTURES / "megatron_tp2_pp2" / "config.json")
+    assert mapped.exit_code == 0, mapped.output
+    assert "warning:" not in mapped.stderr
+    bare = tmp_path / "bare" / "checkpoint"  # DCP of a transformers model: its own names, a generic merge as before
     shutil.copytree(LLAMA, bare, ignore=shutil.ignore_patterns("config.json"))
     generic = cli("merge", bare, tmp_path / "generic")
     assert generic.exit_code == 0, generic.output
     assert (generic.stdout + generic.stderr).count("generic merge (") == 1
     assert "Megatron" not in generic.stderr
+
+
+def test_raw_names_keep_megatron_names_and_warn_exactly_once(cli, tmp_path):
+    src, out = _megatron(tmp_path, "torch_dist"), tmp_path / "out"
+    result = cli("merge", src, out, "--raw-names")
+    assert result.exit_code == 0, result.output
+    assert _warning(out) in result.stderr
+    said = result.stdout + result.stderr
+    assert said.count("kept as") == 1 and said.count("generic merge (") == 1 and said.count("--config") == 1
+    assert "decoder.final_layernorm.weight" in load_output(out)  # Megatron-Core's names, layers stacked
+    doc = cli("merge", src, tmp_path / "doc", "--raw-names", "--json")
+    assert json.loads(doc.stdout)["raw_names"] == "Megatron-Core"
+    kept = ckpttool.merge(src, tmp_path / "api", raw_names=True)
+    assert kept.raw_names == "Megatron-Core" and kept.generic
+    quiet = cli("merge", src, tmp_path / "quiet", "--raw-names", "-q")  # -q: the warning alone
+    assert quiet.exit_code == 0 and quiet.stdout == "" and quiet.stderr == _warning(tmp_path / "quiet")
 
 
 # 2. PEFT adapters --------------------------------------------------------------------------------------------------
@@ -179,16 +180,14 @@ def test_adapter_config_without_adapter_weights_is_no_adapter(cli, tmp_path):
 # 3. -q --------------------------------------------------------------------------------------------------------------
 
 
-def test_quiet_leaves_stderr_empty_on_success(cli, tmp_path):
-    """-q: no progress bar and no audit line; the summary is data and stays on stdout (tests/test_cli.py)."""
+def test_quiet_prints_nothing_on_success(cli, tmp_path):
     out = tmp_path / "out"
     result = cli("merge", LLAMA, out, "-q")
     assert result.exit_code == 0, result.output
-    assert result.stderr == ""
-    assert "coverage: ok, 21 tensors each covered exactly once" in result.stdout
+    assert result.stdout == "" and result.stderr == ""
     assert (out / "model.safetensors").is_file()
     dry = cli("merge", LLAMA, "--dry-run", "-q")
-    assert dry.exit_code == 0 and dry.stderr == ""
+    assert dry.exit_code == 0 and dry.stdout == "" and dry.stderr == ""
 
 
 def test_quiet_still_prints_errors(cli, tmp_path):

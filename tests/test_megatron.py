@@ -270,7 +270,7 @@ def test_release_tracker_and_generic_merge_without_config(tmp_path):
     src = tmp_path / "ckpt"
     shutil.copytree(fixture("tp2_pp2") / "legacy" / "iter_0000010", src / "release")
     (src / "latest_checkpointed_iteration.txt").write_text("release\n")
-    result = ckpttool.merge(src, tmp_path / "out")  # no config anywhere: Megatron-Core's global names
+    result = ckpttool.merge(src, tmp_path / "out", raw_names=True)  # no config anywhere: Megatron-Core's global names
     assert result.format == "megatron-legacy"
     got = load_output(tmp_path / "out")
     ref = load_file(fixture("tp2_pp2") / "reference" / "model.safetensors")

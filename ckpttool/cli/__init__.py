@@ -67,6 +67,7 @@ _FLAGS = {
     "weights='module'": "--weights module", "format='NAME'": "--format NAME", "dtype= asks": "--dtype asks",
     "config='PATH'": "--config PATH", "quantize='fp8'": "--quantize fp8", "without quantize=": "without --quantize",
     "dtype='bfloat16'": "--dtype bfloat16", "dequantize=True": "--dequantize",
+    "config='path/to/config.json'": "--config path/to/config.json", "raw_names=True": "--raw-names",
 }
 
 
@@ -174,15 +175,18 @@ def main() -> None:
 @click.option("--verify", is_flag=True, help="Read every written file back from disk and compare its digest.")
 @click.option("--verify-forward", is_flag=True, help="Before publishing, load OUT with transformers strictly and run a "
               "forward (see ckpttool verify); a problem stops the publish.")
+@click.option("--raw-names", is_flag=True, help="With no config to name them for HuggingFace, write the tensor names of a "
+              "Megatron or DeepSpeed MoE source as it recorded them (transformers cannot load them); refused without it.")
 @click.option("--workers", type=click.IntRange(1, 256), default=DEFAULT_WORKERS, show_default=True, help="Threads reading and writing at once.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no audit line: stderr holds only warnings and errors "
-              "(the summary stays on stdout).")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing on success: no progress bar, no summary; warnings and errors "
+              "still go to stderr.")
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug); with --dry-run, list every tensor.")
 def merge_command(
     src: str, out: str | None, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str, weights: str | None,
     dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, workers: int, as_json: bool, quiet: bool,
     verbose: int, quantize: str | None = None, block: tuple[int, int] | None = None, verify_forward: bool = False,
+    raw_names: bool = False,
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT.
 
@@ -201,11 +205,12 @@ def merge_command(
     result: MergeResult = _run(as_json, lambda: merge(
         src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
         force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar, weights=weights,
-        quantize=quantize, block=block, verify_forward=verify_forward,
+        quantize=quantize, block=block, verify_forward=verify_forward, raw_names=raw_names,
     ), bar)
     if _printed_as_json(result, as_json):
         return
-    print_result(result, verbose)
+    if not quiet:  # -q: nothing on success but a warning (errors never reach here)
+        print_result(result, verbose)
     if result.generic:
         click.echo(f"warning: {generic_warning(result)}", err=True)
     if result.audit is not None and not quiet:

@@ -154,7 +154,7 @@ def merge(
     quantize: str | None = None,
     block: int | tuple[int, int] | None = None,
     verify_forward: bool = False,
-    raw_names: bool | None = None,
+    raw_names: bool = False,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
 
@@ -185,10 +185,9 @@ def merge(
         verify_forward: before publishing, load the output with transformers strictly and run a forward
             (:func:`ckpttool.verify.forward.check_output`); a problem stops the publish. Needs a config.
         raw_names: for a source named in a convention of its own (Megatron-Core, Megatron legacy, DeepSpeed
-            MoE) that no config maps to HuggingFace names: True writes its names as it recorded them
-            (transformers loads none of them; :attr:`MergeResult.raw_names` names the convention), False
-            refuses. None does as True for now (existing callers merge such sources without a config); it is
-            meant to refuse once they pass True.
+            MoE) that no config maps to HuggingFace names: write its names as it recorded them (transformers
+            loads none of them; :attr:`MergeResult.raw_names` names the convention). Without it such a merge
+            is refused.
 
     Under ``torchrun --nproc_per_node N`` every process calls this; output files are shared out among them
     by bytes (see :mod:`ckpttool.execute.distributed`) and every process returns the same result.
@@ -201,8 +200,8 @@ def merge(
         AuditError: the written checkpoint has audit errors (``audit=True``); nothing was published.
         ForwardError: the written checkpoint fails its forward check (``verify_forward=True``); nothing was published.
         SourceError, ConfigError, DestinationError: bad input, config or destination; nothing is written.
-            ConfigError too, with ``raw_names=False``, for a source whose names are not HuggingFace's and that
-            no config maps.
+            ConfigError too, without ``raw_names``, for a source whose names are not HuggingFace's and that no
+            config maps.
         ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``; ``quantize``
             unknown or given with ``dtype``.
 
@@ -220,7 +219,7 @@ def merge(
     group = Group()
     try:
         prepared = prepare(root, format=format, config=config, dtype=dtype, weights=weights, quantize=quantizing)
-        if raw_names is False:
+        if not raw_names:
             prepared.refuse_raw_names()
         plan = prepared.plan
         if not plan.targets:
