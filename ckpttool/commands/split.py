@@ -6,7 +6,7 @@ model's in-memory tensors as slices of those (the family's rules run backwards, 
 reaching straight into the source's pieces and proven to tile it (:func:`ckpttool.plan.compose.compose`) -> the
 streaming executor writes them into the target format's files, published atomically as merge publishes.
 
-Targets (:data:`TARGETS`): ``dcp`` (PyTorch Distributed Checkpoint, :func:`plan_dcp`, :mod:`ckpttool.writers.dcp`)
+Targets (:data:`TARGETS`): ``dcp`` (PyTorch Distributed Checkpoint, :mod:`ckpttool.commands.split_dcp`, :mod:`ckpttool.writers.dcp`)
 and ``megatron`` (Megatron-Core ``torch_dist`` for TP x PP x EP: the same DCP files under ``iter_0000000/`` with
 Megatron's global names, :mod:`ckpttool.commands.split_megatron`, plus :mod:`ckpttool.writers.megatron_dist`'s files).
 """
@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool.model.architecture import ModelInfo
 from ckpttool.execute.distributed import Group, share_out
-from ckpttool.io.dtypes import itemsize
-from ckpttool.plan.compose import compose
-from ckpttool.layout.layout import RAW, Box
+from ckpttool.layout.layout import RAW
 from ckpttool.plan.plan import Plan, plan_merge
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError, OutputError, SourceError
-from ckpttool.families import MemoryTensor, map_from_hf
 from ckpttool.commands.merge import config_dtype, extras_search, prepare
-from ckpttool.commands.meshes import MegatronMesh, Mesh, Sharding, mesh_for, shard_tensors
+from ckpttool.commands.meshes import MegatronMesh, Mesh, Sharding, mesh_for
 from ckpttool.plan.source import Planned
+from ckpttool.commands.split_dcp import model_of, plan_dcp
 from ckpttool.commands.split_megatron import plan_megatron, training_args
 from ckpttool.console.terminal import escaped, shown, size_text
 from ckpttool.writers import dcp, megatron_dist
@@ -207,7 +203,7 @@ def split(
         prepared = prepare(root, format=format, config=config, dtype=dtype)
         _refuse_quantized(prepared)
         if isinstance(mesh, MegatronMesh):
-            info = _model(prepared)
+            info = model_of(prepared)
             shardings, files = plan_megatron(prepared, info, mesh)
         else:
             shardings, files = plan_dcp(prepared, mesh)
@@ -261,90 +257,6 @@ def _refuse_quantized(prepared: Planned) -> None:
         )
 
 
-def in_memory(prepared: Planned) -> list[MemoryTensor]:
-    """The model's in-memory tensors as slices of the plan's on-disk ones (what every target format starts from).
-
-    Raises:
-        ConfigError: no config transformers builds a causal LM from.
-    """
-    return map_from_hf(_model(prepared))
-
-
-def _model(prepared: Planned) -> ModelInfo:
-    """The model the source's config describes; split needs one.
-
-    Raises:
-        ConfigError: no config transformers builds a causal LM from.
-    """
-    if prepared.model is None:
-        why = ("none was found in or next to the source" if prepared.config is None else
-               f"transformers has no causal LM for model_type {prepared.config.get('model_type')!r} of '{prepared.config_path}'")
-        raise ConfigError(
-            f"'{prepared.layout.root}': split needs the model's config.json, as transformers builds it: it names the "
-            f"tensors as the parallelized model holds them in memory ({why}); give config='PATH'"
-        )
-    return prepared.model
-
-
-def plan_dcp(prepared: Planned, mesh: Mesh) -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:
-    """Every rank's chunks of every in-memory tensor, each a target proven to tile its box, laid out in the rank
-    files torch's ``FileSystemWriter`` would write (a replicated chunk once). Reads no tensor data.
-
-    Raises:
-        ConfigError: no config, or a tensor the mesh cannot place; CoverageError: a chunk not covered exactly once.
-    """
-    memory = in_memory(prepared)
-    _check_degrees(memory, mesh)
-    shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh)
-    slices = {m.name: m.slices for m in memory}
-    targets = {t.name: t for t in prepared.plan.targets}
-    # a chunk weighs its whole tensor's bytes when ranks share replicated chunks out (torch's tensor_storage_size)
-    weight = {m.name: math.prod(m.shape) * next((itemsize(targets[sl.source].dtype) for sl in m.slices
-                                                 if sl.source in targets), 1) for m in memory}
-    held = [[(s.name, box, weight[s.name]) for s in shardings for box in _boxes(s, rank, mesh.world)]
-            for rank in range(mesh.world)]
-    by_name = {s.name: s for s in shardings}
-    per_rank, problems = [], []
-    for chunks_written in dcp.share_items(held):
-        items = []
-        for name, box in chunks_written:
-            target, found = compose(name, box, slices[name], targets)
-            problems.extend(p for p in found if p not in problems)
-            if target is not None:
-                items.append((name, by_name[name].shape, box, target))
-        per_rank.append(items)
-    if problems:
-        raise CoverageError(problems)
-    return shardings, dcp.lay_out(per_rank)
-
-
-def _check_degrees(memory: list[MemoryTensor], mesh: Mesh) -> None:
-    """Bound the ranks of a replica by the model before the per-rank work, which grows with them, starts: ``fsdp``
-    and ``tp`` cut dims 0 and 1, so ``fsdp x tp`` more than the largest of those dims leaves ranks with only empty
-    shards of the tensors they shard.
-
-    Raises:
-        ConfigError: naming the options, the largest dim, its tensor and so the bound.
-    """
-    most, tensor = max(((m.shape[d], m.name) for m in memory for d in range(min(2, len(m.shape)))), default=(1, None))
-    if mesh.replica > most:
-        where = f"{most}, of '{tensor}'" if tensor is not None else "1: no tensor has a dim to cut"
-        raise ConfigError(f"the mesh {mesh.describe()} does not fit the model: fsdp x tp = {mesh.replica} ranks cut "
-                          f"each tensor, more than the largest tensor dim they cut ({where}); give fsdp x tp at most {most}")
-
-
-def _boxes(sharding: Sharding, rank: int, world: int) -> list[Box]:
-    """The chunks ``rank`` saves of a tensor: an empty shard as torch saves it (size 0 where DTensor puts it);
-    rank 0 saves a tensor every rank holds nothing of whole, so the metadata still names it."""
-    boxes = sharding.boxes(rank)
-    empty = sharding.empty_box(rank) if not boxes else None
-    if empty is not None:
-        return [empty]
-    if not boxes and rank == 0 and all(not sharding.boxes(r) for r in range(1, world)):
-        return [Box.whole(sharding.shape)]
-    return boxes
-
-
 def _finish(staging: Staging, prepared: Planned, files: tuple[dcp.DcpFile, ...], dtype: str | None, root: Path,
             mesh: Mesh | MegatronMesh, shardings: list[Sharding]) -> list[str]:
     """Once every rank file is written: ``.metadata`` (for Megatron in the iteration directory, with
@@ -353,7 +265,7 @@ def _finish(staging: Staging, prepared: Planned, files: tuple[dcp.DcpFile, ...],
     path = checkpoint = staging.path
     if isinstance(mesh, MegatronMesh):
         checkpoint = path / megatron_dist.iteration_name(mesh.iteration)
-        args = training_args(_model(prepared), mesh, {s.name: s.shape for s in shardings})
+        args = training_args(model_of(prepared), mesh, {s.name: s.shape for s in shardings})
         megatron_dist.write_common(checkpoint, args, mesh.iteration)
         megatron_dist.write_tracker(path, mesh.iteration)
     dcp.write_metadata(files, checkpoint)
