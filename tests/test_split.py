@@ -138,7 +138,7 @@ def test_the_command_writes_a_checkpoint_with_its_config(cli, tmp_path):
     result = cli("split", LLAMA, tmp_path / "out", "--to", "dcp", "--fsdp", "2", "-q")
     assert result.exit_code == 0, result.output
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "config.json", "generation_config.json",
+    assert names == [".ckpttool-split.json", ".metadata", "__0_0.distcp", "__1_0.distcp", "config.json", "generation_config.json",
                      "tokenizer.json", "tokenizer_config.json"]
     assert "wrote" in result.stdout and "2 rank files + .metadata" in result.stdout
 

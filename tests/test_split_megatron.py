@@ -120,7 +120,7 @@ def test_common_pt_metadata_json_and_tracker_are_what_megatron_reads(tmp_path):
     split_case("qwen2moe_tp2_ep2", tmp_path / "out", 2, 1, 2, iteration=7)
     out = tmp_path / "out"
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "7"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "iter_0000007", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [".ckpttool-split.json", "config.json", "iter_0000007", "latest_checkpointed_iteration.txt"]
     directory = out / "iter_0000007"
     assert json.loads((directory / "metadata.json").read_text()) == json.loads(
         (fixture("qwen2moe_tp2_ep2") / "torch_dist" / "iter_0000010" / "metadata.json").read_text())

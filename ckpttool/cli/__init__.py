@@ -18,6 +18,7 @@ import click
 
 from ckpttool.cli.choices import FORMAT_NAMES, SPLIT_TARGETS
 from ckpttool.cli.show import generic_warning, print_report, print_result, print_summary
+from ckpttool.commands.meshes import MAX_DIVISIBLE_BY, MAX_ITERATION, MAX_RANKS
 from ckpttool.errors import CkptError
 from ckpttool.fast.jsontext import dumps as json_text
 from ckpttool.console.startup import restore_interrupts
@@ -321,13 +322,13 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("out", type=click.Path(path_type=str), required=False)
 @click.option("--to", "to", type=click.Choice(SPLIT_TARGETS), required=True, help="Format to write: dcp (PyTorch Distributed Checkpoint) or megatron (Megatron-Core torch_dist).")
-@click.option("--fsdp", type=click.IntRange(1), default=1, show_default=True, help="Ranks FSDP2 shards every tensor over (Shard(0)).")
-@click.option("--tp", type=click.IntRange(1), default=1, show_default=True, help="Tensor-parallel ranks (torch's Llama/Mixtral plans).")
-@click.option("--ep", type=click.IntRange(1), default=1, show_default=True, help="Expert-parallel ranks: Shard(0) of stacked experts; divides fsdp x tp.")
-@click.option("--pp", type=click.IntRange(1), default=1, show_default=True, help="--to megatron: pipeline stages (equal, consecutive layers).")
-@click.option("--dp", type=click.IntRange(1), default=1, show_default=True, help="--to dcp: data-parallel replicas (FSDP2 HSDP: Replicate() over dp; each chunk saved once).")
-@click.option("--make-vocab-size-divisible-by", "divisible_by", type=click.IntRange(1), default=128, show_default=True, help="--to megatron: pad the vocab to a multiple of this x tp (zeros), as Megatron-LM's argument.")
-@click.option("--iteration", type=click.IntRange(0), default=0, show_default=True, help="--to megatron: the iteration directory written (iter_0000000).")
+@click.option("--fsdp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="Ranks FSDP2 shards every tensor over (Shard(0)).")
+@click.option("--tp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="Tensor-parallel ranks (torch's Llama/Mixtral plans).")
+@click.option("--ep", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="Expert-parallel ranks: Shard(0) of stacked experts; divides fsdp x tp.")
+@click.option("--pp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to megatron: pipeline stages (equal, consecutive layers).")
+@click.option("--dp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to dcp: data-parallel replicas (FSDP2 HSDP: Replicate() over dp; each chunk saved once).")
+@click.option("--make-vocab-size-divisible-by", "divisible_by", type=click.IntRange(1, MAX_DIVISIBLE_BY), default=128, show_default=True, help="--to megatron: pad the vocab to a multiple of this x tp (zeros), as Megatron-LM's argument.")
+@click.option("--iteration", type=click.IntRange(0, MAX_ITERATION), default=0, show_default=True, help="--to megatron: the iteration directory written (iter_0000000).")
 @click.option("--format", "fmt", type=FORMATS, help="Source format (detected by default).")
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
 @click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast).")
@@ -345,13 +346,29 @@ def split_command(
     """Write the checkpoint in SRC sharded for a device mesh into OUT (--to dcp: one file per rank; --to megatron:
     a Megatron-Core torch_dist iteration directory for --tp x --pp x --ep).
 
-    With --dry-run, OUT may be left out: the plan is printed and nothing is written.
+    With --dry-run, OUT may be left out: the plan is printed and nothing is written. --force replaces only an
+    earlier split's output, every file as its .ckpttool-split.json lists it.
     """
-    from ckpttool.commands.split import split
+    from pathlib import Path
+
+    from ckpttool.commands.meshes import check_target_options, mesh_for
+    from ckpttool.errors import ArgumentError
+    from ckpttool.writers.destination import SPLIT_OUTPUT, check_destination
+
     if out is None and not dry_run:
         raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
+    try:  # an option of the other target is a usage error
+        check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration)
+    except ArgumentError as e:
+        raise click.UsageError(str(e)) from None
     quiet = quiet or not _speaks()
     _setup_logging(verbose, quiet or as_json)
+    # the mesh and OUT are checked before the split (and torch) is even imported: a refusal takes no time
+    _run(as_json, lambda: mesh_for(to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, divisible_by=divisible_by,
+                                   iteration=iteration))
+    if out is not None:
+        _run(as_json, lambda: check_destination(Path(out), [Path(src)], force, SPLIT_OUTPUT))
+    from ckpttool.commands.split import split
     bar = Bar("split") if not (as_json or quiet or dry_run) else None
     result = _run(as_json, lambda: split(
         src, out, to=to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, make_vocab_size_divisible_by=divisible_by,

@@ -19,6 +19,10 @@ biases replicated), embeddings and ``lm_head`` ``Shard(0)`` (the vocab), norms, 
 (``ep`` shards experts). FSDP2 over TP shards dim 0 of each TP shard: ``_StridedShard(0, tp)`` on ``fsdp`` when
 TP shards dim 0, else ``Shard(0)``. The arithmetic is :mod:`ckpttool.layout.placements` (``torch.chunk`` splits, uneven
 sizes included), the same that reads such checkpoints.
+
+:class:`MegatronMesh` is the ``split --to megatron`` counterpart (tp x pp x ep, the vocab rule, the iteration);
+:func:`mesh_for` checks a split's options and builds either. Every size is bounded (:data:`MAX_RANKS`,
+:data:`MAX_DIVISIBLE_BY`, :data:`MAX_ITERATION`) before any work grows with it.
 """
 
 from __future__ import annotations
@@ -49,13 +53,28 @@ TP_RULES: tuple[tuple[str, Placement], ...] = (
 )
 
 
+#: the most ranks of any mesh dim, and of a whole mesh (the product of its dims): every rank is a file to plan
+MAX_RANKS = 65536
+#: the largest ``make_vocab_size_divisible_by``: the vocab is padded to a multiple of it times tp
+MAX_DIVISIBLE_BY = 2**20
+#: the largest iteration: Megatron-LM names its directory ``iter_%07d``
+MAX_ITERATION = 10**7 - 1
+
+
+def _check_whole(name: str, value: object, least: int, most: int, what: str) -> None:
+    """``value`` is an int in ``least..most``, or an :class:`ArgumentError` naming ``name`` and the bounds."""
+    if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
+        raise ArgumentError(f"{name}={value!r}: {what} is a whole number from {least} to {most}")
+
+
 @dataclass(frozen=True, slots=True)
 class Mesh:
     """A device mesh as the user states it: ``dp`` replicas (HSDP) of ``fsdp`` x ``tp`` ranks, experts over ``ep``
     of those.
 
     Raises:
-        ArgumentError: a size below 1, or ``ep`` that does not divide ``fsdp * tp``.
+        ArgumentError: a size below 1 or above :data:`MAX_RANKS`, more than :data:`MAX_RANKS` ranks in all, or
+            ``ep`` that does not divide ``fsdp * tp``.
 
     Example:
         >>> Mesh(fsdp=2, tp=2).describe()
@@ -74,6 +93,9 @@ class Mesh:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"{name}={value!r}: a mesh dim is a whole number of ranks, 1 or more")
+            _check_whole(name, value, 1, MAX_RANKS, "a mesh dim")
+        if self.world > MAX_RANKS:
+            raise ArgumentError(f"dp x fsdp x tp = {self.world} ranks: a mesh has at most {MAX_RANKS} ranks")
         if self.replica % self.ep:
             raise ArgumentError(
                 f"ep={self.ep} does not divide the {self.replica} rank{'s' if self.replica != 1 else ''} of fsdp={self.fsdp} "
@@ -103,6 +125,83 @@ class Mesh:
 
     def to_json(self) -> dict[str, int]:
         return {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp, "ep": self.ep, "world": self.world}
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronMesh:
+    """Megatron's parallel sizes as the user states them, the vocab rule and the iteration written
+    (``split --to megatron``; :mod:`ckpttool.commands.split_megatron`).
+
+    Raises:
+        ArgumentError: a size below 1 or above :data:`MAX_RANKS` (or more ranks in all), a
+            ``make_vocab_size_divisible_by`` above :data:`MAX_DIVISIBLE_BY`, an iteration below 0 or above
+            :data:`MAX_ITERATION`.
+
+    Example:
+        >>> MegatronMesh(tp=2, pp=2).describe()
+        'tp=2 pp=2 (4 ranks)'
+    """
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    divisible_by: int = 128
+    iteration: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep", "divisible_by", "iteration"):
+            value, least = getattr(self, name), 0 if name == "iteration" else 1
+            what = "make_vocab_size_divisible_by" if name == "divisible_by" else name
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ArgumentError(f"{what}={value!r}: a whole number, {least} or more")
+            most = {"divisible_by": MAX_DIVISIBLE_BY, "iteration": MAX_ITERATION}.get(name, MAX_RANKS)
+            _check_whole(what, value, least, most, "the iteration (Megatron names it iter_%07d)"
+                         if name == "iteration" else "the vocab rule" if name == "divisible_by" else "a mesh dim")
+        if self.world > MAX_RANKS:
+            raise ArgumentError(f"tp x pp x ep = {self.world} ranks: a mesh has at most {MAX_RANKS} ranks")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.ep
+
+    def describe(self) -> str:
+        dims = [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v > 1]
+        return f"{' '.join(dims) or 'one rank'} ({self.world} rank{'s' if self.world != 1 else ''})"
+
+    def to_json(self) -> dict[str, int]:
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "world": self.world,
+                "make_vocab_size_divisible_by": self.divisible_by, "iteration": self.iteration}
+
+
+def check_target_options(to: str, *, fsdp: int = 1, dp: int = 1, pp: int = 1, divisible_by: int = 128,
+                         iteration: int = 0) -> None:
+    """Refuse the options of the other split target (the command line's usage errors).
+
+    Raises:
+        ArgumentError: ``fsdp`` or ``dp`` for ``megatron``; ``pp``, ``divisible_by`` or ``iteration`` for ``dcp``.
+    """
+    if to == "megatron" and fsdp != 1:
+        raise ArgumentError(f"fsdp={fsdp!r}: Megatron-Core torch_dist has no FSDP dim; give tp, pp and ep")
+    if to == "megatron" and dp != 1:
+        raise ArgumentError(
+            f"dp={dp!r}: a Megatron-Core torch_dist checkpoint does not depend on the data-parallel size: its chunks "
+            "are those of tp x pp x ep, saved once whatever dp (only which rank's file holds a chunk differs), and a "
+            "Megatron load at any dp reads it; split without dp")
+    if to == "dcp" and (pp, divisible_by, iteration) != (1, 128, 0):
+        raise ArgumentError("pp, make_vocab_size_divisible_by and iteration are for to='megatron'")
+
+
+def mesh_for(to: str, *, fsdp: int = 1, tp: int = 1, ep: int = 1, pp: int = 1, dp: int = 1, divisible_by: int = 128,
+             iteration: int = 0) -> Mesh | MegatronMesh:
+    """The mesh a split writes for: :class:`MegatronMesh` for ``to="megatron"``, else :class:`Mesh`.
+
+    Raises:
+        ArgumentError: :func:`check_target_options`, or a size the mesh refuses.
+    """
+    check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration)
+    if to == "megatron":
+        return MegatronMesh(tp, pp, ep, divisible_by, iteration)
+    return Mesh(fsdp, tp, ep, dp)
 
 
 @dataclass(frozen=True, slots=True)

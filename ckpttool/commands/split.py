@@ -6,7 +6,7 @@ model's in-memory tensors as slices of those (the family's rules run backwards, 
 reaching straight into the source's pieces and proven to tile it (:func:`ckpttool.plan.compose.compose`) -> the
 streaming executor writes them into the target format's files, published atomically as merge publishes.
 
-Targets (:data:`TARGETS`): ``dcp`` (PyTorch Distributed Checkpoint, :func:`plan_dcp`, :mod:`ckpttool.writers.dcp`)
+Targets (:data:`TARGETS`): ``dcp`` (PyTorch Distributed Checkpoint, :mod:`ckpttool.commands.split_dcp`, :mod:`ckpttool.writers.dcp`)
 and ``megatron`` (Megatron-Core ``torch_dist`` for TP x PP x EP: the same DCP files under ``iter_0000000/`` with
 Megatron's global names, :mod:`ckpttool.commands.split_megatron`, plus :mod:`ckpttool.writers.megatron_dist`'s files).
 """
@@ -15,38 +15,32 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool.model.architecture import ModelInfo
 from ckpttool.execute.distributed import Group, share_out
-from ckpttool.io.dtypes import itemsize
-from ckpttool.plan.compose import compose
-from ckpttool.layout.layout import RAW, Box
+from ckpttool.layout.layout import RAW
 from ckpttool.plan.plan import Plan, plan_merge
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError, OutputError, SourceError
-from ckpttool.families import MemoryTensor, map_from_hf
 from ckpttool.commands.merge import config_dtype, extras_search, prepare
-from ckpttool.commands.meshes import Mesh, Sharding, shard_tensors
+from ckpttool.commands.meshes import MegatronMesh, Mesh, Sharding, mesh_for
 from ckpttool.plan.source import Planned
-from ckpttool.commands.split_megatron import MegatronMesh, plan_megatron, training_args
+from ckpttool.commands.split_dcp import model_of, plan_dcp
+from ckpttool.commands.split_megatron import plan_megatron, training_args
 from ckpttool.console.terminal import escaped, shown, size_text
 from ckpttool.writers import dcp, megatron_dist
-from ckpttool.writers.destination import EXTRA_FILES, Output, Staging, check_destination
+from ckpttool.writers.destination import SPLIT_MANIFEST, SPLIT_OUTPUT, Staging, check_destination
+from ckpttool.writers.manifest import write_manifest
 from ckpttool.writers.hf import predict_peak_bytes, write_extras
+from ckpttool.quant.formats import read_quantization
 
 log = logging.getLogger(__name__)
 
 #: formats ``split`` writes
 TARGETS = ("dcp", "megatron")
-#: what a split writes into its destination: ``force`` replaces a directory holding nothing else
-SPLIT_OUTPUT = Output("split", re.compile(
-    r"\.metadata|__\d+_\d+\.distcp|" + "|".join(re.escape(n) for n in (
-        "config.json", *EXTRA_FILES, megatron_dist.COMMON, megatron_dist.METADATA_JSON, megatron_dist.TRACKER))),
-    dirs=re.compile(r"iter_\d{7}"))
+#: the manifest every split output holds: each file written, with its size (:mod:`ckpttool.writers.manifest`)
+MANIFEST = SPLIT_MANIFEST
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +159,9 @@ def split(
         format, config, dtype: as for :func:`ckpttool.merge`; a config is required (it names the tensors as the
             model holds them in memory).
         dry_run: plan and check only; read no tensor data, write nothing.
-        force: replace a destination holding only an earlier output of a split.
+        force: replace a destination holding only an earlier output of a split: every file in it listed, with its
+            size, in the ``.ckpttool-split.json`` each split writes (:data:`MANIFEST`). A training run's own
+            ``dcp.save`` or Megatron ``torch_dist`` save is never replaced.
         workers: threads reading and writing chunks at once.
         progress: called as ``progress(bytes_just_written, total_bytes)``.
 
@@ -175,10 +171,15 @@ def split(
         A :class:`SplitResult`: the mesh, every tensor's placements and local shapes, the files.
 
     Raises:
-        ArgumentError: ``to`` not in :data:`TARGETS`, a mesh size below 1, ``ep`` that does not divide
-            ``fsdp * tp``, ``dp`` above 1 for ``megatron``, ``out`` None without ``dry_run``.
-        ConfigError: no config; a tensor the mesh cannot place (no tensor-parallel rule, experts ``ep`` does not
-            divide); the source does not fit the config.
+        ArgumentError: ``to`` not in :data:`TARGETS`, a mesh size below 1 or above
+            :data:`~ckpttool.commands.meshes.MAX_RANKS` (each, and all together), ``make_vocab_size_divisible_by``
+            above :data:`~ckpttool.commands.meshes.MAX_DIVISIBLE_BY`, ``iteration`` above
+            :data:`~ckpttool.commands.meshes.MAX_ITERATION`, ``ep`` that does not divide ``fsdp * tp``, an option
+            of the other target (``dp`` above 1 for ``megatron``), ``out`` None without ``dry_run``. All of these,
+            and the destination (DestinationError), are checked before the source is read.
+        ConfigError: no config; a quantized source (FP8, MXFP4: merge it with a dtype first); a tensor the mesh
+            cannot place (no tensor-parallel rule, experts ``ep`` does not divide, more ranks than the tensors
+            have rows); the source does not fit the config.
         CoverageError: a tensor is not covered exactly once by the source. DestinationError, SourceError,
             OutputError: as for merge; nothing is published.
 
@@ -188,31 +189,25 @@ def split(
     if to not in TARGETS:
         raise ArgumentError(f"to={to!r}: split writes {', '.join(map(repr, TARGETS))} (PyTorch Distributed Checkpoint, "
                             "Megatron-Core torch_dist)")
-    if to == "megatron" and fsdp != 1:
-        raise ArgumentError(f"fsdp={fsdp!r}: Megatron-Core torch_dist has no FSDP dim; give tp, pp and ep")
-    if to == "megatron" and dp != 1:
-        raise ArgumentError(
-            f"dp={dp!r}: a Megatron-Core torch_dist checkpoint does not depend on the data-parallel size: its chunks "
-            "are those of tp x pp x ep, saved once whatever dp (only which rank's file holds a chunk differs), and a "
-            "Megatron load at any dp reads it; split without dp")
-    if to == "dcp" and (pp, make_vocab_size_divisible_by, iteration) != (1, 128, 0):
-        raise ArgumentError("pp, make_vocab_size_divisible_by and iteration are for to='megatron'")
-    mesh = MegatronMesh(tp, pp, ep, make_vocab_size_divisible_by, iteration) if to == "megatron" else Mesh(fsdp, tp, ep, dp)
+    # every argument and the destination are checked before the source is read: a refusal costs no read
+    mesh = mesh_for(to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, divisible_by=make_vocab_size_divisible_by,
+                    iteration=iteration)
     if out is None and not dry_run:
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)
+    if dest is not None:
+        check_destination(dest, [root], force, SPLIT_OUTPUT)
     group = Group()
     restored, extras = None, []
     try:
         prepared = prepare(root, format=format, config=config, dtype=dtype)
+        _refuse_quantized(prepared)
         if isinstance(mesh, MegatronMesh):
-            info = _model(prepared)
+            info = model_of(prepared)
             shardings, files = plan_megatron(prepared, info, mesh)
         else:
             shardings, files = plan_dcp(prepared, mesh)
         plan = Plan(str(root), prepared.layout.format, tuple(i.target for f in files for i in f.items), prepared.plan.notes)
-        if dest is not None:
-            check_destination(dest, [root], force, SPLIT_OUTPUT)
         if dest is not None and not dry_run:
             total = sum(f.data_bytes for f in files)
             on_bytes = (lambda n: progress(n, total)) if progress else (lambda n: None)
@@ -244,72 +239,22 @@ def split(
     )
 
 
-def in_memory(prepared: Planned) -> list[MemoryTensor]:
-    """The model's in-memory tensors as slices of the plan's on-disk ones (what every target format starts from).
+def _refuse_quantized(prepared: Planned) -> None:
+    """A split writes the model's in-memory tensors, which a quantized source holds only as quantized bytes and
+    scales (FP8 block-scaled, MXFP4): refused before anything is planned or written, dequantized or not.
 
     Raises:
-        ConfigError: no config transformers builds a causal LM from.
+        ConfigError: the source's config declares a quantization.
     """
-    return map_from_hf(_model(prepared))
-
-
-def _model(prepared: Planned) -> ModelInfo:
-    """The model the source's config describes; split needs one.
-
-    Raises:
-        ConfigError: no config transformers builds a causal LM from.
-    """
-    if prepared.model is None:
-        why = ("none was found in or next to the source" if prepared.config is None else
-               f"transformers has no causal LM for model_type {prepared.config.get('model_type')!r} of '{prepared.config_path}'")
+    label = str(prepared.config_path or "config.json")
+    quant = read_quantization(prepared.config, label) if prepared.config is not None else None
+    if quant is not None:
         raise ConfigError(
-            f"'{prepared.layout.root}': split needs the model's config.json, as transformers builds it: it names the "
-            f"tensors as the parallelized model holds them in memory ({why}); give config='PATH'"
+            f"'{prepared.layout.root}': a quantized source ({quant.describe()}, the quantization_config of '{label}') "
+            "cannot be split yet: split writes the model's in-memory tensors, not quantized bytes and scales. Merge it "
+            "with --dtype bfloat16 first (ckpttool merge SRC HF --dtype bfloat16), then split that output; nothing was "
+            "written"
         )
-    return prepared.model
-
-
-def plan_dcp(prepared: Planned, mesh: Mesh) -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:
-    """Every rank's chunks of every in-memory tensor, each a target proven to tile its box, laid out in the rank
-    files torch's ``FileSystemWriter`` would write (a replicated chunk once). Reads no tensor data.
-
-    Raises:
-        ConfigError: no config, or a tensor the mesh cannot place; CoverageError: a chunk not covered exactly once.
-    """
-    memory = in_memory(prepared)
-    shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh)
-    slices = {m.name: m.slices for m in memory}
-    targets = {t.name: t for t in prepared.plan.targets}
-    # a chunk weighs its whole tensor's bytes when ranks share replicated chunks out (torch's tensor_storage_size)
-    weight = {m.name: math.prod(m.shape) * next((itemsize(targets[sl.source].dtype) for sl in m.slices
-                                                 if sl.source in targets), 1) for m in memory}
-    held = [[(s.name, box, weight[s.name]) for s in shardings for box in _boxes(s, rank, mesh.world)]
-            for rank in range(mesh.world)]
-    by_name = {s.name: s for s in shardings}
-    per_rank, problems = [], []
-    for chunks_written in dcp.share_items(held):
-        items = []
-        for name, box in chunks_written:
-            target, found = compose(name, box, slices[name], targets)
-            problems.extend(p for p in found if p not in problems)
-            if target is not None:
-                items.append((name, by_name[name].shape, box, target))
-        per_rank.append(items)
-    if problems:
-        raise CoverageError(problems)
-    return shardings, dcp.lay_out(per_rank)
-
-
-def _boxes(sharding: Sharding, rank: int, world: int) -> list[Box]:
-    """The chunks ``rank`` saves of a tensor: an empty shard as torch saves it (size 0 where DTensor puts it);
-    rank 0 saves a tensor every rank holds nothing of whole, so the metadata still names it."""
-    boxes = sharding.boxes(rank)
-    empty = sharding.empty_box(rank) if not boxes else None
-    if empty is not None:
-        return [empty]
-    if not boxes and rank == 0 and all(not sharding.boxes(r) for r in range(1, world)):
-        return [Box.whole(sharding.shape)]
-    return boxes
 
 
 def _finish(staging: Staging, prepared: Planned, files: tuple[dcp.DcpFile, ...], dtype: str | None, root: Path,
@@ -320,13 +265,14 @@ def _finish(staging: Staging, prepared: Planned, files: tuple[dcp.DcpFile, ...],
     path = checkpoint = staging.path
     if isinstance(mesh, MegatronMesh):
         checkpoint = path / megatron_dist.iteration_name(mesh.iteration)
-        args = training_args(_model(prepared), mesh, {s.name: s.shape for s in shardings})
+        args = training_args(model_of(prepared), mesh, {s.name: s.shape for s in shardings})
         megatron_dist.write_common(checkpoint, args, mesh.iteration)
         megatron_dist.write_tracker(path, mesh.iteration)
     dcp.write_metadata(files, checkpoint)
     extras = write_extras(path, prepared.config, extras_search(root, prepared.config_path),
                           config_dtype(prepared.config, prepared.plan, cast=dtype is not None))
     check_output(checkpoint, files)
+    write_manifest(path, MANIFEST, SPLIT_OUTPUT.command)  # last: it lists every file above, so --force knows this output for ours
     staging.publish()
     return extras
 

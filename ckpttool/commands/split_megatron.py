@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.io.dtypes import itemsize
 from ckpttool.plan.compose import compose
 from ckpttool.layout.layout import Box
 from ckpttool.plan.plan import Target
-from ckpttool.errors import ArgumentError, ConfigError, CoverageError
+from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families.conventions.megatron_back import EXPERT_TENSORS, from_hf, padded_vocab
-from ckpttool.commands.meshes import REPLICATE, Sharding
+from ckpttool.commands.meshes import REPLICATE, MegatronMesh, Sharding
 from ckpttool.layout.placements import Placement
 from ckpttool.plan.source import Planned
 from ckpttool.writers import dcp
@@ -52,44 +51,6 @@ TP_RULES: tuple[tuple[str, Placement], ...] = (
 EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
                "mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2", "mlp.shared_experts.linear_fc1",
                "mlp.shared_experts.linear_fc2")
-
-
-@dataclass(frozen=True, slots=True)
-class MegatronMesh:
-    """Megatron's parallel sizes as the user states them, the vocab rule and the iteration written.
-
-    Raises:
-        ArgumentError: a size below 1, or an iteration below 0.
-
-    Example:
-        >>> MegatronMesh(tp=2, pp=2).describe()
-        'tp=2 pp=2 (4 ranks)'
-    """
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    divisible_by: int = 128
-    iteration: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "divisible_by", "iteration"):
-            value, least = getattr(self, name), 0 if name == "iteration" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                what = "make_vocab_size_divisible_by" if name == "divisible_by" else name
-                raise ArgumentError(f"{what}={value!r}: a whole number, {least} or more")
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.ep
-
-    def describe(self) -> str:
-        dims = [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v > 1]
-        return f"{' '.join(dims) or 'one rank'} ({self.world} rank{'s' if self.world != 1 else ''})"
-
-    def to_json(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "world": self.world,
-                "make_vocab_size_divisible_by": self.divisible_by, "iteration": self.iteration}
 
 
 def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:

@@ -5,6 +5,13 @@ and published by renames. ``force=True`` (``--force``) replaces only an *earlier
 holds nothing but what a merge writes (:func:`foreign_entries`). Never the home directory, ``/``, the current
 directory or one of its ancestors, a source, or anything holding a source.
 
+Names alone cannot tell a split's output from the training checkpoints it imitates (torch's ``dcp.save`` and
+Megatron-Core's ``torch_dist`` write the same ``.metadata``, ``__R_0.distcp``, ``iter_0000000/``). So a command
+whose :class:`Output` has a ``manifest`` (split: ``.ckpttool-split.json``) lists in it every file it wrote, with
+its size (:mod:`ckpttool.writers.manifest`), and ``force`` replaces such an output only when every file in it is
+listed with its size; a directory without a valid manifest, or holding a file it does not list (or of another
+size), is refused, naming those.
+
 The earlier output survives until the new one is complete: it is moved aside
 (``.NAME.ckpttool-old-XXXXXXXX``), the new one is renamed into place, and only then is the old one removed.
 A run killed between those two renames leaves no output at ``NAME`` and the old one aside; the next run
@@ -29,6 +36,8 @@ from pathlib import Path
 
 from ckpttool.errors import DestinationError, OutputError
 from ckpttool.io.paths import is_within
+from ckpttool.writers import megatron_dist
+from ckpttool.writers.manifest import files_under, read_manifest
 from ckpttool.writers.trust import Lock, read_journal, untrusted
 
 log = logging.getLogger(__name__)
@@ -71,9 +80,22 @@ class Output:
     names: re.Pattern[str]
     #: directories the command writes (Megatron's ``iter_0000000/``): ours when every entry is a file of ``names``
     dirs: re.Pattern[str] | None = None
+    #: the file listing what the command wrote (:mod:`ckpttool.writers.manifest`); with one, ``force`` also needs every file
+    #: listed with its size, as names alone match a training checkpoint of the same format
+    manifest: str | None = None
 
 
 MERGE_OUTPUT = Output("merge", _OURS)
+#: the manifest every split output holds (:mod:`ckpttool.writers.manifest`)
+SPLIT_MANIFEST = ".ckpttool-split.json"
+#: what a split writes (DCP rank files and ``.metadata``; for Megatron ``iter_NNNNNNN/`` with ``common.pt`` and
+#: ``metadata.json``, and the tracker), config and tokenizer files: replaced only as its manifest lists it, since a
+#: training run's own ``dcp.save`` or ``torch_dist`` save has the same names and no manifest
+SPLIT_OUTPUT = Output("split", re.compile(
+    r"\.metadata|__\d+_\d+\.distcp|" + "|".join(re.escape(n) for n in (
+        "config.json", *EXTRA_FILES, megatron_dist.COMMON, megatron_dist.METADATA_JSON, megatron_dist.TRACKER,
+        SPLIT_MANIFEST))),
+    dirs=re.compile(r"iter_\d{7}"), manifest=SPLIT_MANIFEST)
 
 
 def journal_name(rank: int = 0) -> str:
@@ -89,13 +111,28 @@ def foreign_entries(directory: Path, output: Output = MERGE_OUTPUT) -> list[str]
     ``model-0000i-of-0000N.safetensors``), the index, ``config.json``, generation config and tokenizer files,
     ``ckpttool-audit.json``, and journals. A symbolic link, any other name, or a directory is foreign, but for one
     of ``output.dirs`` holding only files of ``output.names`` (a split's ``iter_0000000/``).
+
+    When every name is an output's and ``output`` has a ``manifest``: without a valid manifest every entry is
+    foreign; with one, every file it does not list with its size (named by its path, ``iter_0000000/__0_0.distcp``).
     """
+    foreign = _misnamed(directory, output)
+    if foreign or output.manifest is None:
+        return foreign
+    listed = read_manifest(directory / output.manifest, output.command)
+    if listed is None:
+        with os.scandir(directory) as entries:
+            return sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries)
+    return sorted(path for path, size in files_under(directory, output.manifest) if listed.get(path) != size)
+
+
+def _misnamed(directory: Path, output: Output) -> list[str]:
+    """The entries of ``directory`` whose name, kind or place no ``output`` has."""
     foreign = []
     with os.scandir(directory) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
                 ours = output.dirs is not None and output.dirs.fullmatch(entry.name) is not None
-                if not ours or foreign_entries(Path(entry.path), Output(output.command, output.names)):
+                if not ours or _misnamed(Path(entry.path), Output(output.command, output.names)):
                     foreign.append(entry.name + "/")
             elif not (entry.is_file(follow_symlinks=False) and output.names.fullmatch(entry.name)):
                 foreign.append(entry.name)
@@ -138,6 +175,8 @@ def check_destination(dest: Path, sources: Sequence[Path], force: bool, output: 
                 f"destination '{dest}' holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} that ckpttool did not "
                 f"write ({shown}); force=True replaces only an earlier output of a {output.command}. Nothing was touched: choose "
                 "another destination, or move those entries away yourself"
+                + (f" (an output of a {output.command} lists every file it wrote, with its size, in {output.manifest})"
+                   if output.manifest else "")
             )
     parent = dest.parent if dest.parent != Path("") else Path(".")
     if not parent.is_dir():
@@ -294,8 +333,16 @@ class Staging:
         self._release()
 
     def publish(self) -> None:
-        """Make every byte durable, then replace the destination; the earlier output goes only at the end."""
+        """Make every byte durable, then replace the destination; the earlier output goes only at the end.
+
+        Raises:
+            DestinationError: the destination changed while the output was written (a training run saved into it)
+                and is no longer one to replace; it is left as it is.
+            OutputError: a rename failed; the destination is as it was.
+        """
         try:
+            # checked again: the lock keeps other ckpttool runs out, not a training run saving into the destination
+            check_destination(self.dest, self.sources, self.force, self.output)
             for journal in self.path.glob(JOURNAL_GLOB):
                 journal.unlink()
             sync_tree(self.path)
@@ -312,6 +359,8 @@ class Staging:
             sync_directory(self.dest.parent)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
+        except DestinationError:  # an OSError too (FileExistsError), but no failed rename: its own message
+            raise
         except OSError as e:
             raise OutputError(f"'{self.dest}': cannot publish: {e.strerror or e}; the destination is as it was") from None
         finally:
@@ -345,9 +394,12 @@ class Staging:
 
 
 def sync_tree(directory: Path) -> None:
-    """``fsync`` every file in ``directory`` and the directory itself, so a rename publishes durable bytes."""
+    """``fsync`` every file under ``directory`` and every directory, so a rename publishes durable bytes (a split's
+    ``iter_0000000/`` too)."""
     for entry in os.scandir(directory):
-        if entry.is_file(follow_symlinks=False):
+        if entry.is_dir(follow_symlinks=False):
+            sync_tree(Path(entry.path))
+        elif entry.is_file(follow_symlinks=False):
             fd = os.open(entry.path, os.O_RDONLY)
             try:
                 os.fsync(fd)

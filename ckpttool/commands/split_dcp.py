@@ -1,0 +1,105 @@
+"""``split --to dcp``: every rank's chunks of every in-memory tensor on a device mesh, planned as targets.
+
+The model's in-memory tensors are slices of the merge plan's on-disk ones (:func:`in_memory`: the family's rules
+run backwards); :func:`ckpttool.commands.meshes.shard_tensors` places them on the mesh, and every rank's box becomes
+one target whose copies reach straight into the source's pieces (:func:`ckpttool.plan.compose.compose`), laid out
+in the rank files torch's ``FileSystemWriter`` writes (:func:`ckpttool.writers.dcp.lay_out`). Reads no tensor data.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ckpttool.commands.meshes import Mesh, Sharding, shard_tensors
+from ckpttool.errors import ConfigError, CoverageError
+from ckpttool.families import MemoryTensor, map_from_hf
+from ckpttool.io.dtypes import itemsize
+from ckpttool.layout.layout import Box
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.plan.compose import compose
+from ckpttool.plan.source import Planned
+from ckpttool.writers import dcp
+
+
+def in_memory(prepared: Planned) -> list[MemoryTensor]:
+    """The model's in-memory tensors as slices of the plan's on-disk ones (what every target format starts from).
+
+    Raises:
+        ConfigError: no config transformers builds a causal LM from.
+    """
+    return map_from_hf(model_of(prepared))
+
+
+def model_of(prepared: Planned) -> ModelInfo:
+    """The model the source's config describes; split needs one.
+
+    Raises:
+        ConfigError: no config transformers builds a causal LM from.
+    """
+    if prepared.model is None:
+        why = ("none was found in or next to the source" if prepared.config is None else
+               f"transformers has no causal LM for model_type {prepared.config.get('model_type')!r} of '{prepared.config_path}'")
+        raise ConfigError(
+            f"'{prepared.layout.root}': split needs the model's config.json, as transformers builds it: it names the "
+            f"tensors as the parallelized model holds them in memory ({why}); give config='PATH'"
+        )
+    return prepared.model
+
+
+def plan_dcp(prepared: Planned, mesh: Mesh) -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:
+    """Every rank's chunks of every in-memory tensor, each a target proven to tile its box, laid out in the rank
+    files torch's ``FileSystemWriter`` would write (a replicated chunk once). Reads no tensor data.
+
+    Raises:
+        ConfigError: no config, or a tensor the mesh cannot place; CoverageError: a chunk not covered exactly once.
+    """
+    memory = in_memory(prepared)
+    _check_degrees(memory, mesh)
+    shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh)
+    slices = {m.name: m.slices for m in memory}
+    targets = {t.name: t for t in prepared.plan.targets}
+    # a chunk weighs its whole tensor's bytes when ranks share replicated chunks out (torch's tensor_storage_size)
+    weight = {m.name: math.prod(m.shape) * next((itemsize(targets[sl.source].dtype) for sl in m.slices
+                                                 if sl.source in targets), 1) for m in memory}
+    held = [[(s.name, box, weight[s.name]) for s in shardings for box in _boxes(s, rank, mesh.world)]
+            for rank in range(mesh.world)]
+    by_name = {s.name: s for s in shardings}
+    per_rank, problems = [], []
+    for chunks_written in dcp.share_items(held):
+        items = []
+        for name, box in chunks_written:
+            target, found = compose(name, box, slices[name], targets)
+            problems.extend(p for p in found if p not in problems)
+            if target is not None:
+                items.append((name, by_name[name].shape, box, target))
+        per_rank.append(items)
+    if problems:
+        raise CoverageError(problems)
+    return shardings, dcp.lay_out(per_rank)
+
+
+def _check_degrees(memory: list[MemoryTensor], mesh: Mesh) -> None:
+    """Bound the ranks of a replica by the model before the per-rank work, which grows with them, starts: ``fsdp``
+    and ``tp`` cut dims 0 and 1, so ``fsdp x tp`` more than the largest of those dims leaves ranks with only empty
+    shards of the tensors they shard.
+
+    Raises:
+        ConfigError: naming the options, the largest dim, its tensor and so the bound.
+    """
+    most, tensor = max(((m.shape[d], m.name) for m in memory for d in range(min(2, len(m.shape)))), default=(1, None))
+    if mesh.replica > most:
+        where = f"{most}, of '{tensor}'" if tensor is not None else "1: no tensor has a dim to cut"
+        raise ConfigError(f"the mesh {mesh.describe()} does not fit the model: fsdp x tp = {mesh.replica} ranks cut "
+                          f"each tensor, more than the largest tensor dim they cut ({where}); give fsdp x tp at most {most}")
+
+
+def _boxes(sharding: Sharding, rank: int, world: int) -> list[Box]:
+    """The chunks ``rank`` saves of a tensor: an empty shard as torch saves it (size 0 where DTensor puts it);
+    rank 0 saves a tensor every rank holds nothing of whole, so the metadata still names it."""
+    boxes = sharding.boxes(rank)
+    empty = sharding.empty_box(rank) if not boxes else None
+    if empty is not None:
+        return [empty]
+    if not boxes and rank == 0 and all(not sharding.boxes(r) for r in range(1, world)):
+        return [Box.whole(sharding.shape)]
+    return boxes
