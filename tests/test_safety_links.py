@@ -38,7 +38,6 @@ CASES = {
     "sidecar-json": Case(None, f"{sidecar_name(2)}{SUFFIX}"),
     "deepspeed": Case("deepspeed_zero2/checkpoint", "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt",
                       "global_step2"),
-    "deepspeed-latest": Case("deepspeed_zero2/checkpoint", "latest"),
     "deepspeed-model-states": Case("deepspeed_zero2/checkpoint", "global_step2/mp_rank_00_model_states.pt"),
     "deepspeed-universal": Case("deepspeed_universal/checkpoint",
                                 "global_step2_universal/zero/model.norm.weight/fp32.pt",
@@ -66,8 +65,6 @@ CASES = {
                                "megatron_tp2_pp2/config.json"),
     "megatron-legacy": Case("megatron_tp2_pp2/legacy", "iter_0000010/mp_rank_01_001/model_optim_rng.pt",
                             "iter_0000010/mp_rank_01_001", "megatron_tp2_pp2/config.json"),
-    "megatron-legacy-tracker": Case("megatron_tp2_pp2/legacy", "latest_checkpointed_iteration.txt", None,
-                                    "megatron_tp2_pp2/config.json"),
     "megatron-legacy-iteration": Case("megatron_tp2_pp2/legacy", "iter_0000010/mp_rank_00_000/model_optim_rng.pt",
                                       "iter_0000010", "megatron_tp2_pp2/config.json"),
     "dcp": Case("llama_fsdp2_dcp/checkpoint", "__2_0.distcp"),
@@ -109,7 +106,7 @@ def test_every_reader_has_a_case():
 
     covered = {name.removesuffix(suffix) for name in CASES
                for suffix in ("-json", "-model-states", "-universal", "-universal-zero", "-moe", "-autotp", "-config",
-                              "-index", "-common", "-metadata", "-iteration", "-latest", "-tracker", "")
+                              "-index", "-common", "-metadata", "-iteration", "")
                if name.removesuffix(suffix) in READERS}
     assert covered == set(READERS)
 

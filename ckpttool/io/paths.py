@@ -111,12 +111,15 @@ def contained(root: Path, relative: str, *, within: Path | None = None) -> Path:
     Every file and folder a reader opens, lists or stats goes through this (or :func:`open_inside`,
     :func:`read_inside`, :func:`list_inside`): the README's rule is that links are followed only inside the source.
 
+    A link out to a FIFO or a device (``/dev/zero``) is left to :func:`open_source`, which refuses it as not a
+    regular file without reading it: that says more than where it leads.
+
     Raises:
         LinkOutError: a link on the way leads out; the message names the link (relative to ``within``, else to
             ``root``) and its target.
     """
     found = escaping_link(root, relative, within=within)
-    if found is not None:
+    if found is not None and not _special(found[1]):
         link, target = found
         source = root if within is None else within
         if within is not None and (root / link).is_relative_to(within):  # named from the source, not the subfolder
@@ -257,6 +260,15 @@ def source_os_error(label: str, error: OSError) -> SourceError:
 
     Never a :class:`SourceNotFoundError`, which is an ``OSError`` too: callers wrap ``OSError`` of their own."""
     return SourceError(f"'{label}': cannot read: {error.strerror or type(error).__name__}")
+
+
+def _special(path: Path) -> bool:
+    """True when ``path`` is there and is neither a regular file nor a folder (a FIFO, a device, a socket)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def _kind(mode: int) -> str:

