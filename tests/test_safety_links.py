@@ -205,3 +205,18 @@ def test_a_universal_parameter_the_config_does_not_know_is_shown_escaped(tmp_pat
     assert_failed_cleanly(result, tmp_path / "out",
                           "\n  - 'model.norm\\nweight': not a tensor of a llama model built from this config\n",
                           "\n  - 'model.norm.weight': expected by the config but not in the checkpoint\n")
+
+
+@pytest.mark.parametrize("name, kind", [("deepspeed-universal", "folder"), ("deepspeed-moe", "file"),
+                                        ("megatron-legacy", "folder"), ("verl", "file")])
+def test_audit_refuses_the_same_links(name, kind, tmp_path, cli):
+    case = CASES[name]
+    rel = case.file if kind == "file" else case.folder
+    src = source(case, tmp_path)
+    move_and_link(src, rel, tmp_path / "elsewhere")
+    config = () if case.config is None else ("--config", FIXTURES / case.config)
+    result = cli("audit", src, *config)
+    assert result.exit_code == 1, result.output
+    assert f"'{rel}' is a symlink to '{tmp_path / 'elsewhere' / Path(rel).name}', outside the checkpoint '{src}'" \
+        in result.stderr
+    assert "Traceback" not in result.output
