@@ -26,6 +26,11 @@ class SourceNotFoundError(CkptError, FileNotFoundError):
     """The source path, or a file its metadata names, does not exist."""
 
 
+class LinkOutError(SourceError):
+    """A symlink in the source leads out of it (ckpttool follows links only inside the source); also raised while
+    a format is being recognised, so the link is named rather than the format missed."""
+
+
 class FormatNotDetectedError(SourceError):
     """No supported checkpoint format was recognised in the source directory."""
 

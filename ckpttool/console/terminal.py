@@ -23,6 +23,12 @@ def shown(name: str) -> str:
     return name if name.isprintable() else repr(name)
 
 
+def quoted(name: str) -> str:
+    """A name (tensor, file) for a message, in quotes: ``'name'`` when every character prints, else its
+    :func:`shown` form (the Python ``repr``, which quotes it and escapes ``\\n``, ``\\x1b`` ...)."""
+    return f"'{name}'" if name.isprintable() else shown(name)
+
+
 def escaped(text: str, *, lines: bool = False) -> str:
     """A message with every control character escaped (``\\x1b`` becomes the four characters ``\\x1b``);
     with ``lines``, its own line breaks are kept (multi-line error messages) and only the rest is escaped."""

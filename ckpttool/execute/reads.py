@@ -19,7 +19,7 @@ from pathlib import Path
 from ckpttool.fast.deferred import torch
 from ckpttool.io.dtypes import itemsize, torch_dtype
 from ckpttool.errors import SourceError
-from ckpttool.io.paths import open_source, source_os_error
+from ckpttool.io.paths import open_inside, source_os_error
 from ckpttool.quant.encode import RoundTrip
 from ckpttool.layout.layout import RAW, Box, Piece, c_strides
 from ckpttool.execute.reference import PieceLoader
@@ -185,7 +185,7 @@ class Reader:
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:
-                with open_source(self.root / file, file) as handle:  # a regular file, or a SourceError
+                with open_inside(self.root, file) as handle:  # a regular file inside the source, or a SourceError
                     fd = os.dup(handle.fileno())
                 self._fds[file] = fd
             return fd

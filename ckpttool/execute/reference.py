@@ -18,7 +18,7 @@ from pathlib import Path
 from ckpttool.fast.deferred import torch
 from ckpttool.io.dtypes import dtype_name, torch_dtype
 from ckpttool.errors import SourceError, UnsafePickleError
-from ckpttool.io.paths import open_source
+from ckpttool.io.paths import open_inside
 from ckpttool.quant.codecs import codec
 from ckpttool.layout.layout import RAW, Box, Piece
 from ckpttool.plan.plan import Target
@@ -96,8 +96,7 @@ class PieceLoader:
         return tensor
 
     def _bytes(self, piece: Piece) -> bytearray:
-        path = self.root / piece.file
-        with open_source(path, piece.file) as f:  # a regular file, or a SourceError naming it
+        with open_inside(self.root, piece.file) as f:  # a regular file inside the source, or a SourceError naming it
             try:
                 f.seek(piece.byte_offset)
                 data = bytearray(piece.byte_length)

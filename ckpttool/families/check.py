@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from itertools import filterfalse
 from dataclasses import dataclass
 
+from ckpttool.console.terminal import quoted
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.plan.diagnose import Diagnosis, diagnose
 from ckpttool.layout.layout import Shape
@@ -35,12 +36,12 @@ class Mismatch:
     def message(self) -> str:
         if self.kind == "missing":
             why = f" ({self.context})" if self.context else ""
-            return f"'{self.name}': expected by the config but not in the checkpoint{why}"
+            return f"{quoted(self.name)}: expected by the config but not in the checkpoint{why}"
         if self.kind == "unexpected":
-            return f"'{self.name}': not a tensor of a {self.model_type} model built from this config"
+            return f"{quoted(self.name)}: not a tensor of a {self.model_type} model built from this config"
         assert self.shape is not None and self.expected is not None and self.diagnosis is not None
         return (
-            f"'{self.name}': shape {list(self.shape)}, but the config gives {list(self.expected)} "
+            f"{quoted(self.name)}: shape {list(self.shape)}, but the config gives {list(self.expected)} "
             f"({self.diagnosis.text})"
         )
 

@@ -8,7 +8,8 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from ckpttool.errors import SourceError
+from ckpttool.console.terminal import quoted
+from ckpttool.errors import LinkOutError, SourceError
 
 #: a repository folder of the Hugging Face hub cache: ``models--org--name`` (also datasets and spaces)
 _HUB_REPO = re.compile(r"(models|datasets|spaces)--.+")
@@ -34,12 +35,13 @@ def link_boundary(folder: Path) -> Path:
     return real
 
 
-def inside(root: Path, relative: str, *, named_by: str) -> Path:
+def inside(root: Path, relative: str, *, named_by: str, within: Path | None = None) -> Path:
     """Resolve ``relative`` (a path some metadata file names) under ``root``, refusing escapes.
 
     Absolute paths and ``..`` components that lead outside ``root`` are refused, and so are symlinks that
     lead outside it (outside its hub cache repository folder for a snapshot of the hub cache, see
     :func:`link_boundary`), so a crafted index or metadata file cannot make ckpttool read ``/etc/passwd``.
+    With ``within`` (a folder above ``root``, the source), links may lead anywhere inside ``within``.
 
     Raises:
         SourceError: the path leaves the checkpoint directory.
@@ -48,15 +50,18 @@ def inside(root: Path, relative: str, *, named_by: str) -> Path:
         raise SourceError(f"'{named_by}' names a path with a NUL byte ({relative!r}); no file can have that name")
     if os.path.isabs(relative) or relative.startswith(("/", "\\")):
         raise SourceError(f"'{named_by}' names the absolute path '{relative}'; files must lie inside the checkpoint")
-    boundary = link_boundary(root)
+    boundary = link_boundary(root if within is None else within)
     named = os.path.normpath(relative)
+    parent = named == os.pardir or named.startswith(os.pardir + os.sep)
     try:
-        escapes = named == os.pardir or named.startswith(os.pardir + os.sep) or not is_within(root / relative, boundary)
+        link = not parent and not is_within(root / relative, boundary)
     except RuntimeError:  # Path.resolve on a symlink loop (Python < 3.13)
         raise SourceError(f"'{named_by}' names '{relative}', a symlink loop") from None
-    if escapes:
-        where = "" if boundary == root.resolve() else f" and its hub cache folder '{boundary}'"
-        raise SourceError(f"'{named_by}' names '{relative}', which leads outside the checkpoint directory{where}")
+    if parent or link:
+        source = root if within is None else within
+        where = "" if boundary == source.resolve() else f" and its hub cache folder '{boundary}'"
+        raise (LinkOutError if link else SourceError)(
+            f"'{named_by}' names '{relative}', which leads outside the checkpoint directory{where}")
     return root / relative
 
 
@@ -68,6 +73,86 @@ def link_escapes(path: Path, folder: Path) -> Path | None:
     except RuntimeError:  # a symlink loop (Python < 3.13): it leads nowhere, and never out
         return None
     return None if is_within(target, link_boundary(folder)) else target
+
+
+def escaping_link(root: Path, relative: str, *, within: Path | None = None) -> tuple[str, Path] | None:
+    """The first part of ``relative`` (a file or folder under ``root``) that is a symlink leading out of ``root``'s
+    :func:`link_boundary` (``within``'s, when given: a reader working in a folder of the source, such as a Megatron
+    iteration, may follow links anywhere in the source), and where it leads; None when every link on the way stays
+    inside.
+
+    Only the parts of ``relative`` are looked at (``lstat`` each, ``resolve`` the links): ``root`` itself may be
+    reached through links, and a link to another link inside ``root`` is judged by where the chain ends.
+
+    Example:
+        >>> escaping_link(root, "global_step2/zero/w/fp32.pt")  # doctest: +SKIP
+        ('global_step2/zero/w', PosixPath('/elsewhere/w'))
+    """
+    boundary: Path | None = None
+    parts = Path(relative).parts
+    here = root
+    for i, part in enumerate(parts):
+        here = here / part
+        if not here.is_symlink():
+            continue
+        try:
+            target = here.resolve()
+        except RuntimeError:  # a symlink loop (Python < 3.13): it leads nowhere, and opening it fails
+            return None
+        boundary = boundary or link_boundary(root if within is None else within)
+        if not is_within(target, boundary):
+            return "/".join(parts[:i + 1]), target
+    return None
+
+
+def contained(root: Path, relative: str, *, within: Path | None = None) -> Path:
+    """``root / relative``, once no symlink on the way there leads out of the source (:func:`escaping_link`).
+
+    Every file and folder a reader opens, lists or stats goes through this (or :func:`open_inside`,
+    :func:`read_inside`, :func:`list_inside`): the README's rule is that links are followed only inside the source.
+
+    A link out to a FIFO or a device (``/dev/zero``) is left to :func:`open_source`, which refuses it as not a
+    regular file without reading it: that says more than where it leads.
+
+    Raises:
+        LinkOutError: a link on the way leads out; the message names the link (relative to ``within``, else to
+            ``root``) and its target.
+    """
+    found = escaping_link(root, relative, within=within)
+    if found is not None and not _special(found[1]):
+        link, target = found
+        source = root if within is None else within
+        if within is not None and (root / link).is_relative_to(within):  # named from the source, not the subfolder
+            link = (root / link).relative_to(within).as_posix()
+        raise LinkOutError(f"{quoted(link)} is a symlink to {quoted(str(target))}, outside the checkpoint "
+                           f"{quoted(str(source))}; ckpttool follows no link out of the checkpoint. Copy the file "
+                           "or folder in its place")
+    return root / relative
+
+
+def open_inside(root: Path, relative: str, label: str | None = None, *, within: Path | None = None) -> BinaryIO:
+    """:func:`open_source` of ``root / relative`` (labelled ``relative``), refused when a link on the way leads
+    out of the source (:func:`contained`)."""
+    return open_source(contained(root, relative, within=within), relative if label is None else label)
+
+
+def read_inside(root: Path, relative: str, label: str | None = None, *, limit: int | None = None,
+                within: Path | None = None) -> bytes:
+    """:func:`read_source` of ``root / relative`` (labelled ``relative``), refused when a link on the way leads
+    out of the source (:func:`contained`)."""
+    return read_source(contained(root, relative, within=within), relative if label is None else label, limit=limit)
+
+
+def list_inside(root: Path, relative: str = "", *, within: Path | None = None) -> list[Path]:
+    """The entries of the folder ``root / relative`` (sorted by name), refused when a link on the way to it leads
+    out of the source (:func:`contained`). The entries themselves are not judged here: whatever is opened among
+    them goes through :func:`open_inside`.
+
+    Raises:
+        SourceError: a link on the way leads out.
+        OSError: the folder cannot be listed.
+    """
+    return sorted(contained(root, relative, within=within).iterdir()) if relative else sorted(root.iterdir())
 
 
 def is_within(path: Path, ancestor: Path) -> bool:
@@ -175,6 +260,15 @@ def source_os_error(label: str, error: OSError) -> SourceError:
 
     Never a :class:`SourceNotFoundError`, which is an ``OSError`` too: callers wrap ``OSError`` of their own."""
     return SourceError(f"'{label}': cannot read: {error.strerror or type(error).__name__}")
+
+
+def _special(path: Path) -> bool:
+    """True when ``path`` is there and is neither a regular file nor a folder (a FIFO, a device, a socket)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def _kind(mode: int) -> str:

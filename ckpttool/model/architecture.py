@@ -31,7 +31,7 @@ from typing import Any
 from ckpttool.io import jsonfile
 from ckpttool.layout.layout import Shape
 from ckpttool.errors import ArgumentError, ConfigError, SourceError
-from ckpttool.io.paths import JSON_LIMIT, link_escapes, read_source
+from ckpttool.io.paths import JSON_LIMIT, escaping_link, link_escapes, read_source
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,10 @@ def find_config(source: Path, explicit: str | Path | None) -> Path | None:
 def _refuse_link_out(path: Path, folder: Path) -> Path:
     target = link_escapes(path, folder)
     if target is not None:
-        raise ConfigError(f"'{path}' is a symlink to '{target}', outside '{folder}'; ckpttool follows no link out of "
-                          "the checkpoint. Copy the config in its place, or name that file itself as the config")
+        # name the link itself: the file, or a folder on the way to it (verl's huggingface/)
+        link, target = escaping_link(folder, path.relative_to(folder).as_posix()) or (path.name, target)
+        raise ConfigError(f"'{folder / link}' is a symlink to '{target}', outside '{folder}'; ckpttool follows no link "
+                          "out of the checkpoint. Copy the config in its place, or name that file itself as the config")
     return path
 
 

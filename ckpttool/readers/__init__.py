@@ -13,11 +13,12 @@ model family is :mod:`ckpttool.families`' business.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout
 from ckpttool.errors import CkptError, FormatNotDetectedError, SourceError, SourceNotFoundError
+from ckpttool.io.paths import contained
 from ckpttool.readers import colossalai
 from ckpttool.readers import dcp
 from ckpttool.readers.deepspeed import reader as deepspeed
@@ -164,11 +165,30 @@ def read_layout(
     if unknown:
         raise SourceError(f"'{root}': {unknown[0]}={given[unknown[0]]!r} does not apply to the {format} format")
     try:
-        return reader.read(root, model, **given)
+        layout = reader.read(root, model, **given)
     except OSError as e:  # a file the reader opens is unreadable (permissions, I/O error): the input, not a bug
         if isinstance(e, CkptError):
             raise
         raise SourceError(f"'{e.filename or root}': cannot read it: {e.strerror or e}") from None
+    _refuse_links_out(layout)
+    return layout
+
+
+def _refuse_links_out(layout: Layout) -> None:
+    """Every file a piece names stays inside the layout's root, links followed (each reader opens its files through
+    :mod:`ckpttool.io.paths`; this holds the rule for the bytes the executor will copy, whatever the reader).
+
+    Raises:
+        LinkOutError: a piece's file, or a folder on the way to it, is a symlink out of the source.
+    """
+    root = Path(layout.root)
+    files = {p.file for t in layout.tensors.values() for p in t.pieces}
+    # each folder on the way once (a universal checkpoint has a folder per parameter): one lstat per path
+    paths = sorted({"/".join(parts[:i]) for parts in (PurePosixPath(f).parts for f in files)
+                    for i in range(1, len(parts) + 1)}, key=lambda p: (p.count("/"), p))
+    for path in paths:
+        if (root / path).is_symlink():
+            contained(root, path)
 
 
 def _check_directory(root: Path) -> None:

@@ -37,7 +37,7 @@ from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import RAW, Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError, SourceNotFoundError
-from ckpttool.io.paths import JSON_LIMIT, inside, open_source, read_source
+from ckpttool.io.paths import JSON_LIMIT, contained, inside, list_inside, open_inside, read_inside
 from ckpttool.io.safetensors_format import read_header
 from ckpttool.io.torch_save import StoredTensor, scan
 from ckpttool.readers.base import FormatReader
@@ -163,7 +163,7 @@ def _is_moe(files) -> bool:
 
 def _read_index(root: Path, rel: str) -> _Index:
     try:
-        index = jsonfile.loads(read_source(root / rel, rel, limit=JSON_LIMIT))
+        index = jsonfile.loads(read_inside(root, rel, limit=JSON_LIMIT))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SourceError(f"'{rel}': cannot read the index: {e}") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -180,7 +180,7 @@ def _stage_indexes(root: Path) -> list[_Index]:
     tmp = root / TMP
     if not tmp.is_dir():
         return []
-    return [_read_index(root, f"{TMP}/{p.name}") for p in sorted(tmp.iterdir()) if _STAGE_INDEX.match(p.name)]
+    return [_read_index(root, f"{TMP}/{p.name}") for p in list_inside(root, TMP) if _STAGE_INDEX.match(p.name)]
 
 
 def _check_stages(root: Path, indexes: list[_Index]) -> None:
@@ -270,11 +270,11 @@ def _tensors(root: Path, rel: str, cache: dict[str, _Found] | None = None) -> _F
 
 
 def _scan_shard(root: Path, rel: str) -> _Found:
-    path = root / rel
+    path = contained(root, rel)
     if rel.endswith(".safetensors"):
         header = read_header(path, rel)
         return {k: (e.shape, e.dtype, e.begin, e.end - e.begin) for k, e in header.entries.items()}
-    with open_source(path, rel) as f:
+    with open_inside(root, rel) as f:
         state = scan(f, label=rel)
     if not isinstance(state, dict):
         raise SourceError(f"'{rel}': not a dict of tensors (a {type(state).__name__})")

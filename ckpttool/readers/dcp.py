@@ -19,7 +19,7 @@ from ckpttool.io.dtypes import dtype_name, itemsize
 from ckpttool.layout.layout import RAW, TORCH_SAVE, Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError, SourceNotFoundError
-from ckpttool.io.paths import inside, open_source, read_source
+from ckpttool.io.paths import inside, open_inside, read_inside
 from ckpttool.io.safe_pickle import Record, load_metadata_pickle
 from ckpttool.io.torch_save import locate
 from ckpttool.readers.validate import dims, expect, field, integer
@@ -37,11 +37,14 @@ def matches(root: Path) -> bool:
     return (root / METADATA).is_file()
 
 
-def read(root: Path, model: ModelInfo | None) -> Layout:
+def read(root: Path, model: ModelInfo | None, *, within: Path | None = None) -> Layout:
+    """The layout of the DCP checkpoint in ``root``; ``within``: the source folder above ``root`` (a Megatron
+    iteration), inside which symlinks may lead (by default ``root``: no link out of it is followed)."""
     path = root / METADATA
     if not path.is_file():
         raise SourceNotFoundError(f"'{root}': no {METADATA} file")
-    md = load_metadata_pickle(read_source(path, METADATA), METADATA)
+    md = load_metadata_pickle(read_inside(root, METADATA, within=within), METADATA)
+    named_by = METADATA if within is None else (root / METADATA).relative_to(within).as_posix()
     tensors_md = md.get("state_dict_metadata") if getattr(md, "kind", None) == "Metadata" else None
     storage_md = md.get("storage_data") if tensors_md is not None else None
     if not isinstance(tensors_md, dict) or not isinstance(storage_md, dict):
@@ -96,7 +99,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                         "which ckpttool does not decode yet"
                     )
                 if rel not in sizes:  # confine and stat each file once, not once per chunk
-                    file = inside(root, rel, named_by=METADATA)
+                    file = inside(root, rel, named_by=named_by, within=within)
                     sizes[rel] = os.path.getsize(file) if file.is_file() else None
                 start = field(info, "offset", integer, METADATA, what=f"'{fqn}' storage offset")
                 length = field(info, "length", integer, METADATA, what=f"'{fqn}' storage length")
@@ -113,7 +116,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                     )
                 piece = Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, TORCH_SAVE, start, length)
                 if sizes[rel] is not None:
-                    piece = _as_raw(root, piece, handles)
+                    piece = _as_raw(root, piece, handles, within)
                 builder.add(fqn, piece, present=sizes[rel] is not None)
     finally:
         for handle in handles.values():
@@ -126,12 +129,12 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     return builder.build(notes)
 
 
-def _as_raw(root: Path, piece: Piece, handles: dict[str, BinaryIO]) -> Piece:
+def _as_raw(root: Path, piece: Piece, handles: dict[str, BinaryIO], within: Path | None) -> Piece:
     """The piece as raw bytes inside its ``torch.save`` item when they can be located (read in place, in
     bounded chunks), else unchanged (loaded whole with ``torch.load(weights_only=True)``)."""
     handle = handles.get(piece.file)
     if handle is None:
-        handle = handles[piece.file] = open_source(root / piece.file, piece.file)  # closed by the caller
+        handle = handles[piece.file] = open_inside(root, piece.file, within=within)  # closed by the caller
     found = locate(handle, piece.byte_offset, piece.byte_length, label=piece.file)
     if found is None or found.dtype != piece.dtype or found.shape != piece.box.sizes:
         return piece

@@ -17,6 +17,7 @@ from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import RAW, Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import ConfigError, SourceError, SourceNotFoundError
+from ckpttool.io.paths import contained
 from ckpttool.io.safetensors_format import read_header
 from ckpttool.readers.base import FormatReader
 
@@ -44,7 +45,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     gaps = sorted(set(range(1, max(ranks) + 1)) - set(ranks))
     builder.mark_missing(*(f"shard-{r:05d}-model-*.safetensors" for r in gaps))
     for name in files:
-        header = read_header(root / name, name)
+        header = read_header(contained(root, name), name)  # a link out of the source is refused, naming it
         info = header.metadata.get(SHARDING_KEY)
         try:
             sharding = jsonfile.loads(info) if info is not None else {}

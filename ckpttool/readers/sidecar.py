@@ -8,7 +8,7 @@ from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import RAW, Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError, SourceNotFoundError
-from ckpttool.io.paths import JSON_LIMIT, inside, read_source
+from ckpttool.io.paths import JSON_LIMIT, inside, read_inside
 from ckpttool.io.safetensors_format import read_header
 from ckpttool.io.sidecar import SUFFIX, parse_sidecar, shard_name
 from ckpttool.readers.base import FormatReader
@@ -25,7 +25,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     paths = sorted(root.glob(f"*{SUFFIX}"))
     if not paths:
         raise SourceNotFoundError(f"'{root}': no *{SUFFIX} sidecar")
-    sidecars = [parse_sidecar(_text(p), p.name) for p in paths]
+    sidecars = [parse_sidecar(_text(root, p.name), p.name) for p in paths]
     worlds = {s.world_size for s in sidecars}
     if len(worlds) > 1:
         raise SourceError(
@@ -68,11 +68,11 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     return builder.build(notes)
 
 
-def _text(path: Path) -> str:
+def _text(root: Path, name: str) -> str:
     try:
-        return read_source(path, path.name, limit=JSON_LIMIT).decode("utf-8")
+        return read_inside(root, name, limit=JSON_LIMIT).decode("utf-8")  # no link out of the source
     except UnicodeDecodeError:
-        raise SourceError(f"'{path.name}': not valid JSON (not UTF-8 text)") from None
+        raise SourceError(f"'{name}': not valid JSON (not UTF-8 text)") from None
 
 
 READER = FormatReader(NAME, LOOKS_FOR, matches, read)

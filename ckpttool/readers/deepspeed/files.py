@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckpttool.console.terminal import escaped, quoted
 from ckpttool.io import torch_save
 from ckpttool.errors import SourceError, SourceNotFoundError
-from ckpttool.io.paths import inside, open_source, read_tag
+from ckpttool.io.paths import contained, inside, open_inside, read_tag
 from ckpttool.io.pickle_bounds import EnumStandIn
 from ckpttool.io.safe_pickle import Record
 from ckpttool.readers.validate import dims, expect, field
@@ -107,11 +108,11 @@ def _rel(tag: str, name: str) -> str:
 
 def _scan(root: Path, rel: str) -> _Loaded:
     """``rel``'s object tree, tensors as :class:`StoredTensor` (``torch_save.scan`` with :data:`ALLOW`)."""
-    path = root / rel
-    if not path.is_file():
-        raise SourceNotFoundError(f"'{rel}': missing")
-    with open_source(path, rel) as f:
-        return _Loaded(rel, torch_save.scan(f, label=rel, allow=ALLOW))
+    if not contained(root, rel).is_file():  # a link on the way out of the checkpoint is refused, naming it
+        raise SourceNotFoundError(f"{quoted(rel)}: missing")
+    label = escaped(rel)  # a universal checkpoint's folder names come from the file system
+    with open_inside(root, rel, label) as f:
+        return _Loaded(rel, torch_save.scan(f, label=label, allow=ALLOW))
 
 
 def _model_states(root: Path, step: Path, tag: str, models: list[tuple[int, str]], *, scan: Scan) -> _Loaded:

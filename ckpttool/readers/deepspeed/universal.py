@@ -29,8 +29,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpttool.console.terminal import quoted
 from ckpttool.errors import SourceError
-from ckpttool.io.paths import inside, open_source, read_tag
+from ckpttool.io.paths import contained, inside, list_inside, open_inside, read_tag
 
 #: the tag file ``ds_to_universal`` writes beside ``latest``
 LATEST_UNIVERSAL = "latest_universal"
@@ -53,7 +54,7 @@ class Universal:
                 None: "no model states in it to tell which step it was converted from"}[self.of_step]
 
     def described(self) -> str:
-        return f"'{self.path}' ({self.relation()}{'; named by ' + LATEST_UNIVERSAL if self.named else ''})"
+        return f"{quoted(str(self.path))} ({self.relation()}{'; named by ' + LATEST_UNIVERSAL if self.named else ''})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +90,9 @@ def choose(step: Path, *, via_latest: bool) -> Choice:
     named = next((u for u in found if u.named), None)
     if named is not None and not named.of_step and via_latest and not own:
         raise SourceError(
-            f"'{step.parent}': 'latest' names '{step.name}' but '{LATEST_UNIVERSAL}' names '{named.path.name}' "
-            f"({named.relation()}); give the folder to merge: '{step}' or "
-            f"'{named.path}'")
+            f"{quoted(str(step.parent))}: 'latest' names {quoted(step.name)} but '{LATEST_UNIVERSAL}' names "
+            f"{quoted(named.path.name)} ({named.relation()}); give the folder to merge: {quoted(str(step))} or "
+            f"{quoted(str(named.path))}")
     if own:
         notes.append(f"read the universal checkpoint '{own[0].path}' (ds_to_universal's output of '{step.name}', "
                      "whose model states it holds unchanged) instead of the step's own files")
@@ -134,8 +135,8 @@ def universal_instead(step: Path) -> str:
     found, _ = beside(step)
     own = [u for u in found if u.of_step]
     if len(own) == 1:
-        return (f"; its universal checkpoint '{own[0].path}' (ds_to_universal's output) lies beside it: merge that "
-                "instead")
+        return (f"; its universal checkpoint {quoted(str(own[0].path))} (ds_to_universal's output) lies beside it: "
+                "merge that instead")
     if not found:
         return ""
     return ("; beside it, universal checkpoints (ds_to_universal's output) not known to be of this step: "
@@ -148,26 +149,30 @@ def _plain(step: Path) -> Path:
 
 
 def _converted_from(universal: Path, step: Path) -> bool | None:
-    """Whether ``universal`` holds the step's model states files, all of them and each the same file."""
+    """Whether ``universal`` holds the step's model states files, all of them and each the same file. Both lie in
+    ``step.parent``; no link out of it is followed (a model states file that is one compares as different)."""
+    folder = step.parent
     try:
-        copied = sorted(p.name for p in universal.iterdir() if p.name.endswith(_STATES) and p.is_file())
-        own = sorted(p.name for p in step.iterdir() if p.name.endswith(_STATES) and p.is_file())
-    except OSError:
+        copied = sorted(p.name for p in list_inside(folder, universal.name) if p.name.endswith(_STATES) and p.is_file())
+        own = sorted(p.name for p in list_inside(folder, step.name) if p.name.endswith(_STATES) and p.is_file())
+    except (OSError, SourceError):
         return None
     if not copied:
         return None
-    return copied == own and all(_same_archive(universal / name, step / name) for name in copied)
+    return copied == own and all(
+        _same_archive(folder, f"{universal.name}/{name}", f"{step.name}/{name}") for name in copied)
 
 
-def _same_archive(a: Path, b: Path) -> bool:
-    """Two ``torch.save`` archives with the same size and the same entries (names, sizes, CRC-32s), read from their
-    central directories; False when either cannot be read as one."""
+def _same_archive(folder: Path, a: str, b: str) -> bool:
+    """Two ``torch.save`` archives in ``folder`` with the same size and the same entries (names, sizes, CRC-32s),
+    read from their central directories; False when either cannot be read as one or is a link out of ``folder``."""
     try:
-        if not b.is_file() or a.stat().st_size != b.stat().st_size:
+        first, second = contained(folder, a), contained(folder, b)
+        if not second.is_file() or first.stat().st_size != second.stat().st_size:
             return False
         entries = []
-        for path in (a, b):
-            with open_source(path) as f, zipfile.ZipFile(f) as archive:
+        for rel in (a, b):
+            with open_inside(folder, rel) as f, zipfile.ZipFile(f) as archive:
                 entries.append([(i.filename, i.file_size, i.CRC) for i in archive.infolist()])
     except (OSError, SourceError, zipfile.BadZipFile, ValueError):
         return False

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ckpttool.console.terminal import quoted
+from ckpttool.io.paths import contained, list_inside
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError, SourceNotFoundError
 from ckpttool.io.torch_save import StoredTensor
@@ -47,18 +49,20 @@ def _read_layers(root: Path, step: Path, tag: str, layers: list[tuple[int, str]]
 
 def _read_universal(root: Path, step: Path, tag: str, builder: LayoutBuilder, *, scan: Scan) -> None:
     """A universal checkpoint (``ds_to_universal``): ``zero/<param name>/fp32.pt`` holds the whole fp32
-    parameter as ``{'param': tensor, ...}``."""
-    zero = step / "zero"
+    parameter as ``{'param': tensor, ...}``.
+
+    The folder names come from the file system: every message shows them escaped (:func:`quoted`), and every
+    folder and file is reached through :mod:`ckpttool.io.paths` (no link out of ``root`` is followed)."""
     count = 0
-    for directory in sorted(p for p in zero.iterdir() if p.is_dir()):
+    for directory in (p for p in list_inside(root, _rel(tag, "zero")) if p.is_dir()):
         rel = _rel(tag, f"zero/{directory.name}/{_UNIVERSAL_WEIGHT}")
-        if not (root / rel).is_file():
-            raise SourceNotFoundError(f"'{rel}': missing (the fp32 weights of '{directory.name}')")
+        if not contained(root, rel).is_file():
+            raise SourceNotFoundError(f"{quoted(rel)}: missing (the fp32 weights of {quoted(directory.name)})")
         loaded = scan(root, rel)
         tensor = loaded.obj.get("param") if isinstance(loaded.obj, dict) else loaded.obj
         if not isinstance(tensor, StoredTensor):
-            raise SourceError(f"'{rel}': no 'param' tensor")
-        if builder.declare(directory.name, tensor.shape, tensor.dtype, where=f"'{rel}'"):
+            raise SourceError(f"{quoted(rel)}: no 'param' tensor")
+        if builder.declare(directory.name, tensor.shape, tensor.dtype, where=quoted(rel)):
             builder.add(directory.name, _whole_piece(rel, "param", tensor))
             count += 1
     if not count:

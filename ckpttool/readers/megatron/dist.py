@@ -29,8 +29,8 @@ from pathlib import Path
 from ckpttool.io import jsonfile
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout
-from ckpttool.errors import SourceError
-from ckpttool.io.paths import JSON_LIMIT, open_source, read_source
+from ckpttool.errors import LinkOutError, SourceError
+from ckpttool.io.paths import JSON_LIMIT, open_inside, read_inside
 from ckpttool.io.safe_pickle import Record
 from ckpttool.readers.validate import expect
 from ckpttool.readers import dcp
@@ -47,15 +47,17 @@ METADATA_JSON = "metadata.json"
 def matches(root: Path) -> bool:
     try:
         directory = megatron.iteration_dir(root)
+    except LinkOutError:  # the tracker names an iteration through a link out of the source: say so, never skip it
+        raise
     except SourceError:
         return False
     try:
-        return _backend(directory) == "torch_dist"
+        return _backend(directory, root) == "torch_dist"
     except SourceError:  # Megatron's metadata.json beside DCP metadata, but unreadable: read() says why
         return (directory / dcp.METADATA).is_file()
 
 
-def _backend(directory: Path) -> str | None:
+def _backend(directory: Path, root: Path) -> str | None:
     """``sharded_backend`` from ``metadata.json``; None when there is no such file or it does not say.
 
     Raises:
@@ -64,7 +66,7 @@ def _backend(directory: Path) -> str | None:
     path = directory / METADATA_JSON
     if not os.path.lexists(path):
         return None
-    raw = read_source(path, str(path), limit=JSON_LIMIT)  # a FIFO or a device is refused, never read
+    raw = read_inside(directory, METADATA_JSON, str(path), limit=JSON_LIMIT, within=root)  # never a FIFO or a device
     try:
         doc = jsonfile.loads(raw)
     except ValueError as e:
@@ -74,15 +76,15 @@ def _backend(directory: Path) -> str | None:
 
 def read(root: Path, model: ModelInfo | None) -> Layout:
     directory = megatron.iteration_dir(root)
-    backend = _backend(directory)
+    backend = _backend(directory, root)
     if backend != "torch_dist":
         raise SourceError(
             f"'{directory / METADATA_JSON}': sharded_backend is {backend!r}; ckpttool reads Megatron's torch_dist"
         )
-    layout = dcp.read(directory, model)
-    args = _common_args(directory)
+    layout = dcp.read(directory, model, within=root)
+    args = _common_args(directory, root)
     prefix = "" if directory == root else f"{directory.relative_to(root)}/"
-    megatron_fp8.refuse_te_items(layout, directory, prefix)
+    megatron_fp8.refuse_te_items(layout, directory, prefix, root)
     where = f"{prefix}{COMMON}"
     if model is not None:
         megatron_args.check_args(args, model, f"{prefix}{COMMON}")
@@ -105,12 +107,12 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                    parallel=megatron.parallel_of(args, where) if args is not None else {})
 
 
-def _common_args(directory: Path) -> object | None:
-    """The training args from ``common.pt`` (None when the file or the entry is absent)."""
+def _common_args(directory: Path, root: Path) -> object | None:
+    """The training args from ``common.pt`` (None when the file or the entry is absent); no link out of ``root``."""
     path = directory / COMMON
     if not path.is_file():
         return None
-    with open_source(path, COMMON) as f:
+    with open_inside(directory, COMMON, within=root) as f:
         common = megatron.scan_checkpoint(f, label=COMMON)
     args = common.get("args") if isinstance(common, dict) else None
     return None if args is None else expect(args, (Record, dict), "args (the training arguments)", COMMON)

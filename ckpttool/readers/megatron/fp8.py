@@ -30,7 +30,7 @@ from typing import Any
 from ckpttool.io import torch_save
 from ckpttool.layout.layout import TORCH_SAVE, Layout
 from ckpttool.errors import UnsafePickleError
-from ckpttool.io.paths import open_source, read_source
+from ckpttool.io.paths import open_inside, read_source
 from ckpttool.io.safe_pickle import load_metadata_pickle
 
 #: the packages whose classes a Transformer Engine pickle names (TE's tensors; its C++ extension's enums)
@@ -55,17 +55,18 @@ def refusal(label: str, qualified: str) -> str:
     )
 
 
-def refuse_te_items(layout: Layout, directory: Path, prefix: str) -> None:
+def refuse_te_items(layout: Layout, directory: Path, prefix: str, root: Path | None = None) -> None:
     """Scan the pieces of a torch_dist ``layout`` whose bytes were not found raw in their ``torch.save`` items (plain
     tensors are; TE's tensors are not): a pickle asking for a Transformer Engine class is refused here, before
-    anything is planned, naming the tensor and the file (``prefix`` + the file, relative to ``directory``).
+    anything is planned, naming the tensor and the file (``prefix`` + the file, relative to ``directory``). No
+    link out of ``root`` (the source, ``directory`` by default) is followed.
 
     Raises:
         UnsafePickleError: such an item (or one asking for any other class ckpttool does not allow).
     """
     for piece in (p for t in layout.tensors.values() for p in t.pieces if p.encoding == TORCH_SAVE):
         label = f"{prefix}{piece.file}"
-        with open_source(directory / piece.file, label) as f:
+        with open_inside(directory, piece.file, label, within=root) as f:
             torch_save.scan(f, piece.byte_offset, piece.byte_length, label=label, allow=_TeItems(label, piece.key))
 
 

@@ -41,8 +41,8 @@ from ckpttool.model.architecture import ModelInfo
 from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import RAW, Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder
-from ckpttool.errors import SourceError, SourceNotFoundError
-from ckpttool.io.paths import open_source
+from ckpttool.errors import LinkOutError, SourceError, SourceNotFoundError
+from ckpttool.io.paths import contained, open_inside
 from ckpttool.io.safe_pickle import Record
 from ckpttool.io.torch_save import StoredTensor
 from ckpttool.readers.validate import expect, integer
@@ -69,6 +69,8 @@ _ROW = ("linear_proj.weight", "linear_fc2.weight")
 def matches(root: Path) -> bool:
     try:
         directory = megatron.iteration_dir(root)
+    except LinkOutError:  # the tracker names an iteration through a link out of the source: say so, never skip it
+        raise
     except SourceError:
         return False
     return any(_RANK_DIR.match(p.name) and (p / FILE).is_file() for p in _subdirs(directory))
@@ -96,9 +98,9 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
         raise SourceNotFoundError(f"'{directory}': no mp_rank_* directories")
     states: dict[str, dict[str, Any]] = {}
     for name in dirs:
-        path = directory / name / FILE
-        if path.is_file():
-            with open_source(path, f"{prefix}{name}/{FILE}") as f:
+        rel = f"{prefix}{name}/{FILE}"
+        if contained(root, rel).is_file():  # a link out of the source (the rank folder or the file) is refused
+            with open_inside(root, rel) as f:
                 state = megatron.scan_checkpoint(f, label=f"{prefix}{name}/{FILE}")
             if not isinstance(state, dict):
                 raise SourceError(f"'{prefix}{name}/{FILE}': not a Megatron checkpoint (no state dict)")

@@ -39,7 +39,7 @@ from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError, SourceNotFoundError
-from ckpttool.io.paths import JSON_LIMIT, open_source, read_source
+from ckpttool.io.paths import JSON_LIMIT, open_inside, read_inside
 from ckpttool.io.torch_save import scan
 from ckpttool.readers.base import FormatReader
 from ckpttool.readers.verl.entries import (
@@ -96,7 +96,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     entries: dict[str, list[_Entry]] = {}
     plain = 0
     for rank, name in sorted(files.items()):
-        with open_source(root / name, name) as f:
+        with open_inside(root, name) as f:
             state = scan(f, label=name, allow=ALLOW)
             if not isinstance(state, dict):
                 raise SourceError(f"'{name}': not a state dict (a {type(state).__name__})")
@@ -158,7 +158,7 @@ def _check_fsdp_config(root: Path, world: int, files: dict[int, str]) -> None:
     if not path.is_file():
         return
     try:
-        recorded = jsonfile.loads(read_source(path, FSDP_CONFIG, limit=JSON_LIMIT)).get("world_size")
+        recorded = jsonfile.loads(read_inside(root, FSDP_CONFIG, limit=JSON_LIMIT)).get("world_size")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise SourceError(f"'{FSDP_CONFIG}': cannot read it: {e}") from None
     if recorded is not None and recorded != world:
