@@ -69,6 +69,7 @@ _FLAGS = {
     "config='PATH'": "--config PATH", "quantize='fp8'": "--quantize fp8", "without quantize=": "without --quantize",
     "dtype='bfloat16'": "--dtype bfloat16", "dequantize=True": "--dequantize",
     "config='path/to/config.json'": "--config path/to/config.json", "raw_names=True": "--raw-names",
+    "drop=": "--drop ",
 }
 
 
@@ -178,6 +179,8 @@ def main() -> None:
               "forward (see ckpttool verify); a problem stops the publish.")
 @click.option("--raw-names", is_flag=True, help="With no config to name them for HuggingFace, write the tensor names of a "
               "Megatron or DeepSpeed MoE source as it recorded them (transformers cannot load them); refused without it.")
+@click.option("--drop", multiple=True, metavar="NAME|REGEX", help="Leave out the tensors this name or regular expression "
+              "matches (whole HuggingFace names; repeatable), e.g. an extra tensor the architecture lacks.")
 @click.option("--workers", type=click.IntRange(1, 256), default=DEFAULT_WORKERS, show_default=True, help="Threads reading and writing at once.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing on success: no progress bar, no summary; warnings and errors "
@@ -187,7 +190,7 @@ def merge_command(
     src: str, out: str | None, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str, weights: str | None,
     dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, workers: int, as_json: bool, quiet: bool,
     verbose: int, quantize: str | None = None, block: tuple[int, int] | None = None, verify_forward: bool = False,
-    raw_names: bool = False,
+    raw_names: bool = False, drop: tuple[str, ...] = (),
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT.
 
@@ -206,7 +209,7 @@ def merge_command(
     result: MergeResult = _run(as_json, lambda: merge(
         src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
         force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar, weights=weights,
-        quantize=quantize, block=block, verify_forward=verify_forward, raw_names=raw_names,
+        quantize=quantize, block=block, verify_forward=verify_forward, raw_names=raw_names, drop=drop,
     ), bar)
     if _printed_as_json(result, as_json):
         return

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -111,7 +111,7 @@ class MergeResult:
 
 def prepare(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None, quantize: tuple[int, int] | None = None,
+    weights: str | None = None, quantize: tuple[int, int] | None = None, drop: Sequence[str] = (),
 ) -> Planned:
     """Read the source's layout and the config, and build the coverage-checked plan. Reads no tensor data.
 
@@ -124,7 +124,7 @@ def prepare(
     """
     root = Path(src)
     cast = cast_dtype(dtype)  # checked before anything is read
-    planned = plan_source(root, format=format, config=config, dtype=cast, weights=weights, quantize=quantize)
+    planned = plan_source(root, format=format, config=config, dtype=cast, weights=weights, quantize=quantize, drop=drop)
     planned.refuse()
     skipped = find_extras(extras_search(root, planned.config_path))[1].values()  # files not copied, and why
     return replace(planned, plan=replace(planned.plan, notes=(*planned.plan.notes, *skipped)))
@@ -155,6 +155,7 @@ def merge(
     block: int | tuple[int, int] | None = None,
     verify_forward: bool = False,
     raw_names: bool = False,
+    drop: Sequence[str] = (),
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
 
@@ -188,6 +189,10 @@ def merge(
             MoE) that no config maps to HuggingFace names: write its names as it recorded them (transformers
             loads none of them; :attr:`MergeResult.raw_names` names the convention). Without it such a merge
             is refused.
+        drop: tensors to leave out, each a name or a regular expression matched against the whole HuggingFace
+            name (a tensor the architecture does not have is otherwise an error); each must match one. The
+            model's non-persistent buffers (``rotary_emb.inv_freq``), which some savers write, are dropped
+            without asking, with a note.
 
     Under ``torchrun --nproc_per_node N`` every process calls this; output files are shared out among them
     by bytes (see :mod:`ckpttool.execute.distributed`) and every process returns the same result.
@@ -218,7 +223,8 @@ def merge(
     round_trips: dict[str, RoundTrip] = {}
     group = Group()
     try:
-        prepared = prepare(root, format=format, config=config, dtype=dtype, weights=weights, quantize=quantizing)
+        prepared = prepare(root, format=format, config=config, dtype=dtype, weights=weights, quantize=quantizing,
+                           drop=drop)
         if not raw_names:
             prepared.refuse_raw_names()
         plan = prepared.plan

@@ -53,6 +53,9 @@ class ModelInfo:
             ``shared_head.weight``), each decoder block under its on-disk names (``layers.0.mtp_block.mlp.experts.0
             .gate_proj.weight``); empty when the config declares none. Where a release stores them is
             :mod:`ckpttool.families.mtp`'s to say.
+        buffers: the model's non-persistent buffers (``model.rotary_emb.inv_freq``): not in its state dict, so
+            ``save_pretrained`` never writes them, but some savers do (ColossalAI's MoE checkpoint IO); a merge
+            drops them with a note.
     """
 
     model_type: str
@@ -62,6 +65,7 @@ class ModelInfo:
     tied: Mapping[str, str] = field(default_factory=dict)
     family: str | None = None
     mtp_shapes: Mapping[str, Shape] = field(default_factory=dict)
+    buffers: Mapping[str, Shape] = field(default_factory=dict)
 
 
 def find_config(source: Path, explicit: str | Path | None) -> Path | None:
@@ -250,7 +254,9 @@ def _describe(model_type: str, config: Mapping[str, object], label: str) -> Mode
     except ImportError:  # transformers < 5: memory names are the disk names
         disk_state = state
     disk = {k: tuple(v.shape) for k, v in disk_state.items() if k not in tied}
-    return ModelInfo(model_type, dict(config), memory, disk, tied, _family(model_type), _mtp_shapes(model, cfg))
+    buffers = {k: tuple(v.shape) for k, v in model.named_buffers() if k not in state}
+    return ModelInfo(model_type, dict(config), memory, disk, tied, _family(model_type), _mtp_shapes(model, cfg),
+                     buffers)
 
 
 def _mtp_shapes(model: Any, cfg: Any) -> dict[str, Shape]:
@@ -284,7 +290,7 @@ def _mtp_shapes(model: Any, cfg: Any) -> dict[str, Shape]:
 
 
 #: bumped whenever :class:`ModelInfo` gains a field, so that no older entry (which lacks it) is read
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3
 
 
 def _cache_path(config: Mapping[str, object]) -> Path | None:
@@ -315,14 +321,14 @@ def _from_doc(doc: Mapping[str, Any], config: Mapping[str, object]) -> ModelInfo
     AttributeError when it holds none."""
     shapes = lambda m: {k: tuple(int(n) for n in v) for k, v in m.items()}  # noqa: E731
     return ModelInfo(doc["model_type"], dict(config), shapes(doc["memory"]), shapes(doc["disk"]), dict(doc["tied"]),
-                     doc.get("family"), shapes(doc["mtp"]))
+                     doc.get("family"), shapes(doc["mtp"]), shapes(doc["buffers"]))
 
 
 def _to_doc(info: ModelInfo | None) -> dict[str, Any]:
     """A description as a JSON document (a cache entry, and the subprocess's answer); ``{"none": true}`` for None."""
     return {"none": True} if info is None else {
         "model_type": info.model_type, "memory": info.memory_shapes, "disk": info.disk_shapes, "tied": info.tied,
-        "family": info.family, "mtp": info.mtp_shapes,
+        "family": info.family, "mtp": info.mtp_shapes, "buffers": info.buffers,
     }
 
 

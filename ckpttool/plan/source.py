@@ -10,7 +10,7 @@ Reads no tensor data.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from ckpttool.model.architecture import ModelInfo, find_config, model_info, read
 from ckpttool.model.config_sizes import census, check_config_sizes
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import Plan, Target, TargetSpec, identity_specs, plan_covered
-from ckpttool.errors import ConfigError, CoverageError
+from ckpttool.errors import ArgumentError, ConfigError, CoverageError
 from ckpttool.families import (
     Mismatch,
     compare_with_model,
@@ -124,7 +124,7 @@ class Planned:
 
 def plan_source(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None, quantize: tuple[int, int] | None = None,
+    weights: str | None = None, quantize: tuple[int, int] | None = None, drop: Sequence[str] = (),
 ) -> Planned:
     """Find and read the config, read the source's layout, and plan it (see :func:`plan_layout`).
 
@@ -140,13 +140,14 @@ def plan_source(
         check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights))
         model = model_info(config_dict, label=str(config_path))
     layout = read_layout(root, format=format, model=model, weights=weights)
-    return plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype, quantize=quantize)
+    return plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype, quantize=quantize,
+                       drop=drop)
 
 
 def plan_layout(
     layout: Layout, *, config_path: Path | None, config: dict[str, object] | None, model: ModelInfo | None,
     dtype: str | None = None, notes: Iterable[str] = (), no_config: str = "no config.json found",
-    quantize: tuple[int, int] | None = None, keep_specs: bool = False,
+    quantize: tuple[int, int] | None = None, keep_specs: bool = False, drop: Sequence[str] = (),
 ) -> Planned:
     """Map ``layout`` to HuggingFace names with its family's adapter (``model`` given) or keep its names
     (generic), and plan every target; ``dtype`` is a safetensors name to cast floating tensors to (except the
@@ -154,7 +155,12 @@ def plan_layout(
     ``no_config`` says why there is no config, for the generic note. A quantized source is kept quantized, or
     dequantized to ``dtype`` when one is given (:mod:`ckpttool.families.quantized`); a plain one is quantized to
     FP8 in ``quantize`` blocks when given (:mod:`ckpttool.families.quantize`). ``keep_specs`` keeps the mapped
-    targets on the result (:attr:`Planned.specs`)."""
+    targets on the result (:attr:`Planned.specs`). The model's non-persistent buffers, which ``save_pretrained``
+    never writes but some savers do, are dropped with a note; so are the tensors whose (mapped) names match a
+    ``drop`` pattern (a name or a regular expression, matched whole), each pattern matching at least one.
+
+    Raises:
+        ArgumentError: a ``drop`` pattern that is no regular expression, or that matches no tensor."""
     quant = read_quantization(config, str(config_path or "config.json")) if config is not None else None
     if model is None:
         specs = identity_specs(layout)
@@ -166,15 +172,22 @@ def plan_layout(
         mismatches: list[Mismatch] = []
         tied: list[TargetSpec] = []
         mtp_missing: list[int] = []
+        specs, _ = _dropped(specs, [], drop, own)
     else:
         mapping = map_to_hf(layout, model)
         specs, tied, unplaced, adapter = mapping.specs, mapping.tied, mapping.problems, mapping.adapter
         adapter_notes = list(mapping.notes)
+        buffers = [s.name for s in specs if s.name in model.buffers and s.name not in model.disk_shapes]
+        if buffers:  # a note the audit reports too: merge and audit agree on what was left out
+            specs = [s for s in specs if s.name not in set(buffers)]
+            adapter_notes.append(f"dropped {_listed(buffers)}: {'buffers' if len(buffers) > 1 else 'a buffer'} the "
+                                 f"{model.model_type} model does not save (non-persistent), written by the saver anyway")
         own = list(adapter_notes)
         if tied:
             dropped = [s.name for s in tied]
             own.append(f"dropped {', '.join(dropped)}: tied to {', '.join(model.tied[n] for n in dropped)} "
                          "(as save_pretrained does)")
+        specs, unplaced = _dropped(specs, unplaced, drop, own)
         shapes = {s.name: s.shape for s in specs}
         mismatches = compare_with_model(shapes, with_quantized(model, specs, quant, shapes=shapes))
         mtp_missing = mtp_absent([s.name for s in specs], model)
@@ -226,3 +239,27 @@ def dequantized_targets(planned: Planned, dtype: str) -> tuple[Target, ...]:
     specs = [s for s in dequantized(planned.specs, planned.layout, quant) if s.dequant is not None]
     keep = {s.name for s in specs if keeps_dtype(s.name)}
     return plan_covered(planned.layout, specs, dtype=dtype, keep_dtype=keep)[0].targets
+
+
+def _listed(names: Sequence[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _dropped(specs: Sequence[TargetSpec], unplaced: Sequence[tuple[str, str]], patterns: Sequence[str],
+             notes: list[str]) -> tuple[list[TargetSpec], list[tuple[str, str]]]:
+    """``specs`` and ``unplaced`` without the tensors a ``drop`` pattern names, a note for each pattern."""
+    specs, unplaced = list(specs), list(unplaced)
+    for pattern in patterns:
+        try:
+            regex = re.compile(pattern)
+        except re.error as e:
+            raise ArgumentError(f"drop='{pattern}' is not a name or a regular expression: {e}") from None
+        gone = [s.name for s in specs if regex.fullmatch(s.name)] + [n for n, _ in unplaced if regex.fullmatch(n)]
+        if not gone:
+            raise ArgumentError(f"drop='{pattern}' matches no tensor of the source (names are matched whole, "
+                                "after mapping to HuggingFace names)")
+        specs = [s for s in specs if not regex.fullmatch(s.name)]
+        unplaced = [(n, m) for n, m in unplaced if not regex.fullmatch(n)]
+        notes.append(f"dropped {_listed(gone)}: matched by the drop pattern '{pattern}'")
+    return specs, unplaced
