@@ -91,3 +91,9 @@ def test_the_first_incident_as_colossalai_users_made_it_is_refused(cli, tmp_path
             "of 32 (rows: a column-parallel split): one of 2 TP pieces; the other piece is missing)") in result.output
     assert_failed_cleanly(result, tmp_path / "out")
     assert tree_digest(src) == before
+
+
+def test_the_optimizer_saved_into_the_same_folder_is_not_read_as_the_model(merged):
+    src = fixture_dir("colossalai_real_llama_pp2_bin") / "checkpoint"
+    assert (src / "pytorch_optim.bin.index.json").is_file() and list(src.glob("pytorch_optim-stage-*.bin"))
+    assert len(load_output(merged["colossalai_real_llama_pp2_bin"][1])) == 21
