@@ -19,6 +19,7 @@ from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout
 from ckpttool.errors import CkptError, FormatNotDetectedError, SourceError, SourceNotFoundError
 from ckpttool.io.paths import contained
+from ckpttool.readers import accelerate
 from ckpttool.readers import colossalai
 from ckpttool.readers import dcp
 from ckpttool.readers.deepspeed import reader as deepspeed
@@ -115,6 +116,8 @@ def _checkpoints_below(root: Path) -> list[tuple[Path, str]]:
         return []
     found = []
     for folder in folders[:SUBFOLDERS_LOOKED_AT]:
+        if accelerate.is_optimizer_folder(folder):  # optimizer state beside accelerate's model folder
+            continue
         for name, reader in READERS.items():
             try:
                 if reader.matches(folder):

@@ -23,6 +23,7 @@ from ckpttool.io.paths import inside, open_inside, read_inside
 from ckpttool.io.safe_pickle import Record, load_metadata_pickle
 from ckpttool.io.torch_save import locate
 from ckpttool.readers.validate import dims, expect, field, integer
+from ckpttool.readers import accelerate
 from ckpttool.readers.base import FormatReader
 
 NAME = "dcp"
@@ -34,13 +35,19 @@ NOT_MODEL = ("optim", "optimizer", "optimizers", "lr_scheduler", "lr_schedulers"
 
 
 def matches(root: Path) -> bool:
-    return (root / METADATA).is_file()
+    return (root / METADATA).is_file() or bool(accelerate.model_folders(root))
 
 
 def read(root: Path, model: ModelInfo | None, *, within: Path | None = None) -> Layout:
     """The layout of the DCP checkpoint in ``root``; ``within``: the source folder above ``root`` (a Megatron
-    iteration), inside which symlinks may lead (by default ``root``: no link out of it is followed)."""
+    iteration), inside which symlinks may lead (by default ``root``: no link out of it is followed). An
+    accelerate ``save_state`` folder (no ``.metadata`` of its own) is read through its model folder
+    (:mod:`.accelerate`)."""
     path = root / METADATA
+    if not path.is_file() and accelerate.model_folders(root):
+        folder = accelerate.the_model_folder(root)
+        layout = read(folder, model, within=root if within is None else within)
+        return replace(layout, notes=(accelerate.note(root, folder), *layout.notes))
     if not path.is_file():
         raise SourceNotFoundError(f"'{root}': no {METADATA} file")
     md = load_metadata_pickle(read_inside(root, METADATA, within=within), METADATA)
