@@ -101,7 +101,7 @@ def test_a_truncated_source_is_named_on_the_direct_path(tmp_path):
     plan = ckpttool.prepare(tmp_path / "src").plan
     target = next(t for t in plan.targets if t.name == "layers.9.w")
     piece = target.copies[0].piece
-    assert executor._direct(chunks(target, 0)[0]) == piece.byte_offset
+    assert executor.direct_offset(chunks(target, 0)[0]) == piece.byte_offset
     os.truncate(tmp_path / "src" / piece.file, piece.byte_offset + 4)
     with pytest.raises(SourceError) as excinfo:
         stream(plan, tmp_path / "out.safetensors", 1)
@@ -118,9 +118,9 @@ def test_only_a_target_copied_whole_in_its_own_dtype_is_direct():
     split = [n for n, t in same.items() if len(t.copies) > 1]
     whole = [n for n, t in same.items() if len(t.copies) == 1 and t.copies[0].dst.sizes == t.shape]
     assert split and whole
-    assert all(executor._direct(chunks(same[n], 0)[0]) is None for n in split)
-    assert all(executor._direct(chunks(same[n], 0)[0]) is not None for n in whole)
-    assert all(executor._direct(chunks(cast[n], 0)[0]) is None for n in whole)
+    assert all(executor.direct_offset(chunks(same[n], 0)[0]) is None for n in split)
+    assert all(executor.direct_offset(chunks(same[n], 0)[0]) is not None for n in whole)
+    assert all(executor.direct_offset(chunks(cast[n], 0)[0]) is None for n in whole)
 
 
 def test_a_small_tensor_is_one_chunk_and_a_larger_one_is_cut_as_before():

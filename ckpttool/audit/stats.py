@@ -16,7 +16,7 @@ from typing import Protocol, TypeVar
 
 from ckpttool.fast.deferred import torch
 from ckpttool.io.dtypes import torch_dtype
-from ckpttool.execute.executor import Chunk, Reader, _direct, buffer_sizes, build, chunks, piece_uses
+from ckpttool.execute.executor import Chunk, Reader, direct_offset, buffer_sizes, build, chunks, piece_uses
 from ckpttool.plan.plan import Plan, Target
 from ckpttool.findings import TensorStats
 
@@ -63,10 +63,10 @@ def fold(plan: Plan, start: Callable[[Target], Accumulator[R]], on_bytes: Callab
 
 def _read_direct(chunk: Chunk, reader: Reader) -> memoryview | None:
     """The bytes of a chunk that lies in its file as it is (the executor's direct chunks,
-    :func:`~ckpttool.execute.executor._direct`), read with one ``pread`` into the reader's buffer (valid until its
+    :func:`~ckpttool.execute.executor.direct_offset`), read with one ``pread`` into the reader's buffer (valid until its
     next read), without the region arithmetic of :func:`~ckpttool.execute.executor.build`: most of the cost of a
     small tensor. None for a chunk that must be built."""
-    at = _direct(chunk) if 0 < chunk.nbytes <= reader.run_bytes else None
+    at = direct_offset(chunk) if 0 < chunk.nbytes <= reader.run_bytes else None
     if at is None:
         return None
     view = reader.run_buffer(chunk.nbytes)

@@ -18,7 +18,7 @@ so it can be computed again from the file and its sources (:func:`file_digest`).
 Regions are read by a :class:`~ckpttool.execute.reads.Reader` and laid into a chunk with numpy's copy on the
 worker's own thread (:func:`_place`). A checkpoint of many small tensors costs per tensor, not per byte, so the
 threads take chunks in batches (:func:`_batches`, one task per few MiB instead of one per chunk), and a target
-that is one raw piece copied whole in its own dtype (:func:`_direct`) skips torch: its bytes are read straight
+that is one raw piece copied whole in its own dtype (:func:`direct_offset`) skips torch: its bytes are read straight
 into place in a run of such chunks, written with one ``pwrite`` (a run is at most the thread's read buffer, so
 the memory is as predicted). A large chunk whose bytes lie in its pieces' files as the output holds them (a
 dim-0 split in the output's dtype: each piece gives whole rows, one run of bytes) is copied file to file inside
@@ -236,7 +236,7 @@ def _read_rows(copies: Sequence[Copy], rows: Box, dtype: str, reader: Reader, bu
     return reader.read_scratch(buffer, rows.sizes, dtype, piece, piece.byte_offset + rows.offsets[0] * row)
 
 
-def _direct(chunk: Chunk) -> int | None:
+def direct_offset(chunk: Chunk) -> int | None:
     """Where a chunk's bytes start in its piece's file when they lie there as the output holds them (the
     target is one raw piece copied whole, in its own dtype); None when the chunk must be built."""
     target = chunk.target
@@ -319,10 +319,10 @@ def write_file(
                     i += 1
                     continue
                 # a run lives in the read buffer: it takes no more than predicted
-                starts = [_direct(batch[i]) if nbytes <= reader.run_bytes else None]
+                starts = [direct_offset(batch[i]) if nbytes <= reader.run_bytes else None]
                 while starts[0] is not None and i + len(starts) < len(batch):
                     after = batch[i + len(starts)]
-                    start = _direct(after) if nbytes + after.nbytes <= reader.run_bytes else None
+                    start = direct_offset(after) if nbytes + after.nbytes <= reader.run_bytes else None
                     if start is None or after.offset != batch[i].offset + nbytes:
                         break
                     starts.append(start)

@@ -87,7 +87,7 @@ class Reader:
 
     @property
     def run_bytes(self) -> int:
-        """The most bytes of direct chunks (see :func:`_direct`) one run may gather: the read buffer's predicted
+        """The most bytes of direct chunks (see :func:`direct_offset`) one run may gather: the read buffer's predicted
         size (0 when none was given, or nothing is read from files: then every chunk is built)."""
         return self._sizes.get("read", 0)
 

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, ClassVar
 from ckpttool.io import torch_save
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout, Padding, TensorLayout
-from ckpttool.errors import SourceError, UnsafePickleError
+from ckpttool.errors import LinkOutError, SourceError, UnsafePickleError
 from ckpttool.io.paths import inside, read_tag
 from ckpttool.io.pickle_bounds import EnumStandIn
 from ckpttool.io.safe_pickle import Record
@@ -68,6 +68,20 @@ def iteration_dir(root: Path) -> Path:
     if not path.is_dir():
         raise SourceError(f"'{TRACKER}' names iteration {text}, but '{name}/' is not in '{root}'")
     return path
+
+
+def matched_iteration(root: Path) -> Path | None:
+    """:func:`iteration_dir` for a reader's ``matches``: None where ``root`` holds no readable iteration.
+
+    Raises:
+        LinkOutError: the tracker names an iteration through a link out of the source (said, never skipped).
+    """
+    try:
+        return iteration_dir(root)
+    except LinkOutError:
+        raise
+    except SourceError:
+        return None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from pathlib import Path
 from ckpttool.io import jsonfile
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout
-from ckpttool.errors import LinkOutError, SourceError
+from ckpttool.errors import SourceError
 from ckpttool.io.paths import JSON_LIMIT, open_inside, read_inside
 from ckpttool.io.safe_pickle import Record
 from ckpttool.readers.validate import expect
@@ -45,11 +45,8 @@ COMMON = "common.pt"
 METADATA_JSON = "metadata.json"
 
 def matches(root: Path) -> bool:
-    try:
-        directory = megatron.iteration_dir(root)
-    except LinkOutError:  # the tracker names an iteration through a link out of the source: say so, never skip it
-        raise
-    except SourceError:
+    directory = megatron.matched_iteration(root)
+    if directory is None:
         return False
     try:
         return _backend(directory, root) == "torch_dist"

@@ -41,7 +41,7 @@ from ckpttool.model.architecture import ModelInfo
 from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import RAW, Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder
-from ckpttool.errors import LinkOutError, SourceError, SourceNotFoundError
+from ckpttool.errors import SourceError, SourceNotFoundError
 from ckpttool.io.paths import contained, open_inside
 from ckpttool.io.safe_pickle import Record
 from ckpttool.io.torch_save import StoredTensor
@@ -67,11 +67,8 @@ _ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
 def matches(root: Path) -> bool:
-    try:
-        directory = megatron.iteration_dir(root)
-    except LinkOutError:  # the tracker names an iteration through a link out of the source: say so, never skip it
-        raise
-    except SourceError:
+    directory = megatron.matched_iteration(root)
+    if directory is None:
         return False
     return any(_RANK_DIR.match(p.name) and (p / FILE).is_file() for p in _subdirs(directory))
 

@@ -16,7 +16,7 @@ from ckpttool.io.safe_pickle import record_class
 
 
 @dataclass(slots=True)
-class _Wrapper:
+class WrapperStandIn:
     """What ``torch._utils._rebuild_wrapper_subclass`` gives: the global dtype, size and stride."""
 
     dtype: Any
@@ -24,11 +24,11 @@ class _Wrapper:
     stride: tuple[int, ...]
 
 
-def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, *rest: Any) -> _Wrapper:
-    return _Wrapper(dtype, ints(size), ints(stride))
+def _rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, *rest: Any) -> WrapperStandIn:
+    return WrapperStandIn(dtype, ints(size), ints(stride))
 
 
-class _DTensor:
+class DTensorStandIn:
     """A DTensor as data: ``wrapper`` (global dtype/size), ``local`` (the rank's stored tensor), ``spec``."""
 
     def __init__(self, wrapper: Any, state: Any) -> None:
@@ -66,7 +66,7 @@ class _Args:
             self.__dict__.update(state)
 
 
-class _TensorMeta(_Args):
+class TensorMetaStandIn(_Args):
     fields = ("shape", "stride", "dtype")
 
 
@@ -92,11 +92,11 @@ def _allow() -> dict[tuple[str, str], Any]:
     # the modules DTensor classes were pickled under, across torch versions
     for module in ("torch.distributed.tensor", "torch.distributed.tensor._api", "torch.distributed._tensor.api",
                    "torch.distributed._tensor"):
-        allow[(module, "DTensor")] = _DTensor
+        allow[(module, "DTensor")] = DTensorStandIn
     for module in ("torch.distributed.tensor._dtensor_spec", "torch.distributed._tensor.placement_types",
                    "torch.distributed.tensor.placement_types"):
         allow[(module, "DTensorSpec")] = _Spec
-        allow[(module, "TensorMeta")] = _TensorMeta
+        allow[(module, "TensorMeta")] = TensorMetaStandIn
         allow[(module, "ShardOrderEntry")] = _ShardOrderEntry
     for module in ("torch.distributed.tensor.placement_types", "torch.distributed._tensor.placement_types"):
         allow[(module, "Shard")] = _Shard

@@ -1,7 +1,7 @@
 """One rank file's tensors as data: the device mesh, the placements and the checks of a DTensor entry.
 
-:func:`_entry` turns one value of a rank's state dict (a :class:`~ckpttool.readers.verl.classes._DTensor` stand-in
-or a plain stored tensor) into an :class:`_Entry`: its local stored tensor, global shape and dtype, the
+:func:`read_entry` turns one value of a rank's state dict (a :class:`~ckpttool.readers.verl.classes.DTensorStandIn` stand-in
+or a plain stored tensor) into an :class:`Entry`: its local stored tensor, global shape and dtype, the
 :class:`Mesh` it lives on (read from the mesh's rank tensor in the file) and its placements, each checked against
 the others before any region is computed.
 """
@@ -20,7 +20,7 @@ from ckpttool.layout.placements import Placement
 from ckpttool.io.safe_pickle import Record
 from ckpttool.io.torch_save import StoredTensor
 from ckpttool.readers.validate import dims, expect, field, integer, malformed, shown
-from ckpttool.readers.verl.classes import _DTensor, _TensorMeta, _Wrapper
+from ckpttool.readers.verl.classes import DTensorStandIn, TensorMetaStandIn, WrapperStandIn
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +120,7 @@ def _placements(raw: Any, label: str, fqn: str) -> tuple[Placement, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class _Entry:
+class Entry:
     """One tensor in one rank's file."""
 
     rank: int
@@ -133,19 +133,19 @@ class _Entry:
     order: tuple[tuple[int, tuple[int, ...]], ...] | None = None
 
 
-def _describe(e: _Entry) -> str:
+def describe(e: Entry) -> str:
     if e.mesh is None:
         return "a plain tensor"
     return f"mesh {list(e.mesh.shape)} placements ({', '.join(str(p) for p in e.placements)})"
 
 
-def _entry(fqn: str, value: Any, rank: int, name: str, f: BinaryIO, meshes: dict[int, Mesh]) -> _Entry | None:
+def read_entry(fqn: str, value: Any, rank: int, name: str, f: BinaryIO, meshes: dict[int, Mesh]) -> Entry | None:
     if isinstance(value, StoredTensor):
-        return _Entry(rank, name, value, value.shape, value.dtype, None, ())
-    if not isinstance(value, _DTensor):
+        return Entry(rank, name, value, value.shape, value.dtype, None, ())
+    if not isinstance(value, DTensorStandIn):
         return None  # not a tensor (an extra state): nothing to merge
     local, spec, wrapper = value.local, value.spec, value.wrapper
-    if not isinstance(local, StoredTensor) or not isinstance(spec, Record) or not isinstance(wrapper, _Wrapper):
+    if not isinstance(local, StoredTensor) or not isinstance(spec, Record) or not isinstance(wrapper, WrapperStandIn):
         raise SourceError(f"'{name}': '{fqn}' is a DTensor without a local tensor or spec")
     try:
         dtype = dtype_name(wrapper.dtype)
@@ -154,7 +154,7 @@ def _entry(fqn: str, value: Any, rank: int, name: str, f: BinaryIO, meshes: dict
     if dtype != local.dtype:
         raise SourceError(f"'{name}': '{fqn}' is a {dtype} DTensor whose local tensor is {local.dtype}")
     meta = spec.get("tensor_meta")
-    meta_shape = getattr(meta, "shape", wrapper.size) if isinstance(meta, _TensorMeta) else wrapper.size
+    meta_shape = getattr(meta, "shape", wrapper.size) if isinstance(meta, TensorMetaStandIn) else wrapper.size
     if not isinstance(meta_shape, (tuple, list)) or tuple(meta_shape) != wrapper.size:
         other = list(meta_shape) if isinstance(meta_shape, (tuple, list)) else shown(meta_shape)
         raise SourceError(f"'{name}': '{fqn}' records two global shapes: {list(wrapper.size)} and {other}")
@@ -191,7 +191,7 @@ def _entry(fqn: str, value: Any, rank: int, name: str, f: BinaryIO, meshes: dict
     if isinstance(recorded, (tuple, list)) and tuple(recorded) != coord:
         raise SourceError(f"'{name}': '{fqn}': rank {rank} sits at {list(coord)} in the mesh's rank tensor, but the "
                           f"mesh records coordinate {list(recorded)}; was the file renamed?")
-    return _Entry(rank, name, local, wrapper.size, dtype, mesh, placements, order)
+    return Entry(rank, name, local, wrapper.size, dtype, mesh, placements, order)
 
 
 def _shard_order(raw: Any, name: str, fqn: str) -> tuple[tuple[int, tuple[int, ...]], ...] | None:

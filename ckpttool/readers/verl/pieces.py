@@ -12,10 +12,10 @@ from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import RAW, Piece, c_strides
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.layout.placements import Range, local_ranges, local_shape, range_pieces
-from ckpttool.readers.verl.entries import _Entry
+from ckpttool.readers.verl.entries import Entry
 
 
-def _add_pieces(builder: LayoutBuilder, fqn: str, found: list[_Entry], world: int, files: dict[int, str]) -> None:
+def add_pieces(builder: LayoutBuilder, fqn: str, found: list[Entry], world: int, files: dict[int, str]) -> None:
     """One copy of every region: for each group of replicas, the lowest present rank; absent regions of
     missing rank files recorded so the coverage error names them."""
     first = found[0]
@@ -60,7 +60,7 @@ def _add_pieces(builder: LayoutBuilder, fqn: str, found: list[_Entry], world: in
             )
         else:
             name = f"model_world_size_{world}_rank_{rank}.pt"
-            ghost = _Entry(rank, name, first.local, first.global_shape, first.dtype, mesh, placements)
+            ghost = Entry(rank, name, first.local, first.global_shape, first.dtype, mesh, placements)
             _emit(builder, fqn, ghost, ranges, present=False)
 
 
@@ -69,7 +69,7 @@ def _region(ranges: list[list[Range]], shape: tuple[int, ...]) -> str:
     return ", ".join(b.describe(shape) for b in boxes[:4]) + (" ..." if len(boxes) > 4 else "") if boxes else "nothing"
 
 
-def _emit(builder: LayoutBuilder, fqn: str, e: _Entry, ranges: list[list[Range]], *, present: bool) -> None:
+def _emit(builder: LayoutBuilder, fqn: str, e: Entry, ranges: list[list[Range]], *, present: bool) -> None:
     size = itemsize(e.dtype)
     base = e.local.byte_offset() if present else 0
     if present and base is None and e.local.numel:

@@ -44,12 +44,12 @@ from ckpttool.io.torch_save import scan
 from ckpttool.readers.base import FormatReader
 from ckpttool.readers.verl.entries import (
     Mesh,
-    _describe,
-    _Entry,
-    _entry,
+    describe,
+    Entry,
+    read_entry,
 )
 from ckpttool.readers.verl.classes import ALLOW
-from ckpttool.readers.verl.pieces import _add_pieces
+from ckpttool.readers.verl.pieces import add_pieces
 
 __all__ = ["ALLOW", "FSDP_CONFIG", "LOOKS_FOR", "NAME", "RANK_FILE", "READER", "matches", "rank_files", "read"]
 
@@ -93,7 +93,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     world, files = rank_files(root)
     _check_fsdp_config(root, world, files)
     builder = LayoutBuilder(str(root), NAME)
-    entries: dict[str, list[_Entry]] = {}
+    entries: dict[str, list[Entry]] = {}
     plain = 0
     for rank, name in sorted(files.items()):
         with open_inside(root, name) as f:
@@ -102,7 +102,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                 raise SourceError(f"'{name}': not a state dict (a {type(state).__name__})")
             meshes: dict[int, Mesh] = {}
             for fqn, value in state.items():
-                entry = _entry(str(fqn), value, rank, name, f, meshes)
+                entry = read_entry(str(fqn), value, rank, name, f, meshes)
                 if entry is None:
                     continue
                 plain += entry.mesh is None
@@ -117,8 +117,8 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
             builder.declare(fqn, e.global_shape, e.dtype, where=f"'{e.file}'")
             if (e.mesh is None) != (first.mesh is None) or (e.mesh and (e.mesh.shape, e.placements, e.order) != (first.mesh.shape, first.placements, first.order)):
                 builder.problem(
-                    f"'{fqn}': ranks disagree on the placement: {_describe(first)} in '{first.file}' but "
-                    f"{_describe(e)} in '{e.file}'"
+                    f"'{fqn}': ranks disagree on the placement: {describe(first)} in '{first.file}' but "
+                    f"{describe(e)} in '{e.file}'"
                 )
         if first.mesh is not None:
             if math.prod(first.mesh.shape) > math.prod(parallel.values() or [0]):  # the largest mesh: the job's
@@ -126,7 +126,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                             enumerate(itertools.zip_longest(first.mesh.names, first.mesh.shape, fillvalue=""))}
             if len(set(first.mesh.ranks)) != math.prod(first.mesh.shape):
                 builder.problem(f"'{fqn}': the device mesh in '{first.file}' repeats ranks: {first.mesh.ranks}")
-        _add_pieces(builder, fqn, found, world, files)
+        add_pieces(builder, fqn, found, world, files)
     if builder.has_problems:
         return builder.build()
     meshes_seen = {e.mesh.ranks for found in entries.values() for e in found if e.mesh is not None}
