@@ -165,7 +165,7 @@ def tool(tree: Path | None) -> list[str]:
 
 
 #: what every merge imports before it reads a byte: the start-up the goals are stated net of
-STARTUP = "import torch, safetensors, huggingface_hub, ckpttool.cli, ckpttool.merge, ckpttool.execute.executor"
+STARTUP = "import torch, safetensors, huggingface_hub, ckpttool.cli, ckpttool.commands.merge, ckpttool.execute.executor"
 
 
 def main() -> None:

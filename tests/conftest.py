@@ -101,3 +101,16 @@ def cli():
         return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
 
     return invoke
+
+
+def interrupt_after(nbytes: int):
+    """A merge progress callback that raises KeyboardInterrupt once ``nbytes`` are written (a Ctrl-C mid-merge)."""
+    done = 0
+
+    def progress(written: int, total: int) -> None:
+        nonlocal done
+        done += written
+        if done >= nbytes:
+            raise KeyboardInterrupt
+
+    return progress

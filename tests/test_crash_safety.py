@@ -22,7 +22,7 @@ import ckpttool
 import ckpttool.execute.executor
 from ckpttool.errors import OutputError
 from ckpttool.writers.hf import journal_name
-from conftest import fixture_dir, load_output
+from conftest import fixture_dir, interrupt_after, load_output
 
 FIXTURE = "llama_tp2_dcp"
 SHARD = "60KB"  # several output files, so a resume has something to keep
@@ -93,7 +93,7 @@ def test_sigkill_at_random_points_never_publishes_a_partial_checkpoint(tmp_path)
 def test_resume_rechecks_and_rewrites_a_damaged_file(tmp_path):
     src, out = fixture_dir(FIXTURE) / "checkpoint", tmp_path / "hf"
     with pytest.raises(KeyboardInterrupt):
-        ckpttool.merge(src, out, max_shard_size=SHARD, progress=_interrupt_after(260_000))
+        ckpttool.merge(src, out, max_shard_size=SHARD, progress=interrupt_after(260_000))
     [staging] = staging_dirs(out)  # Ctrl-C keeps the journaled staging directory for --resume
     finished = sorted(json.loads((staging / journal_name(0)).read_text())["files"])
     assert len(finished) >= 2
@@ -109,7 +109,7 @@ def test_resume_rechecks_and_rewrites_a_damaged_file(tmp_path):
 def test_resume_publishes_nothing_the_journal_does_not_hold(tmp_path):
     src, out = fixture_dir(FIXTURE) / "checkpoint", tmp_path / "hf"
     with pytest.raises(KeyboardInterrupt):
-        ckpttool.merge(src, out, max_shard_size=SHARD, progress=_interrupt_after(260_000))
+        ckpttool.merge(src, out, max_shard_size=SHARD, progress=interrupt_after(260_000))
     [staging] = staging_dirs(out)
     (staging / "ckpttool-audit.json").write_text('{"stale": true}')  # as if killed just before the publish
     (staging / "model-00004-of-00004.safetensors").write_bytes(b"half")
@@ -121,7 +121,7 @@ def test_resume_publishes_nothing_the_journal_does_not_hold(tmp_path):
 def test_journal_of_another_plan_is_not_used(tmp_path):
     src, out = fixture_dir(FIXTURE) / "checkpoint", tmp_path / "hf"
     with pytest.raises(KeyboardInterrupt):
-        ckpttool.merge(src, out, max_shard_size=SHARD, progress=_interrupt_after(260_000))
+        ckpttool.merge(src, out, max_shard_size=SHARD, progress=interrupt_after(260_000))
     result = ckpttool.merge(src, out, max_shard_size="100KB", resume=True)  # another split: another plan
     assert result.kept_files == 0
     assert sorted(p.name for p in out.glob("*.safetensors")) == [f.name for f in result.files]
@@ -131,7 +131,7 @@ def test_journal_of_another_plan_is_not_used(tmp_path):
 def test_cli_resume_reports_the_kept_files(cli, tmp_path):
     src, out = fixture_dir(FIXTURE) / "checkpoint", tmp_path / "hf"
     with pytest.raises(KeyboardInterrupt):
-        ckpttool.merge(src, out, max_shard_size=SHARD, progress=_interrupt_after(260_000))
+        ckpttool.merge(src, out, max_shard_size=SHARD, progress=interrupt_after(260_000))
     kept = len(json.loads((staging_dirs(out)[0] / journal_name(0)).read_text())["files"])
     result = cli("merge", src, out, "--max-shard-size", SHARD, "--resume")
     assert result.exit_code == 0, result.output
@@ -141,21 +141,9 @@ def test_cli_resume_reports_the_kept_files(cli, tmp_path):
 def test_a_run_without_resume_starts_over(tmp_path):
     src, out = fixture_dir(FIXTURE) / "checkpoint", tmp_path / "hf"
     with pytest.raises(KeyboardInterrupt):
-        ckpttool.merge(src, out, max_shard_size=SHARD, progress=_interrupt_after(260_000))
+        ckpttool.merge(src, out, max_shard_size=SHARD, progress=interrupt_after(260_000))
     assert ckpttool.merge(src, out, max_shard_size=SHARD).kept_files == 0
     assert staging_dirs(out) == []
-
-
-def _interrupt_after(nbytes: int):
-    done = 0
-
-    def progress(written: int, total: int) -> None:
-        nonlocal done
-        done += written
-        if done >= nbytes:
-            raise KeyboardInterrupt
-
-    return progress
 
 
 # ------------------------------------------------------------------------------------------------ verify

@@ -20,29 +20,17 @@ import ckpttool.cli
 from ckpttool.errors import Interrupted
 from ckpttool.execute.executor import write_file
 from ckpttool.writers.hf import journal_name, write_text
-from conftest import fixture_dir, load_output, tree_digest
+from conftest import fixture_dir, interrupt_after, load_output, tree_digest
 
 SRC = fixture_dir("llama_tp2_dcp") / "checkpoint"
 SHARD = "60KB"  # four output files, so an interrupted merge has finished some
 PRECIOUS = b"a file outside the output, never to be written\n"
 
 
-def _interrupt_after(nbytes: int):
-    done = 0
-
-    def progress(written: int, total: int) -> None:
-        nonlocal done
-        done += written
-        if done >= nbytes:
-            raise KeyboardInterrupt
-
-    return progress
-
-
 def interrupted(out: Path) -> tuple[Path, list[str]]:
     """Merge into ``out`` until Ctrl-C; the staging directory kept for --resume and the files its journal holds."""
     with pytest.raises(KeyboardInterrupt):
-        ckpttool.merge(SRC, out, max_shard_size=SHARD, progress=_interrupt_after(260_000))
+        ckpttool.merge(SRC, out, max_shard_size=SHARD, progress=interrupt_after(260_000))
     [staging] = staging_dirs(out)
     finished = sorted(json.loads((staging / journal_name(0)).read_text())["files"])
     assert len(finished) >= 2
@@ -305,5 +293,5 @@ def test_ctrl_c_after_finished_files_names_the_staging_directory_kept(cli, tmp_p
 def test_the_api_says_what_it_kept(tmp_path):
     out = tmp_path / "hf"
     with pytest.raises(Interrupted) as excinfo:
-        ckpttool.merge(SRC, out, max_shard_size=SHARD, progress=_interrupt_after(260_000))
+        ckpttool.merge(SRC, out, max_shard_size=SHARD, progress=interrupt_after(260_000))
     assert excinfo.value.kept == str(staging_dirs(out)[0])
