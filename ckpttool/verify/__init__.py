@@ -7,6 +7,10 @@ largest difference relative to the reference's logit scale, the least cosine sim
 largest KL divergence per position, against a tolerance that follows the dtypes compared (float32 against
 float32 is near-exact; a bfloat16 copy of a float32 model differs by its rounding, well below what a
 permutation moves). Top-1 agreement is reported and checked, never the only test.
+
+This package is the check: the forward (:mod:`.forward`), the configs refused before it (:mod:`.guard`), the input
+(:mod:`.prompt`), the tolerances and the comparison (here). The ``verify`` command that runs it, paths first and a
+sharded reference merged, is :func:`ckpttool.commands.verify.verify` (``ckpttool.verify()``).
 """
 
 from __future__ import annotations
