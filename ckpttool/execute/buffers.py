@@ -33,28 +33,30 @@ class Chunk:
     nbytes: int
 
 
-def _rows(chunk: Chunk) -> Box:
-    return _row_box(chunk.target.shape, chunk.start, chunk.stop)
+def chunk_rows(chunk: Chunk) -> Box:
+    """The box of its target that ``chunk`` writes: rows ``start..stop``, every other dim whole."""
+    return row_box(chunk.target.shape, chunk.start, chunk.stop)
 
 
-def _row_box(shape: tuple[int, ...], start: int, stop: int) -> Box:
+def row_box(shape: tuple[int, ...], start: int, stop: int) -> Box:
+    """Rows ``start..stop`` of a tensor of ``shape`` as a box (the empty box of a scalar)."""
     if not shape:
         return Box((), ())
     return Box((start, *(0 for _ in shape[1:])), (stop - start, *shape[1:]))
 
 
-def _inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
+def chunk_inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
     """The copies a chunk reads and the box of their tensor it needs: the target's rows, or for a dequantized
     target the stored rows and the scale rows."""
     target, dq, scale = chunk.target, chunk.target.dequant, chunk.target.scale
     if dq is None:
-        return [(target.copies, _rows(chunk))]
+        return [(target.copies, chunk_rows(chunk))]
     compute = codec(dq.method, dq.params)
-    stored = [(target.copies, _row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop)))]
+    stored = [(target.copies, row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop)))]
     if scale is None:
         return stored
     lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
-    return [*stored, (scale.copies, _row_box(scale.shape, lo, hi))]
+    return [*stored, (scale.copies, row_box(scale.shape, lo, hi))]
 
 
 def buffer_sizes(chunk_list: Sequence[Chunk], cache: bool = True) -> dict[str, int]:
@@ -104,7 +106,7 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
     sizes: dict[str, int] = {}
     if target.dtype != target.source_dtype:
         sizes["cast"] = chunk.nbytes
-    inputs = _inputs(chunk)
+    inputs = chunk_inputs(chunk)
     for (copies, rows), buffer in zip(inputs, ("chunk", "scale")):
         dtype = target.source_dtype if buffer == "chunk" else target.scale.source_dtype  # type: ignore[union-attr]
         sizes[buffer] = max(sizes.get(buffer, 0), rows.numel * itemsize(dtype))
@@ -125,7 +127,7 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
     return sizes
 
 
-def _targets(chunk_list: Sequence[Chunk]) -> list[Target]:
+def chunk_targets(chunk_list: Sequence[Chunk]) -> list[Target]:
     """The targets of ``chunk_list``, each once (a target's chunks come one after another)."""
     found: list[Target] = []
     for chunk in chunk_list:
@@ -135,7 +137,7 @@ def _targets(chunk_list: Sequence[Chunk]) -> list[Target]:
 
 
 def _read_copies(target: Target) -> tuple[tuple[Copy, ...], ...]:
-    """The copies the chunks of ``target`` read, whatever their rows (see :func:`_inputs`)."""
+    """The copies the chunks of ``target`` read, whatever their rows (see :func:`chunk_inputs`)."""
     if target.dequant is None or target.scale is None:
         return (target.copies,)
     return (target.copies, target.scale.copies)
@@ -167,7 +169,7 @@ def predict_peak_bytes(chunk_list: Sequence[Chunk], workers: int = 1) -> int:
     (allocated once, at that size); plus whole ``torch.save`` pieces kept for later chunks (at most the
     loader's cache and one piece per thread)."""
     archives = {c.piece: math.prod(c.piece.box.sizes) * itemsize(c.piece.dtype)
-                for target in _targets(chunk_list) for copies in _read_copies(target) for c in copies
+                for target in chunk_targets(chunk_list) for copies in _read_copies(target) for c in copies
                 if c.piece.encoding != RAW}
     kept = min(sum(archives.values()), CACHE_BYTES) + workers * max(archives.values(), default=0)
     return workers * sum(buffer_sizes(chunk_list).values()) + kept + OVERHEAD_BYTES

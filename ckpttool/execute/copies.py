@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
 from ckpttool.io.dtypes import itemsize
-from ckpttool.execute.buffers import Chunk, _rows
+from ckpttool.execute.buffers import Chunk, chunk_rows
 from ckpttool.layout.layout import RAW, Piece, c_strides
 from ckpttool.execute.reads import Reader
 from ckpttool.layout.regions import map_region
@@ -35,7 +35,7 @@ def copied(chunk: Chunk) -> tuple[Span, ...] | None:
     target = chunk.target
     if chunk.nbytes < COPY_BYTES or target.dequant is not None or target.dtype != target.source_dtype or not target.shape:
         return None
-    rows, size = _rows(chunk), itemsize(target.dtype)
+    rows, size = chunk_rows(chunk), itemsize(target.dtype)
     out_strides = c_strides(rows.sizes)
     spans: list[Span] = []
     covered = 0

@@ -43,7 +43,8 @@ from ckpttool.io.dtypes import itemsize
 from ckpttool.errors import SourceError
 from ckpttool.quant.codecs import codec
 from ckpttool.quant.decode import BadScale
-from ckpttool.execute.buffers import Chunk, _inputs, _row_box, _rows, _targets, buffer_sizes, predict_peak_bytes
+from ckpttool.execute.buffers import (Chunk, buffer_sizes, chunk_inputs, chunk_rows, chunk_targets, predict_peak_bytes,
+                                      row_box)
 from ckpttool.execute import copies as file_copies
 from ckpttool.execute.copies import copied, copy_chunk, write_all
 from ckpttool.execute.digest import COPIED, FromSource, crc_token, recheck, running
@@ -107,7 +108,7 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
     """How many chunks read each piece of ``torch.save`` bytes (kept loaded until its last one); pieces of raw
     bytes, read in place, are not counted."""
     uses: Counter[Piece] = Counter()
-    if all(c.piece.encoding == RAW for t in _targets(chunk_list) for c in _every_copy(t)):
+    if all(c.piece.encoding == RAW for t in chunk_targets(chunk_list) for c in _every_copy(t)):
         return uses  # the common case, told in one pass over the targets: every piece is raw bytes
     archived: dict[int, bool] = {}  # by the target's id: hashing a target hashes all its copies
     for chunk in chunk_list:
@@ -117,7 +118,7 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
             every = (*target.copies, *(target.scale.copies if target.scale is not None else ()))
             found = archived[id(target)] = any(c.piece.encoding != RAW for c in every)
         if found:
-            for copies, rows in _inputs(chunk):
+            for copies, rows in chunk_inputs(chunk):
                 uses.update(c.piece for c in copies if c.piece.encoding != RAW and c.dst.intersect(rows) is not None)
     return uses
 
@@ -137,7 +138,7 @@ def build(chunk: Chunk, reader: Reader, *, check_scales: bool = True) -> torch.T
     target = chunk.target
     if target.dequant is not None:
         return _dequantize(chunk, reader, check_scales)
-    out = _gather(target.copies, _rows(chunk), target.source_dtype, reader, "chunk")
+    out = _gather(target.copies, chunk_rows(chunk), target.source_dtype, reader, "chunk")
     if target.dtype != target.source_dtype:
         out = reader.scratch("cast", tuple(out.shape), target.dtype).copy_(out)
     return out
@@ -194,17 +195,17 @@ def _dequantize(chunk: Chunk, reader: Reader, check_scales: bool = True) -> torc
     scales = None
     if scale is not None:  # a decoder's scales
         lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
-        rows = _row_box(scale.shape, lo, hi)
+        rows = row_box(scale.shape, lo, hi)
         scales = _read_rows(scale.copies, rows, scale.source_dtype, reader, "scale")
         if scales is None:
             scales = _gather(scale.copies, rows, scale.source_dtype, reader, "scale", view=False)
         if check_scales:
             _refuse_bad_scale(chunk, rows, compute.bad_scale(scales, chunk.start, dq.stored))  # type: ignore[union-attr]
-    rows = _row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop))
+    rows = row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop))
     stored = _read_rows(target.copies, rows, target.source_dtype, reader, "chunk")
     if stored is None:
         stored = _gather(target.copies, rows, target.source_dtype, reader, "chunk")
-    out = reader.scratch("cast", _rows(chunk).sizes, target.dtype)
+    out = reader.scratch("cast", chunk_rows(chunk).sizes, target.dtype)
     measured = compute.decode(stored, scales, chunk.start, out, reader.scratch)  # type: ignore[arg-type]
     if measured is not None:
         reader.record(target.name, measured)
