@@ -46,9 +46,12 @@ def row_box(shape: tuple[int, ...], start: int, stop: int) -> Box:
 
 
 def chunk_inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
-    """The copies a chunk reads and the box of their tensor it needs: the target's rows, or for a dequantized
-    target the stored rows and the scale rows."""
+    """The copies a chunk reads and the box of their tensor it needs: the target's rows, for a transformed
+    target the rows of its pre tensor the transform names, or for a dequantized target the stored rows and the
+    scale rows."""
     target, dq, scale = chunk.target, chunk.target.dequant, chunk.target.scale
+    if target.transform is not None:
+        return [(target.copies, transformed_rows(chunk))]
     if dq is None:
         return [(target.copies, chunk_rows(chunk))]
     compute = codec(dq.method, dq.params)
@@ -59,10 +62,20 @@ def chunk_inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
     return [*stored, (scale.copies, row_box(scale.shape, lo, hi))]
 
 
+def transformed_rows(chunk: Chunk) -> Box:
+    """The rows of a transformed target's pre tensor its chunk is made of (see
+    :meth:`~ckpttool.plan.transforms.Permute.pre_rows`)."""
+    target = chunk.target
+    transform = target.transform
+    assert transform is not None
+    return row_box(target.filled_shape, *transform.pre_rows(target.shape, chunk.start, chunk.stop))
+
+
 def buffer_sizes(chunk_list: Sequence[Chunk], cache: bool = True) -> dict[str, int]:
     """The largest each per-thread buffer gets over ``chunk_list``: ``read`` (one region of a piece),
     ``chunk`` (a chunk in the source dtype) and ``cast`` (a chunk in the output dtype); for a dequantized
-    target also ``scale`` (its scale rows) and the decoder's own (:meth:`scratch_bytes`). With ``cache``,
+    target also ``scale`` (its scale rows) and the decoder's own (:meth:`scratch_bytes`); for a transformed
+    target ``chunk`` holds the pre rows, and the transform's own buffers (``transform``...) the chunk computed. With ``cache``,
     chunks of the same signature (:func:`_signature`) are sized once; the result is the same."""
     sizes = {"read": 0, "chunk": 0, "cast": 0}
     seen: dict[tuple, dict[str, int]] = {}
@@ -92,7 +105,7 @@ def _signature(target: Target) -> tuple:
     dq, scale = target.dequant, target.scale
     return (target.shape, target.dtype, target.source_dtype, tuple(map(_copy_signature, target.copies)),
             None if dq is None else (dq.method, dq.params, dq.stored),
-            None if scale is None else _signature(scale))
+            None if scale is None else _signature(scale), target.transform)
 
 
 def _copy_signature(c: Copy) -> tuple:
@@ -119,6 +132,10 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
             strides = c_strides(copy.piece.box.sizes)
             span = sum((s - 1) * st for s, st in zip(box.sizes, strides)) + 1
             sizes["read"] = max(sizes.get("read", 0), span * itemsize(copy.piece.dtype))
+    if target.transform is not None:
+        extra = target.transform.scratch_bytes(target.shape, chunk.start, chunk.stop, itemsize(target.source_dtype))
+        for name, n in extra.items():
+            sizes[name] = max(sizes.get(name, 0), n)
     if target.dequant is not None:
         extra = codec(target.dequant.method, target.dequant.params).scratch_bytes(
             inputs[0][1].sizes, inputs[1][1].sizes if len(inputs) > 1 else None, target.dtype)  # type: ignore[arg-type]
@@ -152,7 +169,7 @@ def distinct_targets(targets: Iterable[Target]) -> list[Target]:
     found: list[Target] = []
     for target in targets:
         copies = target.copies
-        if len(copies) == 1 and target.dequant is None and target.scale is None:
+        if len(copies) == 1 and target.dequant is None and target.scale is None and target.transform is None:
             copy = copies[0]
             box, piece = copy.src, copy.piece
             if box is copy.dst and box is piece.box and piece.encoding == RAW:  # the boxes of a whole copy are one

@@ -31,9 +31,10 @@ Span = tuple[Piece, int, int, int]
 def copied(chunk: Chunk) -> tuple[Span, ...] | None:
     """How a chunk of at least :data:`COPY_BYTES` is copied from its pieces' files: one :data:`Span` per copy
     meeting its rows, in no particular order; None when it is smaller, or some part of it must be built (a
-    conversion, bytes spread over several runs on either side, rows no copy fills, a piece of no raw bytes)."""
+    conversion, a transform, bytes spread over several runs on either side, rows no copy fills, a piece of no raw bytes)."""
     target = chunk.target
-    if chunk.nbytes < COPY_BYTES or target.dequant is not None or target.dtype != target.source_dtype or not target.shape:
+    if (chunk.nbytes < COPY_BYTES or target.dequant is not None or target.transform is not None
+            or target.dtype != target.source_dtype or not target.shape):
         return None
     rows, size = chunk_rows(chunk), itemsize(target.dtype)
     out_strides = c_strides(rows.sizes)

@@ -44,7 +44,7 @@ from ckpttool.errors import SourceError
 from ckpttool.quant.codecs import codec
 from ckpttool.quant.decode import BadScale
 from ckpttool.execute.buffers import (Chunk, buffer_sizes, chunk_inputs, chunk_rows, chunk_targets, predict_peak_bytes,
-                                      row_box)
+                                      row_box, transformed_rows)
 from ckpttool.execute import copies as file_copies
 from ckpttool.execute.copies import copied, copy_chunk, write_all
 from ckpttool.execute.digest import COPIED, FromSource, crc_token, recheck, running
@@ -76,6 +76,8 @@ def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: in
     per = rows or (max(1, chunk_bytes // _compute_row_bytes(target, row)) if row else max(1, shape[0]))
     if target.dequant is not None:  # a computed target: chunks of whole rows of blocks where it needs them
         per = codec(target.dequant.method, target.dequant.params).align(per)
+    if target.transform is not None:  # whole blocks of a row permutation; everything when dim 0 is transposed
+        per = target.transform.align(target.shape, per)
     return [
         Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
         for a in range(0, shape[0], per)
@@ -138,7 +140,11 @@ def build(chunk: Chunk, reader: Reader, *, check_scales: bool = True) -> torch.T
     target = chunk.target
     if target.dequant is not None:
         return _dequantize(chunk, reader, check_scales)
-    out = _gather(target.copies, chunk_rows(chunk), target.source_dtype, reader, "chunk")
+    if target.transform is not None:  # the pre rows it names, gathered as any rows are, then its map
+        pre = _gather(target.copies, transformed_rows(chunk), target.source_dtype, reader, "chunk")
+        out = target.transform.apply(pre, target.shape, chunk.start, chunk.stop, target.source_dtype, reader.scratch)
+    else:
+        out = _gather(target.copies, chunk_rows(chunk), target.source_dtype, reader, "chunk")
     if target.dtype != target.source_dtype:
         out = reader.scratch("cast", tuple(out.shape), target.dtype).copy_(out)
     return out
@@ -241,7 +247,7 @@ def direct_offset(chunk: Chunk) -> int | None:
     """Where a chunk's bytes start in its piece's file when they lie there as the output holds them (the
     target is one raw piece copied whole, in its own dtype); None when the chunk must be built."""
     target = chunk.target
-    whole = target.dequant is None and target.dtype == target.source_dtype
+    whole = target.dequant is None and target.transform is None and target.dtype == target.source_dtype
     piece = _whole_piece(target.copies, target.shape, target.dtype) if whole else None
     if piece is None:
         return None
