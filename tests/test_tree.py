@@ -15,14 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ckpttool"
 #: private names still imported across modules, each to be made public by the developer who owns the module named:
 #: (importing module, imported module, name). Empty it as those renames are merged (an entry no longer imported
 #: excuses nothing, so a stale one does not fail the test).
-ALLOWED: set[tuple[str, str, str]] = {
-    # ckpttool/execute/ is the transform developer's: buffers' names are renamed there
-    ("ckpttool.execute.copies", "ckpttool.execute.buffers", "_rows"),
-    ("ckpttool.execute.executor", "ckpttool.execute.buffers", "_inputs"),
-    ("ckpttool.execute.executor", "ckpttool.execute.buffers", "_row_box"),
-    ("ckpttool.execute.executor", "ckpttool.execute.buffers", "_rows"),
-    ("ckpttool.execute.executor", "ckpttool.execute.buffers", "_targets"),
-}
+ALLOWED: set[tuple[str, str, str]] = set()  # none: every name shared across modules is public
 
 
 def _module_name(path: Path) -> str:
