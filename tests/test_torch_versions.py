@@ -83,7 +83,8 @@ def test_audit_passes(name):
 
 @pytest.mark.parametrize("minor", RELEASES)
 def test_fsdp2_and_tp_layouts_of_one_release_diff_equal(cli, minor):
-    fsdp2, tp = (fixture_dir(f"torch_v2_{minor}_{case}") / "checkpoint" for case in ("llama_fsdp2_dcp", "llama_tp2_dcp"))
+    fsdp2, tp = (fixture_dir(f"torch_v2_{minor}_{case}") / "checkpoint"
+                 for case in ("llama_fsdp2_dcp", "llama_tp2_dcp"))
     assert ckpttool.diff(fsdp2, tp, config=fsdp2 / "config.json").equal
     result = cli("diff", fsdp2, tp, "--config", fsdp2 / "config.json")
     assert result.exit_code == 0, result.output
@@ -242,3 +243,65 @@ def test_a_transformers_4_config_merges_audits_and_verifies(rope_source, tmp_pat
     ids = torch.arange(1, 33).reshape(1, 32) % 96
     with torch.no_grad():
         assert not torch.equal(ours(ids).logits, plain(ids).logits)
+
+
+# ------------------------------------------------ accelerate save_state with FULL_STATE_DICT: the model whole
+
+FULL = "hf_accelerate_fsdp2_full"
+
+
+def test_a_full_state_dict_save_state_merges_the_whole_model_file_alone(cli, tmp_path):
+    """accelerate 1.15's save_state with FSDP2 FULL_STATE_DICT: pytorch_model_fsdp.bin beside optimizer.bin and
+    the RNG pickles, both made unreadable in a copy: merged bit for bit with a note, neither is opened."""
+    from transformers import AutoModelForCausalLM
+
+    assert "FULL_STATE_DICT" in _producer(FULL)["producer"]
+    src = tmp_path / "checkpoint"
+    shutil.copytree(fixture_dir(FULL) / "checkpoint", src)
+    assert ckpttool.detect_format(src) == "hf"
+    for path in [src / "optimizer.bin", *src.glob("random_states_*.pkl")]:
+        path.write_bytes(b"\x80\x04 not a pickle: reading this fails")
+        path.chmod(0)
+    out = tmp_path / "out"
+    result = cli("merge", src, out)
+    assert result.exit_code == 0, result.output
+    assert (f"note: merged 'pytorch_model_fsdp.bin', the whole model (FULL_STATE_DICT) of accelerate's save_state "
+            f"folder '{src}' (optimizer.bin and the RNG/scheduler pickles are not read)") in result.output
+    got, want = load_output(out), load_output(fixture_dir(FULL) / "reference")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    ours, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    reference = AutoModelForCausalLM.from_pretrained(fixture_dir(FULL) / "reference")
+    with torch.no_grad():
+        assert torch.equal(ours.eval()(INPUT_IDS).logits, reference.eval()(INPUT_IDS).logits)
+    assert ckpttool.audit(src, data=True).ok
+
+
+def test_two_whole_models_are_refused_naming_both(cli, tmp_path):
+    src = tmp_path / "checkpoint"
+    shutil.copytree(fixture_dir(FULL) / "checkpoint", src)
+    shutil.copy(src / "pytorch_model_fsdp.bin", src / "pytorch_model_fsdp_1.bin")
+    before, out = tree_digest(src), tmp_path / "out"
+    assert_failed_cleanly(
+        cli("merge", src, out), out,
+        f"'{src}': accelerate's save_state folder holds 2 whole models; move the one to merge into a folder of its "
+        "own (with config.json) as pytorch_model.bin:",
+        f"  - '{src / 'pytorch_model_fsdp.bin'}'", f"  - '{src / 'pytorch_model_fsdp_1.bin'}'",
+    )
+    assert tree_digest(src) == before
+
+
+def test_a_save_state_without_fsdp_merges_its_model_safetensors_alone(tmp_path):
+    """accelerate 1.15's save_state without FSDP writes model.safetensors beside optimizer.bin and the RNG pickles;
+    both made unreadable in a copy, the merge reads the model alone, bit for bit."""
+    plain = "hf_accelerate_plain"
+    assert "no FSDP" in _producer(plain)["producer"]
+    src = tmp_path / "checkpoint"
+    shutil.copytree(fixture_dir(plain) / "checkpoint", src)
+    for path in [src / "optimizer.bin", *src.glob("random_states_*.pkl")]:
+        path.write_bytes(b"\x80\x04 not a pickle: reading this fails")
+        path.chmod(0)
+    ckpttool.merge(src, tmp_path / "out")
+    got, want = load_output(tmp_path / "out"), load_output(fixture_dir(plain) / "reference")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert ckpttool.audit(src, data=True).ok
