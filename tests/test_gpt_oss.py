@@ -243,3 +243,31 @@ def test_megatron_args_that_compute_something_else_are_named():
         "activation_func_clamp_value: 7.0 expected (config.json swiglu_limit), found 10.0 in the args",
         "window_size: (7, 0) expected (config.json sliding_window - 1), found (127, 0) in the args",
     ]
+
+
+def test_more_stacked_layers_than_the_config_declares_are_refused(cli, tmp_path):
+    src = megatron_as_dcp(tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, "layer_types": ["sliding_attention"]}))
+    result = cli("merge", src, tmp_path / "out")
+    assert_failed_cleanly(result, tmp_path / "out", "does not match its gpt_oss config",
+                          "'decoder.layers.mlp.router.weight': 2 stacked layers, expected at most 1 (the config's "
+                          "num_hidden_layers)",
+                          f"'{FC1}': 2 stacked layers, expected at most 1")
+
+
+def test_tensor_parallel_placements_of_the_in_memory_names():
+    """For split's tensor parallelism (once meshes.py asks the family): sinks by heads, like q_proj's rows; router and
+    the row-parallel o_proj's bias replicated; experts replicated (ep shards them)."""
+    from ckpttool.families.adapter import REPLICATE, SHARD0, SHARD1
+    from ckpttool.families.gpt_oss import ADAPTER
+
+    layer = "model.layers.0."
+    assert {part: ADAPTER.tp_placement(layer + part) for part in (
+        "self_attn.sinks", "self_attn.q_proj.bias", "self_attn.o_proj.weight", "self_attn.o_proj.bias",
+        "mlp.router.weight", "mlp.router.bias", "mlp.experts.gate_up_proj", "mlp.experts.down_proj_bias",
+    )} == {
+        "self_attn.sinks": SHARD0, "self_attn.q_proj.bias": SHARD0, "self_attn.o_proj.weight": SHARD1,
+        "self_attn.o_proj.bias": REPLICATE, "mlp.router.weight": REPLICATE, "mlp.router.bias": REPLICATE,
+        "mlp.experts.gate_up_proj": REPLICATE, "mlp.experts.down_proj_bias": REPLICATE,
+    }

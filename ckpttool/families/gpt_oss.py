@@ -36,7 +36,7 @@ from ckpttool.families.conventions import megatron_core
 from ckpttool.layout.layout import Box, Layout, Shape
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.plan.plan import Slice, TargetSpec
-from ckpttool.plan.transforms import Chain, Transpose, interleave
+from ckpttool.plan.transforms import Chain, Transform, Transpose, interleave
 
 NAME = "gpt_oss"
 
@@ -55,8 +55,8 @@ _WHOLE = {
     "mlp.router.bias": "mlp.router.bias",
     "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
 }
-#: Megatron part -> (HF expert tensor, transform maker of (2I or None)); fc1's parts are interleaved (and the weight
-#: transposed), fc2's weight transposed
+#: Megatron expert part -> the HF tensor stacking it over experts (fc1's are interleaved, and the weight transposed;
+#: fc2's weight is transposed)
 _EXPERT_TARGETS = {
     ("linear_fc1", "weight"): "mlp.experts.gate_up_proj",
     ("linear_fc1", "bias"): "mlp.experts.gate_up_proj_bias",
@@ -77,13 +77,17 @@ def megatron_core_cut(layout: Layout, info: ModelInfo) -> CutResult:
     rest = replace(layout, tensors={fqn: t for fqn, t in layout.tensors.items() if fqn not in own})
     specs, notes, problems = megatron_core.to_hf(rest, info)
     experts = int(info.config.get("num_local_experts") or 0)
-    # HF target -> (pre shape, slices, transform)
-    pieces: dict[str, tuple[Shape, list[Slice], object]] = {}
+    most_layers = int(info.config.get("num_hidden_layers") or 0)
+    pieces: dict[str, tuple[Shape, list[Slice], Transform | None]] = {}  # target -> (pre shape, slices, transform)
     for fqn, tensor in own.items():
         match = _LAYER.match(fqn)
         stacked = match.group(1) is None
         shape = tensor.true_shape
-        layers = range(shape[0]) if stacked and shape else (int(match.group(1) or 0),)
+        if stacked and (not shape or shape[0] > most_layers):
+            problems.append((fqn, f"'{fqn}': {shape[0] if shape else 'no'} stacked layers, expected at most "
+                                  f"{most_layers} (the config's num_hidden_layers)"))
+            continue
+        layers = range(shape[0]) if stacked else (int(match.group(1)),)
         inner = shape[1:] if stacked else shape
         try:
             for layer in layers:
@@ -107,7 +111,8 @@ def _whole(name: str, source: str, lead: tuple[int, ...], shape: Shape) -> Targe
     return TargetSpec(name, tuple(shape), (Slice(source, src, Box.whole(tuple(shape))),))
 
 
-def _expert(pieces: dict, fqn: str, h: str, part: str, lead: tuple[int, ...], shape: Shape, experts: int) -> None:
+def _expert(pieces: dict[str, tuple[Shape, list[Slice], Transform | None]], fqn: str, h: str, part: str,
+            lead: tuple[int, ...], shape: Shape, experts: int) -> None:
     """One layer's slab of an expert tensor (stacked ``[E, ...]`` or one expert's) as slices of its HF target's
     stacked pre tensor, with the transform that target needs.
 
