@@ -271,3 +271,16 @@ def test_tensor_parallel_placements_of_the_in_memory_names():
         "self_attn.o_proj.bias": REPLICATE, "mlp.router.weight": REPLICATE, "mlp.router.bias": REPLICATE,
         "mlp.experts.gate_up_proj": REPLICATE, "mlp.experts.down_proj_bias": REPLICATE,
     }
+
+
+def test_the_dry_run_names_each_transform(cli):
+    result = cli("merge", MEGATRON / "torch_dist", "--config", MEGATRON / "config.json", "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["adapter"] == "gpt_oss (Megatron-Core convention)"
+    targets = {t["name"]: t for t in doc["targets"]}
+    assert targets["model.layers.0.mlp.experts.gate_up_proj"]["transform"] == (
+        "interleave 2 parts of 32 along dim 1, then transpose dims 1 and 2")
+    assert targets["model.layers.0.mlp.experts.down_proj"]["transform"] == "transpose dims 1 and 2"
+    assert "transform" not in targets["model.layers.0.mlp.experts.down_proj_bias"]
+    assert "transform" not in targets["model.layers.0.self_attn.sinks"]
