@@ -4,10 +4,10 @@ to ``nn.Linear``.
 
 Fixtures: ``gpt_oss_fsdp2_dcp`` (torch FSDP2 + DCP) and ``gpt_oss_hf_ep2`` (transformers ``DistributedConfig``
 tp2/ep2) from ``fixtures/make_gpt_oss.py``; ``megatron_gpt_oss_tp2_ep2`` (megatron-core 0.16.1, TP=2 x EP=2,
-torch_dist) from ``fixtures/make_megatron_gpt_oss.py``, whose per-expert ``linear_fc1 [2I, H]`` is ``[gate; up]`` and
-``linear_fc2 [H, I]``: the adapter (``ckpttool/families/gpt_oss.py``) interleaves and transposes them with the plan's
-transforms. Every merge equals ``reference/`` bit for bit, loads strictly in transformers with equal logits, and
-passes the audit; split goes back bit for bit.
+legacy and torch_dist) from ``fixtures/make_megatron_gpt_oss.py``, whose per-expert ``linear_fc1 [2I, H]`` is
+``[gate; up]`` and ``linear_fc2 [H, I]``: the adapter (``ckpttool/families/gpt_oss.py``) interleaves and
+transposes them with the plan's transforms. Every merge equals ``reference/`` bit for bit, loads strictly in
+transformers with equal logits, and passes the audit; split goes back bit for bit.
 """
 
 from __future__ import annotations
@@ -108,24 +108,27 @@ def test_split_writes_what_fsdp2_saved(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Megatron-Core (megatron-core 0.16.1, TP=2 x EP=2, torch_dist)
+# Megatron-Core (megatron-core 0.16.1, TP=2 x EP=2, legacy and torch_dist)
 # ------------------------------------------------------------------------------------------------
 MEGATRON = FIXTURES / "megatron_gpt_oss_tp2_ep2"
 #: Megatron's logits against transformers' on the merged output: fp32 on CPU, different kernels
 ATOL = 1e-4
 
 
-def test_a_megatron_core_checkpoint_merges_to_the_reference_bit_for_bit(merged):
-    out = merged(MEGATRON / "torch_dist", "--config", str(MEGATRON / "config.json"))
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])
+def test_a_megatron_core_checkpoint_merges_to_the_reference_bit_for_bit(fmt, merged):
+    """torch_dist (global tensors) and legacy (per-rank files: the sinks are TP pieces of the heads) alike."""
+    out = merged(MEGATRON / fmt, "--config", str(MEGATRON / "config.json"))
     assert_bit_exact(load_output(out), load_output(MEGATRON / "reference"))
     summary = audit_of(out)["summary"]
     assert (summary["verdict"], summary["errors"], summary["warnings"]) == ("pass", 0, 0), summary
 
 
-def test_the_megatron_merge_computes_what_megatron_computed(merged):
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])
+def test_the_megatron_merge_computes_what_megatron_computed(fmt, merged):
     """Strict load, the reference's logits exactly, and Megatron's own forward within float tolerance (sinks,
     clamped SwiGLU, YaRN, the sliding window, the router's top-2 all agree)."""
-    out = merged(MEGATRON / "torch_dist", "--config", str(MEGATRON / "config.json"))
+    out = merged(MEGATRON / fmt, "--config", str(MEGATRON / "config.json"))
     megatron = load_file(MEGATRON / "logits.safetensors")
     tokens = megatron["tokens"].tolist()
     logits = logits_of(out, tokens)
@@ -248,7 +251,8 @@ def test_megatron_args_that_compute_something_else_are_named():
 def test_more_stacked_layers_than_the_config_declares_are_refused(cli, tmp_path):
     src = megatron_as_dcp(tmp_path)
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, "layer_types": ["sliding_attention"]}))
+    (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1,
+                                                 "layer_types": ["sliding_attention"]}))
     result = cli("merge", src, tmp_path / "out")
     assert_failed_cleanly(result, tmp_path / "out", "does not match its gpt_oss config",
                           "'decoder.layers.mlp.router.weight': 2 stacked layers, expected at most 1 (the config's "
