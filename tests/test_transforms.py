@@ -437,3 +437,53 @@ def test_a_box_of_a_whole_transformed_target_is_carried_through_compose_and_part
         f"'m': is made of '{Q}', which is transformed (RoPE pairs to halves (head_dim 8)) and has a transform of its "
         "own, or is one of several parts: only a whole transformed tensor is carried through, as it is; merge it "
         "first, then use that output"]
+
+
+def test_a_large_transformed_chunk_is_built_and_hashed_never_copied_file_to_file(tmp_path):
+    """A chunk of a one-piece tensor would be copied file to file or read in place; transformed, its bytes are not
+    the source's, so it is built, its CRC-32 is its digest token, and the journal's plan identity tells it apart."""
+    from ckpttool.execute.copies import COPY_BYTES, copied
+    from ckpttool.execute.executor import direct_offset
+    from ckpttool.writers.hf import assign_files
+    from ckpttool.writers.journal import plan_id
+
+    (tmp_path / "src").mkdir()
+    w = torch.randn(2048, 256)  # 2 MiB: one chunk, above COPY_BYTES
+    save_file({"w": w}, tmp_path / "src" / "model.safetensors")
+    layout = read_layout(tmp_path / "src")
+    plain = plan_merge(layout)
+    plan = plan_merge(layout, transformed_specs(layout, {"w": rope_halves(128)}))
+    (chunk,) = chunks(plan.targets[0], 0)
+    assert chunk.nbytes >= COPY_BYTES and copied(chunk) is None and direct_offset(chunk) is None
+    (untransformed,) = chunks(plain.targets[0], 0)
+    assert copied(untransformed) is not None and direct_offset(untransformed) is not None
+    stream(plan, tmp_path / "out.safetensors", 2**25)  # its digest computed again from the file agrees
+    assert torch.equal(load_file(tmp_path / "out.safetensors")["w"], hf_permute(w, 16))
+    assert plan_id(plan, assign_files(plan)) != plan_id(plain, assign_files(plain))
+
+
+def test_a_transformed_target_of_no_rows_has_no_chunk():
+    from ckpttool.layout.layout import Piece
+    from ckpttool.plan.plan import Copy, Target
+
+    piece = Piece("f.safetensors", "w", Box((0, 0), (0, 4)), "F32")
+    for t in (rope_halves(2, dim=1), Transpose(0, 1)):
+        shape = t.target_shape((0, 4))
+        target = Target("w", shape, "F32", "F32", (Copy(piece, piece.box, piece.box),), ("w",), transform=t)
+        assert chunks(target, 0, 8) == [] or all(c.nbytes == 0 for c in chunks(target, 0, 8))
+
+
+def test_split_to_megatron_refuses_vocab_padding_below_a_transformed_tensor():
+    from ckpttool.commands.split_megatron import _compose
+
+    layout = read_layout(fixture_dir(LLAMA) / "checkpoint")
+    embed = "model.embed_tokens.weight"
+    plan = plan_merge(layout, transformed_specs(layout, {embed: interleave(2, 32, dim=1)}))
+    targets = {t.name: t for t in plan.targets}
+    whole = Box.whole((1001, 32))
+    target, problems = _compose(embed, Box((0, 0), (1024, 32)), [Slice(embed, whole, whole)], targets, 1001)
+    assert target is None and problems == [
+        f"'{embed}': vocab padding rows below a transformed tensor (interleave 2 parts of 16 along dim 1) are not "
+        "written yet; merge it first, then split that output"]
+    target, problems = _compose(embed, Box((0, 0), (512, 32)), [Slice(embed, whole, whole)], targets, 1001)
+    assert not problems and target.transform == interleave(2, 32, dim=1)  # rows above the padding: carried
