@@ -84,7 +84,7 @@ def test_the_merged_model_loads_strictly_with_the_reference_logits(name, merged)
     assert torch.equal(logits_of(out), logits_of(fixture_dir(name) / "reference"))
 
 
-@pytest.mark.parametrize("mesh", [dict(fsdp=2), dict(fsdp=3), dict(fsdp=8)],
+@pytest.mark.parametrize("mesh", [dict(fsdp=2), dict(fsdp=3), dict(fsdp=8), dict(tp=2), dict(fsdp=2, tp=2)],
                          ids=lambda m: "-".join(f"{k}{n}" for k, n in m.items()))
 def test_split_to_dcp_then_merge_gives_the_reference_back_bit_for_bit(mesh, tmp_path):
     source = fixture_dir("gpt_oss_fsdp2_dcp") / "reference"
@@ -261,7 +261,7 @@ def test_more_stacked_layers_than_the_config_declares_are_refused(cli, tmp_path)
 
 
 def test_tensor_parallel_placements_of_the_in_memory_names():
-    """For split's tensor parallelism (once meshes.py asks the family): sinks by heads, like q_proj's rows; router and
+    """For split's tensor parallelism (meshes.py asks the family): sinks by heads, like q_proj's rows; router and
     the row-parallel o_proj's bias replicated; experts replicated (ep shards them)."""
     from ckpttool.families.adapter import REPLICATE, SHARD0, SHARD1
     from ckpttool.families.gpt_oss import ADAPTER
