@@ -11,6 +11,7 @@ says which DeepSpeed wrote something ckpttool does not know.
 
 from __future__ import annotations
 
+import pickle
 import pickletools
 import re
 import zipfile
@@ -22,12 +23,12 @@ from typing import Any
 from ckpttool.console.terminal import escaped
 from ckpttool.errors import SourceError
 from ckpttool.io.paths import open_inside
-from ckpttool.io.pickle_bounds import EnumStandIn
+from ckpttool.io.pickle_bounds import EnumStandIn, text
 from ckpttool.io.safe_pickle import Record
 
 #: the releases of the fixture matrix (fixtures/make_deepspeed.py and its moe/autotp siblings: 0.19.8;
 #: fixtures/make_deepspeed_versions.py: the older ones)
-MATRIX = ("0.14.5", "0.16.9", "0.18.9", "0.19.8")
+MATRIX = ("0.14.5", "0.16.9", "0.18.0", "0.19.8")
 
 
 class _Record(Record):
@@ -66,6 +67,14 @@ class AllowTable(Mapping[tuple[str, str], Any]):
         return len(self.entries)
 
 
+def _name_set(items: Any = ()) -> frozenset[str]:
+    """``set(names)`` as DeepSpeed pickles its model states' ``sparse_tensor_module_names`` (under protocol 2's
+    module name ``__builtin__``): module names only, so nothing but strings is accepted."""
+    if not isinstance(items, (list, tuple)):
+        raise pickle.UnpicklingError(f"a set built from a {type(items).__name__}, not a list of names")
+    return frozenset(text(item) for item in items)
+
+
 _ZERO_STAGE = EnumStandIn(  # ZeroStageEnum(2) -> 2
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3, "max_stage": 3},
@@ -83,6 +92,9 @@ ALLOW = AllowTable({
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): Allowed(
         _Record, (), "fp16 with a dynamic loss scale (DeepSpeed's source; fp16 does not run on the CPU, so no "
                      "fixture of the matrix has it)"),
+    ("__builtin__", "set"): Allowed(
+        _name_set, ("0.16.9",), "the model states' 'sparse_tensor_module_names' (an empty set(); Python 2's name of "
+                                "builtins, as pickle protocol 2 writes it)"),
     ("argparse", "Namespace"): Allowed(
         _Record, (), "the training args Megatron-DeepSpeed adds to the model states (not DeepSpeed itself)"),
 })
@@ -139,11 +151,12 @@ def recorded_version(root: Path, rel: str) -> str | None:
 
 def refusal_note(root: Path, rel: str) -> str:
     """What a refusal of ``rel`` adds: the DeepSpeed release the checkpoint records (the model states of the step
-    first, then the refused file itself), and where the accepted classes are listed."""
+    first, then its ZeRO optimizer files, then the refused file itself), and the releases ckpttool knows."""
     folder = rel.rpartition("/")[0]
     step = root / folder if folder else root
     names = sorted(p.name for p in step.glob("mp_rank_*_model_states.pt"))
     names += sorted(p.name for p in step.glob("zero_pp_rank_*_mp_rank_*_model_states.pt"))
+    names += sorted(p.name for p in step.glob("*zero_pp_rank_*_optim_states.pt"))  # MoE model states before 0.19: none
     candidates = [f"{folder}/{n}" if folder else n for n in names]
     for candidate in [*candidates, rel]:
         version = recorded_version(root, candidate)
