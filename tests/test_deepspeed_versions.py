@@ -21,9 +21,11 @@ import ckpttool
 from ckpttool.readers.deepspeed import classes
 
 #: release prefix -> the DeepSpeed version that wrote its fixtures
-RELEASES = {"v0_16": "0.16.9"}
+RELEASES = {"v0_14": "0.14.5", "v0_16": "0.16.9"}
 CASES = ("zero2", "zero3", "bf16_zero1", "moe_zero2_ep2")
-FIXTURE_NAMES = [f"deepspeed_{r}_{c}" for r in RELEASES for c in CASES]
+#: the cases each release was run with
+MATRIX = {release: CASES for release in RELEASES}
+FIXTURE_NAMES = [f"deepspeed_{r}_{c}" for r, cases in MATRIX.items() for c in cases]
 STEP = "global_step2"
 INPUT_IDS = torch.tensor([[1, 5, 17, 249, 250, 42, 7, 3], [2, 140, 101, 100, 50, 51, 0, 9]])
 

@@ -93,7 +93,7 @@ ALLOW = AllowTable({
         _Record, (), "fp16 with a dynamic loss scale (DeepSpeed's source; fp16 does not run on the CPU, so no "
                      "fixture of the matrix has it)"),
     ("__builtin__", "set"): Allowed(
-        _name_set, ("0.16.9",), "the model states' 'sparse_tensor_module_names' (an empty set(); Python 2's name of "
+        _name_set, ("0.14.5", "0.16.9", "0.18.0"), "the model states' 'sparse_tensor_module_names' (an empty set(); Python 2's name of "
                                 "builtins, as pickle protocol 2 writes it)"),
     ("argparse", "Namespace"): Allowed(
         _Record, (), "the training args Megatron-DeepSpeed adds to the model states (not DeepSpeed itself)"),
