@@ -15,7 +15,7 @@ What DeepSpeed 0.19.8 saves (``engine._save_moe_checkpoint``, ``_save_zero_check
     expp_rank_P_mp_rank_00_optim_states.pt
                                         only without ZeRO: a plain optimizer state (no weights; not read)
 
-Before 0.19 (0.14.5 and 0.16.9 of the fixture matrix) the MoE model states hold no 'param_shapes', 'buffer_names',
+Before 0.19 (0.14.5, 0.16.9 and 0.18.0 of the fixture matrix) the MoE model states hold no 'param_shapes', 'buffer_names',
 'ds_config' or 'ds_version', and ``expp_rank_P`` files (``{'optimizer': None}`` under ZeRO) are written beside the
 ZeRO ones: the param groups are then read from the optimizer files' ``param_slice_mappings`` (every file needed),
 the shapes from the module and the per-expert files, the topology from the optimizer files' 'ds_config'.
