@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool.model.architecture import ModelInfo, find_config, model_info, read_config
-from ckpttool.model.config_sizes import census, check_config_sizes
+from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import Plan, Target, TargetSpec, identity_specs, plan_covered
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError
@@ -35,7 +35,7 @@ from ckpttool.families.quantized import problems as quantization_problems
 from ckpttool.families.quantized import refusal as quantization_refusal
 from ckpttool.quant.checks import Problem
 from ckpttool.quant.formats import read_quantization
-from ckpttool.readers import read_layout
+from ckpttool.readers import census, read_layout
 from ckpttool.console.startup import planned
 
 
