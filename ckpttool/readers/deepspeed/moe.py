@@ -67,6 +67,7 @@ from ckpttool.readers.deepspeed.files import (
     param_shapes,
 )
 from ckpttool.readers.deepspeed.pieces import add_module, SharingBuilder, whole_piece
+from ckpttool.readers.deepspeed.slices import shapes_from_mappings
 from ckpttool.readers.deepspeed.zero import add_extras, alignment_pads, cut_group, FlatPart
 
 #: the layout format of a DeepSpeed MoE checkpoint (the families map its names)
@@ -226,7 +227,7 @@ def _read_master(root: Path, tag: str, state: Loaded, optims: list[tuple[int, st
     osds = {rank: optimizer_state_dict(loaded) for rank, loaded in ranks.items()}
     first = min(ranks)
     recorded = "param_shapes" in state.obj
-    shapes = param_shapes(state) if recorded else _shapes_from_mappings(state, ranks, osds, experts)
+    shapes = param_shapes(state) if recorded else shapes_from_mappings(state, ranks, osds, experts, _EXPERT)
     counts = _partition_counts(ranks, osds, len(shapes))
     if not recorded:  # the order of a group's parameters is read from every file that holds a part of it
         absent = [r for r in range(max(counts)) if r not in ranks]
@@ -291,51 +292,6 @@ def _read_master(root: Path, tag: str, state: Loaded, optims: list[tuple[int, st
     builder.note(f"fp32 master weights of a DeepSpeed MoE {kind} checkpoint over {world} data-parallel ranks, "
                  f"expert parallel size {', '.join(map(str, sorted(eps))) or 'none'} ({topology}); local experts "
                  "renumbered to global ids (ep_rank * local + j), as the per-expert files name them")
-
-
-def _shapes_from_mappings(state: Loaded, ranks: dict[int, Loaded], osds: dict[int, dict],
-                          experts: dict[str, Loaded]) -> list[dict[str, tuple[int, ...]]]:
-    """The param groups as ``param_shapes`` would list them, for model states that record none (DeepSpeed's MoE save
-    before 0.19: no 'param_shapes', 'buffer_names' or 'ds_config').
-
-    Each optimizer file's ``param_slice_mappings[g]`` names the parameters of its partition of group ``g`` in flat
-    order (``fragment_address(numel, start)``, start local to the partition); in rank order, each name's first
-    appearance is the group's order (a parameter straddling two partitions appears in both; every EP rank's expert
-    group holds the same local names). Shapes come from the module (dense) and the per-expert files (experts: every
-    expert of a MoE module has the same shapes).
-    """
-    module = field(state.obj, "module", dict, state.rel)
-    expert_shapes: dict[tuple[str, str], tuple[int, ...]] = {}
-    for item in experts.values():
-        for key, tensor in item.obj.items():
-            m = _EXPERT.match(key)
-            expert_shapes.setdefault((m.group(1), m.group(3)), tensor.shape)
-    groups: list[dict[str, tuple[int, ...]]] = []
-    for rank in sorted(ranks):
-        mappings = osds[rank].get("param_slice_mappings")
-        if not isinstance(mappings, list) or not all(isinstance(g, dict) for g in mappings):
-            raise SourceError(f"'{ranks[rank].rel}': no param_slice_mappings, and '{state.rel}' records no param_shapes: "
-                              "nothing says which parameters the flat fp32 partitions hold")
-        if groups and len(mappings) != len(groups):
-            raise SourceError(f"'{ranks[rank].rel}': param_slice_mappings for {len(mappings)} param groups, "
-                              f"'{ranks[min(ranks)].rel}' for {len(groups)}")
-        groups = groups or [{} for _ in mappings]
-        for g, mapping in enumerate(mappings):
-            where = f"param_slice_mappings[{g}]: a start"
-            starts = {name: integer(getattr(address, "get", dict().get)("start"), where, ranks[rank].rel)
-                      for name, address in mapping.items()}
-            for name in sorted(starts, key=starts.__getitem__):
-                if name in groups[g]:
-                    continue
-                m = _EXPERT.match(name) if isinstance(name, str) else None
-                tensor = module.get(name)
-                shape = (expert_shapes.get((m.group(1), m.group(3))) if m else
-                         tensor.shape if isinstance(tensor, StoredTensor) else None)
-                if shape is None:
-                    raise SourceError(f"'{ranks[rank].rel}': param_slice_mappings[{g}] names {shown(name)}, which "
-                                      f"neither the module in '{state.rel}' nor a per-expert file holds")
-                groups[g][name] = shape
-    return groups
 
 
 def _partition_counts(ranks: dict[int, Loaded], osds: dict[int, dict], groups: int) -> list[int]:
