@@ -16,7 +16,8 @@ from ckpttool.io.sidecar import PieceSpec, save_shard
 from conftest import FIXTURES, fixture_dir
 
 EXPECTED = {
-    "colossalai_": "colossalai", "deepspeed_": "deepspeed", "llama_fsdp2_dcp": "dcp", "llama_tp2_dcp": "dcp",
+    "colossalai_": "colossalai", "deepspeed_v0_": "deepspeed",  # deepspeed_v0_<minor>_*: older releases
+    "deepspeed_": "deepspeed", "llama_fsdp2_dcp": "dcp", "llama_tp2_dcp": "dcp",
     "llama_tp2_fsdp2_dcp": "dcp", "mixtral_fsdp2_dcp": "dcp", "mixtral_fsdp8_dcp_zero_chunk": "dcp",
     "llama_hf_tp2": "hf-distributed", "accelerate_": "dcp", "mixtral_hf_tp2_ep2": "hf-distributed", "verl_": "verl",
     "qwen2moe_fsdp2_dcp": "dcp", "deepseek_v3_fsdp2_dcp": "dcp", "deepseek_v3_hf_tp2_ep2": "hf-distributed",

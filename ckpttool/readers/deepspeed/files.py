@@ -3,7 +3,8 @@ states say about the parameters, before any tensor is cut.
 
 The file names are those listed in :mod:`ckpttool.readers.deepspeed.reader`; this module knows which file of a step is
 which (the tag in ``latest``, the ``mp_rank``/``zero_pp_rank`` names), scans the pickles with stand-ins for the
-few DeepSpeed classes they name (:data:`ALLOW`), and checks the set of optimizer files against the
+few DeepSpeed classes they name (:data:`ALLOW`, the table of :mod:`.classes` that names the releases writing
+each), and checks the set of optimizer files against the
 ``partition_count`` they record. Loading goes through a :data:`Scan` that :func:`ckpttool.readers.deepspeed.reader.read`
 passes down (its ``scan_file``), so one replacement there reaches every file read.
 """
@@ -11,18 +12,17 @@ passes down (its ``scan_file``), so one replacement there reaches every file rea
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpttool.console.terminal import escaped, quoted
 from ckpttool.io import torch_save
-from ckpttool.errors import SourceError, SourceNotFoundError
+from ckpttool.errors import SourceError, SourceNotFoundError, UnsafePickleError
 from ckpttool.io.paths import contained, inside, open_inside, read_tag
-from ckpttool.io.pickle_bounds import EnumStandIn
-from ckpttool.io.safe_pickle import Record
 from ckpttool.readers.validate import dims, expect, field
+from ckpttool.readers.deepspeed.classes import ALLOW, refusal_note
 from ckpttool.readers.deepspeed.universal import universal_instead
 
 MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -31,25 +31,6 @@ OPTIM_STATES = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_opti
 LAYER_STATES = re.compile(r"^layer_(\d+)-model_states\.pt$")
 #: a pipeline layer saved per tensor-parallel rank ('layer_01-model_00-model_states.pt')
 LAYER_TP_STATES = re.compile(r"^layer_(\d+)-(.+)-model_states\.pt$")
-
-
-class _Record(Record):
-    kind = "DeepSpeed"
-
-
-#: the exact non-tensor classes DeepSpeed's checkpoints pickle, as inert stand-ins (nothing is imported):
-#: the ZeRO stage enum, the loss scalers (static; dynamic under fp16), the param slice mappings of the optimizer
-#: state, and the training args Megatron-DeepSpeed adds to the model states
-ALLOW: Mapping[tuple[str, str], Any] = {
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): EnumStandIn(  # ZeroStageEnum(2) -> 2
-        "deepspeed.runtime.zero.config.ZeroStageEnum",
-        {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3, "max_stage": 3},
-    ),
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): _Record,
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): _Record,
-    ("deepspeed.utils.tensor_fragment", "fragment_address"): _Record,
-    ("argparse", "Namespace"): _Record,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +91,20 @@ def step_rel(tag: str, name: str) -> str:
 # ----------------------------------------------------------------------------------------------------- loading
 
 def scan_file(root: Path, rel: str) -> Loaded:
-    """``rel``'s object tree, tensors as :class:`StoredTensor` (``torch_save.scan`` with :data:`ALLOW`)."""
+    """``rel``'s object tree, tensors as :class:`StoredTensor` (``torch_save.scan`` with :data:`ALLOW`).
+
+    Raises:
+        UnsafePickleError: the pickle asks for a class :data:`ALLOW` does not list; the message adds the
+            DeepSpeed release the checkpoint records (:func:`~ckpttool.readers.deepspeed.classes.refusal_note`).
+    """
     if not contained(root, rel).is_file():  # a link on the way out of the checkpoint is refused, naming it
         raise SourceNotFoundError(f"{quoted(rel)}: missing")
     label = escaped(rel)  # a universal checkpoint's folder names come from the file system
-    with open_inside(root, rel, label) as f:
-        return Loaded(rel, torch_save.scan(f, label=label, allow=ALLOW))
+    try:
+        with open_inside(root, rel, label) as f:
+            return Loaded(rel, torch_save.scan(f, label=label, allow=ALLOW))
+    except UnsafePickleError as e:
+        raise UnsafePickleError(f"{e}{refusal_note(root, rel)}") from None
 
 
 def first_model_states(root: Path, step: Path, tag: str, models: list[tuple[int, str]], *, scan: Scan) -> Loaded:

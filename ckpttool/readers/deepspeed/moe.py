@@ -15,6 +15,11 @@ What DeepSpeed 0.19.8 saves (``engine._save_moe_checkpoint``, ``_save_zero_check
     expp_rank_P_mp_rank_00_optim_states.pt
                                         only without ZeRO: a plain optimizer state (no weights; not read)
 
+Before 0.19 (0.14.5, 0.16.9 and 0.18.0 of the fixture matrix) the MoE model states hold no 'param_shapes', 'buffer_names',
+'ds_config' or 'ds_version', and ``expp_rank_P`` files (``{'optimizer': None}`` under ZeRO) are written beside the
+ZeRO ones: the param groups are then read from the optimizer files' ``param_slice_mappings`` (every file needed),
+the shapes from the module and the per-expert files, the topology from the optimizer files' 'ds_config'.
+
 Expert parameters live in their own optimizer param groups (``split_params_into_different_moe_groups_for_optimizer``:
 ``moe=True``, named by the layer's ``expert_group_name`` ``ep_size_<P>``, both kept in the base optimizer state's
 ``param_groups``). ZeRO partitions each group over its own data-parallel group (``stage_1_and_2.
@@ -62,6 +67,7 @@ from ckpttool.readers.deepspeed.files import (
     param_shapes,
 )
 from ckpttool.readers.deepspeed.pieces import add_module, SharingBuilder, whole_piece
+from ckpttool.readers.deepspeed.slices import shapes_from_mappings
 from ckpttool.readers.deepspeed.zero import add_extras, alignment_pads, cut_group, FlatPart
 
 #: the layout format of a DeepSpeed MoE checkpoint (the families map its names)
@@ -100,7 +106,7 @@ def read_moe(root: Path, step: Path, tag: str, files: list[str], weights: str, *
     if not optims:
         raise SourceError(f"'{step_rel(tag, '')}': no *_optim_states.pt files, so no fp32 master weights; pass "
                           "weights='module' to take the module's weights (the per-expert files)")
-    _read_master(root, tag, state, optims, builder, scan=scan)
+    _read_master(root, tag, state, optims, experts, builder, scan=scan)
     frozen = field(state.obj, "frozen_param_shapes", dict, state.rel, default=None) or {}
     if any(isinstance(n, str) and _EXPERT.match(n) for n in frozen):
         raise SourceError(f"'{state.rel}': frozen expert parameters, which rank 0 records under its own local "
@@ -208,8 +214,8 @@ def _add_expert_files(experts: dict[str, Loaded], builder: SharingBuilder, names
 
 # ---------------------------------------------------------------------------------------------- master weights
 
-def _read_master(root: Path, tag: str, state: Loaded, optims: list[tuple[int, str, str]], builder: SharingBuilder, *,
-                 scan: Scan) -> None:
+def _read_master(root: Path, tag: str, state: Loaded, optims: list[tuple[int, str, str]], experts: dict[str, Loaded],
+                 builder: SharingBuilder, *, scan: Scan) -> None:
     """The fp32 master weights: every param group cut from the ranks that partition it."""
     prefixes = sorted({p for _, p, _ in optims})
     if len(prefixes) > 1:
@@ -220,8 +226,16 @@ def _read_master(root: Path, tag: str, state: Loaded, optims: list[tuple[int, st
     ranks = {rank: scan(root, step_rel(tag, name)) for rank, _, name in optims}
     osds = {rank: optimizer_state_dict(loaded) for rank, loaded in ranks.items()}
     first = min(ranks)
-    shapes = param_shapes(state)
+    recorded = "param_shapes" in state.obj
+    shapes = param_shapes(state) if recorded else shapes_from_mappings(state, ranks, osds, experts, _EXPERT)
     counts = _partition_counts(ranks, osds, len(shapes))
+    if not recorded:  # the order of a group's parameters is read from every file that holds a part of it
+        absent = [r for r in range(max(counts)) if r not in ranks]
+        if absent:
+            raise SourceNotFoundError(
+                f"'{step_rel(tag, template.format(rank=absent[0]))}': missing; '{state.rel}' records no param_shapes "
+                "(DeepSpeed before 0.19 saves none with MoE), so the parameters' order is read from every optimizer "
+                "file's param_slice_mappings, and each one is needed")
     moe = [_is_moe_group(g, group, osds[first], ranks[first].rel, state.rel) for g, group in enumerate(shapes)]
     world = max(counts)
     extra = sorted(r for r in ranks if r >= world)
@@ -233,7 +247,8 @@ def _read_master(root: Path, tag: str, state: Loaded, optims: list[tuple[int, st
     if not bf16_optimizer and some.get("zero_stage") not in (1, 2):
         raise SourceError(f"'{ranks[first].rel}': zero_stage {some.get('zero_stage')!r}; a DeepSpeed MoE checkpoint "
                           "is read from ZeRO-1/2 or BF16_Optimizer partitions")
-    config = field(state.obj, "ds_config", dict, state.rel, default=None) or {}
+    config = (field(state.obj, "ds_config", dict, state.rel, default=None)  # before 0.19: in the optimizer files only
+              or field(ranks[first].obj, "ds_config", dict, ranks[first].rel, default=None) or {})
     data_first = config.get("use_data_before_expert_parallelism", False) is True
     files = f"'{prefixes[0]}zero_pp_rank_*' files"
     eps: set[int] = set()
