@@ -21,6 +21,7 @@ EXPECTED = {
     "llama_hf_tp2": "hf-distributed", "accelerate_": "dcp", "mixtral_hf_tp2_ep2": "hf-distributed", "verl_": "verl",
     "qwen2moe_fsdp2_dcp": "dcp", "deepseek_v3_fsdp2_dcp": "dcp", "deepseek_v3_hf_tp2_ep2": "hf-distributed",
     "deepseek_v3_hf_mtp": "hf", "quantized_": "hf", "hf_bin_": "hf", "incident_": "hf",
+    "megatron_v": "megatron-dist",  # megatron_v<major>_<minor>_<case>: torch_dist/ (and legacy/), no checkpoint/
 }
 
 

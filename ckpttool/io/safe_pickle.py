@@ -78,6 +78,9 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): record_class("_StorageInfo"),
     # Megatron's save planner keeps every rank's plan in the metadata (Metadata.all_local_plans)
     **{("torch.distributed.checkpoint.planner", name): record_class(name) for name in ("SavePlan", "WriteItem", "TensorWriteData")},
+    # megatron-core 0.12.3 and 0.14.0 keep each plan as their SavePlan subclass (with mcore_data, a dict per item);
+    # 0.9.0 and 0.16.1 write torch's SavePlan (fixtures megatron_v0_*; tests/test_megatron_versions.py)
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): record_class("MCoreSavePlan"),
     ("torch.distributed.checkpoint.planner", "WriteItemType"): EnumStandIn(
         "torch.distributed.checkpoint.planner.WriteItemType", {"TENSOR": 1, "SHARD": 2, "BYTE_IO": 3}
     ),
