@@ -18,7 +18,7 @@ from ckpttool.errors import SourceError
 from ckpttool.layout.layout import Layout, TensorLayout
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.model.architecture import ModelInfo
-from ckpttool.families import CONVENTIONS, megatron_core
+from ckpttool.families.conventions import megatron_core
 from ckpttool.readers.deepspeed import reader as deepspeed
 from ckpttool.io.torch_save import scan
 from conftest import FIXTURES, assert_failed_cleanly, fixture_dir
@@ -77,7 +77,7 @@ def test_a_bug_in_a_conventions_cut_into_huggingface_tensors_is_an_internal_erro
     def cut(layout, info):
         return [][0]
 
-    monkeypatch.setitem(CONVENTIONS, "megatron-legacy", ("Megatron-Core", cut))
+    monkeypatch.setattr(megatron_core, "to_hf", cut)
     out = tmp_path / "out"
     result = cli("merge", fixture / "legacy", out, "--config", fixture / "config.json")
     assert_failed_cleanly(result, out, f"Error: {INTERNAL} (IndexError: list index out of range)")

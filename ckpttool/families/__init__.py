@@ -1,11 +1,12 @@
 """Families: what the tensors of a model family are called, and how they are fused, stacked and cut.
 
-One small adapter per model family, declarative where it can be (:mod:`.rules`: renames and stacked experts cut
-per expert, as name templates), and one per *source convention* that names tensors its own way
-(:mod:`.megatron_core`: fused QKV with grouped-query heads, SwiGLU ``[gate; up]``, stacked layers and experts).
-A convention is chosen by the layout's format name (data the reader records), a family by the model type
-transformers resolves from the config. This layer sits above the readers and never imports them; readers never
-import it: they describe bytes and boxes, the families give them names.
+One adapter object per model family (:class:`~.adapter.FamilyAdapter`: its declarative rules, :mod:`.rules`'
+renames and stacked experts as name templates, its tensor-parallel placements, its cuts per convention, its
+training-args checks) and one per *source convention* (:class:`~.adapter.Convention`: Megatron-Core's fused QKV with
+grouped-query heads, SwiGLU ``[gate; up]``, stacked layers and experts; DeepSpeed MoE's wrappers; transformers' own
+names), all registered in :mod:`.registry`. A convention is recognised from the layout (its format name, one signal,
+and its tensor names), a family by the model type transformers resolves from the config. This layer sits above the
+readers and never imports them; readers never import it: they describe bytes and boxes, the families give them names.
 
 Entry points: :func:`map_to_hf` (a layout under on-disk HuggingFace names, unchecked, with the adapter used),
 :func:`map_from_hf` (the way back, for split: every in-memory tensor as slices of the on-disk ones),
@@ -14,12 +15,12 @@ Entry points: :func:`map_to_hf` (a layout under on-disk HuggingFace names, unche
 cast leaves alone), :func:`convention_of` (whose names a format holds) and :func:`refusal` (the error a merge raises
 for what does not fit). Commands reach them through
 :mod:`ckpttool.plan.source`.
-Adding a family is one adapter module here and one line in :data:`FAMILIES`.
+Adding a family is one adapter module here and one line in :data:`.registry.ADAPTERS`
+(``docs/adding-a-family.md``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ckpttool.model.architecture import ModelInfo
@@ -27,37 +28,20 @@ from ckpttool.plan.diagnose import refusal_advice
 from ckpttool.layout.layout import Layout, Shape
 from ckpttool.plan.plan import Slice, TargetSpec
 from ckpttool.errors import ConfigError
-from ckpttool.families.conventions import deepspeed_moe
-from ckpttool.families.conventions import megatron_core
-from ckpttool.families import mixtral
-from ckpttool.families import qwen2_moe
+from ckpttool.families.adapter import Convention, FamilyAdapter
+from ckpttool.families.conventions import hf
+from ckpttool.families.registry import ADAPTERS, CONVENTIONS, adapter_for, convention_for, convention_of, known_family
+from ckpttool.families.registry import recognised, unrecognised
 from ckpttool.families.check import Mismatch, compare_with_model
 from ckpttool.families.mtp import absent as mtp_absent
 from ckpttool.families.mtp import missing_note as mtp_missing_note
-from ckpttool.families.rules import Rules, cut, keeps_dtype, memory_slices, stacks_experts
+from ckpttool.families.rules import keeps_dtype, memory_slices, stacks_experts
 
 __all__ = [
-    "CONVENTIONS", "FAMILIES", "HfMapping", "MemoryTensor", "Mismatch", "compare_with_model", "convention_of",
-    "keeps_dtype", "map_from_hf", "map_to_hf", "mtp_absent",
-    "mtp_missing_note", "refusal",
+    "ADAPTERS", "CONVENTIONS", "Convention", "FamilyAdapter", "HfMapping", "MemoryTensor", "Mismatch", "adapter_for",
+    "compare_with_model", "convention_for", "convention_of", "keeps_dtype", "map_from_hf", "map_to_hf", "mtp_absent",
+    "mtp_missing_note", "recognised", "refusal", "unrecognised",
 ]
-
-#: model family (as :attr:`ModelInfo.family` resolves it) -> how its in-memory tensors are saved on disk
-FAMILIES: dict[str, Rules] = {mixtral.NAME: mixtral.RULES, qwen2_moe.NAME: qwen2_moe.RULES}
-
-Cut = Callable[[Layout, ModelInfo], tuple[list[TargetSpec], list[str], list[tuple[str, str]]]]
-#: layout format -> the source convention (its name, its cut) that names its tensors; formats not named hold
-#: transformers' in-memory or on-disk names, cut by the family's rules
-CONVENTIONS: dict[str, tuple[str, Cut]] = dict.fromkeys(megatron_core.FORMATS, (megatron_core.NAME, megatron_core.to_hf))
-CONVENTIONS.update(dict.fromkeys(deepspeed_moe.FORMATS, (deepspeed_moe.NAME, deepspeed_moe.to_hf)))
-
-
-def convention_of(layout_format: str) -> str | None:
-    """The name of the source convention a format's tensors are named in (``"Megatron-Core"``), or None for a
-    format holding transformers' own names. Without an architecture to cut them, a convention's names are not
-    HuggingFace's: transformers loads none of them (a merge refuses them unless asked for raw names)."""
-    convention = CONVENTIONS.get(layout_format)
-    return convention[0] if convention is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,19 +64,14 @@ class HfMapping:
 
 
 def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
-    """The layout's tensors under on-disk HuggingFace names: cut by the source convention of its format when it
-    has one (:data:`CONVENTIONS`, e.g. Megatron-Core's fused QKV); else in-memory names (DCP, FSDP, transformers
-    distributed) cut by the family's rules (:data:`FAMILIES`), on-disk names passed through, and a wrapper
-    prefix (``model.``/``module.``) stripped."""
-    convention = CONVENTIONS.get(layout.format)
-    family = info.family if info.family in FAMILIES else info.model_type
-    if convention is not None:
-        specs, notes, problems = convention[1](layout, info)
-        adapter = f"{info.model_type} ({convention[0]} convention)"
-    else:
-        specs, notes, problems = _generic_cut(layout, info)
-        rules = "its rules" if family in FAMILIES else "names as transformers saves them"
-        adapter = f"{family} ({rules})" if family == info.model_type else f"{info.model_type} as {family} ({rules})"
+    """The layout's tensors under on-disk HuggingFace names: cut by the convention that recognises the layout
+    (:func:`~.registry.convention_for`, e.g. Megatron-Core's fused QKV) for the family adapter that serves ``info``
+    (:func:`~.registry.adapter_for`); a layout no convention recognises is cut as transformers' names are (its names
+    then show up as mismatches, and a refusal says no convention recognised them)."""
+    convention = convention_for(layout, info) or hf.CONVENTION
+    family = adapter_for(info)
+    specs, notes, problems = convention.to_hf(layout, info, family)
+    adapter = convention.describe(info, family, known_family(info))
     tied = [s for s in specs if s.name in info.tied]
     return HfMapping([s for s in specs if s.name not in info.tied], tied, notes, problems, adapter)
 
@@ -117,7 +96,7 @@ def map_from_hf(info: ModelInfo) -> list[MemoryTensor]:
     Raises:
         ConfigError: a stacked tensor the family's rules cannot cut (its shape does not split into the parts).
     """
-    rules = FAMILIES.get(info.family or "", ())
+    rules = adapter_for(info).rules
     tensors = []
     for name, shape in info.memory_shapes.items():
         slices = [replace(sl, source=info.tied.get(sl.source, sl.source)) for sl in memory_slices(name, shape, rules)]
@@ -125,26 +104,13 @@ def map_from_hf(info: ModelInfo) -> list[MemoryTensor]:
     return tensors
 
 
-def _generic_cut(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str], list[tuple[str, str]]]:
-    notes: list[str] = []
-    prefix = _wrapper_prefix(layout, info)
-    if prefix:
-        notes.append(f"stripped the prefix '{prefix}' the training loop put before every tensor name")
-    rules = FAMILIES.get(info.family or "", ())
-    specs: list[TargetSpec] = []
-    problems: list[tuple[str, str]] = []
-    for tensor in layout.tensors.values():
-        try:
-            specs.extend(cut(tensor, tensor.fqn[len(prefix):], rules))
-        except ConfigError as e:
-            problems.append((tensor.fqn, str(e)))
-    return specs, notes, problems
-
-
 def refusal(layout: Layout, info: ModelInfo, problems: list[str], mismatches: list[Mismatch]) -> ConfigError:
     """The error for a checkpoint that does not fit its config: every problem (tensors the adapter cannot
-    place, then mismatches against transformers), listed, with the likely cause."""
+    place, then mismatches against transformers), listed, with the likely cause; when no convention recognises the
+    layout's names, what each looks for (:func:`~.registry.unrecognised`)."""
     problems = [*problems, *(m.message() for m in mismatches)]
+    if convention_for(layout, info) is None:
+        return ConfigError(unrecognised(layout, info))
     padded = any(m.diagnosis is not None and m.diagnosis.code.startswith("vocab-padding") for m in mismatches)
     return ConfigError(
         f"the checkpoint in '{layout.root}' does not match its {info.model_type} config "
@@ -155,15 +121,3 @@ def refusal(layout: Layout, info: ModelInfo, problems: list[str], mismatches: li
         + (" ckpttool strips padding the source recorded (sidecar 'padding') and never guesses it."
            if padded else "")
     )
-
-
-def _wrapper_prefix(layout: Layout, info: ModelInfo) -> str:
-    """'' normally; 'model.' when a loop saved ``{"model": state_dict}`` and every name carries it."""
-    known = set(info.memory_shapes) | set(info.disk_shapes)
-    names = list(layout.tensors)
-    if not names or any(n in known for n in names):
-        return ""
-    for prefix in ("model.", "module."):
-        if all(n.startswith(prefix) for n in names) and any(n[len(prefix):] in known for n in names):
-            return prefix
-    return ""

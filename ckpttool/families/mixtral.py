@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from ckpttool.families.adapter import FamilyAdapter
 from ckpttool.families.rules import Rename, Rules, Unstack
 
 NAME = "mixtral"
@@ -15,3 +16,5 @@ RULES: Rules = (
     ),
     Unstack(r"^(.*)\.mlp\.experts\.down_proj$", ("{prefix}.block_sparse_moe.experts.{expert}.w2.weight",)),
 )
+
+ADAPTER = FamilyAdapter(NAME, rules=RULES)

@@ -4,6 +4,7 @@ on disk (``mlp.experts.E.gate_proj``, ``up_proj``, ``down_proj``)."""
 
 from __future__ import annotations
 
+from ckpttool.families.adapter import FamilyAdapter
 from ckpttool.families.rules import Rules, Unstack
 
 NAME = "qwen2_moe"
@@ -14,3 +15,5 @@ RULES: Rules = (
     ),
     Unstack(r"^(.*)\.mlp\.experts\.down_proj$", ("{prefix}.mlp.experts.{expert}.down_proj.weight",)),
 )
+
+ADAPTER = FamilyAdapter(NAME, rules=RULES)

@@ -84,7 +84,7 @@ class Planned:
     def raw_names(self) -> str | None:
         """The source convention whose names a generic plan keeps (``"Megatron-Core"``): names transformers
         loads under no config. None for a mapped plan, or a source holding transformers' own names."""
-        return convention_of(self.layout.format) if self.generic else None
+        return convention_of(self.layout) if self.generic else None
 
     def refuse(self) -> None:
         """Raise what a merge refuses: tensors that do not fit the config, then targets not covered exactly once.

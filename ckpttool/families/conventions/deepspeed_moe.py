@@ -16,7 +16,9 @@ Qwen2-MoE's). Anything else shows up when the plan's names are checked against t
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
+from ckpttool.families.adapter import Convention, CutResult, FamilyAdapter
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import TargetSpec
@@ -29,6 +31,25 @@ RULES: Rules = (
     Rename(r"^(.+)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.+)$", r"\1.experts.\2.\3"),
     Rename(r"^(.+)\.deepspeed_moe\.gate\.wg\.weight$", r"\1.gate.weight"),
 )
+
+
+class DeepSpeedMoeConvention(Convention):
+    """``deepspeed.moe.layer.MoE``'s wrapper names (see the module docstring)."""
+
+    name = NAME
+    formats = FORMATS
+    looks_for = "*.deepspeed_moe.experts.deepspeed_experts.*, *.deepspeed_moe.gate.wg.weight (DeepSpeed MoE)"
+
+    def holds_names(self, names: Collection[str], info: ModelInfo | None) -> bool:
+        """Some name is inside a ``deepspeed_moe`` wrapper."""
+        return any(".deepspeed_moe." in name for name in names)
+
+    def cut(self, layout: Layout, info: ModelInfo, family: FamilyAdapter) -> CutResult:
+        """:func:`to_hf`: the wrappers' renames; every other name is kept for the family's check."""
+        return to_hf(layout, info)
+
+
+CONVENTION = DeepSpeedMoeConvention()
 
 
 def to_hf(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str], list[tuple[str, str]]]:

@@ -13,12 +13,13 @@ Multi-latent attention, the router's expert bias and MTP layers (DeepSeek-V3) ar
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from ckpttool.model.architecture import ModelInfo, config_value
 from ckpttool.layout.layout import Box, Layout
 from ckpttool.plan.plan import Slice, TargetSpec
 from ckpttool.errors import ConfigError
+from ckpttool.families.adapter import Convention, CutResult, FamilyAdapter
 from ckpttool.families.conventions import megatron_mla as mla
 from ckpttool.families import mtp
 
@@ -26,6 +27,8 @@ NAME = "Megatron-Core"
 #: the layout formats written in this convention
 FORMATS = ("megatron-dist", "megatron-legacy")
 
+#: every name of a Megatron-Core GPT model starts so (a layout named so is in this convention, whatever its reader)
+_NAMES = re.compile(r"^(?:embedding\.|decoder\.|output_layer\.|mtp\.layers\.)")
 _LAYER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
 #: SequentialMLP in 0.16 saves ``mlp.experts.experts.linear_fc1.weight`` (L, E, ...): its prefix plus "experts."
 _EXPERT = re.compile(r"^mlp\.experts\.(?:experts\.)?(?:(\d+)\.)?(linear_fc1|linear_fc2)\.weight(_w|_v)?$")
@@ -83,6 +86,27 @@ class _Cut:
 
     def result(self) -> list[TargetSpec]:
         return [TargetSpec(name, self.shapes[name], tuple(slices)) for name, slices in self.specs.items()]
+
+
+class MegatronCoreConvention(Convention):
+    """Megatron-Core's global GPT tensors (see the module docstring), from either Megatron reader or any reader of a
+    layout named so (a DCP or sidecar source holding ``decoder.layers.*``)."""
+
+    name = NAME
+    formats = FORMATS
+    looks_for = "embedding.*, decoder.layers.*, output_layer.*, mtp.layers.* (Megatron-Core's GPT names)"
+
+    def holds_names(self, names: Collection[str], info: ModelInfo | None) -> bool:
+        """Every name is a Megatron-Core GPT name and some are its decoder layers'."""
+        return (any(name.startswith("decoder.layers.") for name in names)
+                and all(_NAMES.match(name) for name in names))
+
+    def cut(self, layout: Layout, info: ModelInfo, family: FamilyAdapter) -> CutResult:
+        """:func:`to_hf` (the HuggingFace names it writes are chosen from those transformers writes for ``info``)."""
+        return to_hf(layout, info)
+
+
+CONVENTION = MegatronCoreConvention()
 
 
 def to_hf(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str], list[tuple[str, str]]]:
