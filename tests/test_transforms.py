@@ -4,11 +4,12 @@ the streaming executor writing transformed targets chunk by chunk, the dry-run p
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ckpttool import read_layout
 from ckpttool.execute.buffers import buffer_sizes
@@ -245,3 +246,244 @@ def test_a_transformed_merge_streams_bit_for_bit_what_torch_computes(chunk_bytes
     loader = PieceLoader(plan.root)
     for target in plan.targets:  # the reference executor agrees
         assert torch.equal(written[target.name], assemble(target, loader)), target.name
+
+
+def test_thread_buffers_stay_within_the_predicted_sizes_of_a_transformed_plan(tmp_path):
+    """The prediction (--dry-run's peak) counts the pre rows a chunk gathers and the transform's own buffers: a
+    thread never makes a buffer it does not predict, nor one larger."""
+    layout = read_layout(fixture_dir(LLAMA) / "checkpoint")
+    config = json.loads((fixture_dir(LLAMA) / "config.json").read_text())
+    plan = plan_merge(layout, transformed_specs(layout, llama_transforms(config)))
+    chunk_list = [c for t in plan.targets for c in chunks(t, 0, 300)]
+    sizes = buffer_sizes(chunk_list)
+    # the transposed down_proj is one chunk (dim 0 swapped): its 32x64 pre tensor gathered whole, 8 KiB
+    assert sizes["transform"] == sizes["chunk"] == 64 * 32 * 4
+    assert sizes["transform.0"] == 64 * 32 * 4  # the chain's first step (the interleave), before its transpose
+    reader = Reader(plan.root, piece_uses(chunk_list), sizes)
+    try:
+        write_file(tmp_path / "out.safetensors", b"", chunk_list, reader)
+        buffers = reader._local.buffers
+        assert {"chunk", "transform", "transform.0"} <= set(buffers) <= set(sizes)
+        for name, buffer in buffers.items():
+            assert len(buffer) == sizes[name], name
+    finally:
+        reader.close()
+    rope_only = plan_merge(layout, transformed_specs(layout, {Q: rope_halves(HEAD_DIM)}))
+    q = [c for t in rope_only.targets if t.name == Q for c in chunks(t, 0, 300)]
+    assert [(c.start, c.stop) for c in q] == [(0, 8), (8, 16), (16, 24), (24, 32)]  # whole heads, not whole tensors
+    assert buffer_sizes(q)["transform"] == 8 * 32 * 4
+
+
+PEAK = """
+import json, sys
+import torch
+from ckpttool import read_layout
+from ckpttool.plan.plan import TargetSpec, identity_specs, plan_merge
+from ckpttool.plan.transforms import Transpose, rope_halves
+from ckpttool.execute.buffers import buffer_sizes, predict_peak_bytes
+from ckpttool.execute.executor import Reader, chunks, piece_uses, write_file
+src, out, kind = sys.argv[1], sys.argv[2], sys.argv[3]
+layout = read_layout(src)
+t = rope_halves(128) if kind == "rope" else Transpose(0, 1)
+plan = plan_merge(layout, [TargetSpec("w", (2048, 2048), s.slices, transform=t) for s in identity_specs(layout)])
+chunk_list = [c for target in plan.targets for c in chunks(target, 0, 2**20)]
+predicted = predict_peak_bytes(chunk_list)
+torch.empty(8).index_select(0, torch.tensor([0]))  # torch's own first-use costs, before the baseline
+def status(key):
+    line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # the high-water mark starts again from here
+base = status("VmRSS")
+reader = Reader(plan.root, piece_uses(chunk_list), buffer_sizes(chunk_list))
+write_file(__import__("pathlib").Path(out), b"", chunk_list, reader)
+peak = status("VmHWM")
+print(json.dumps({"predicted": predicted, "measured": peak - base}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="resets the high-water mark of Linux's /proc")
+@pytest.mark.parametrize("kind", ["rope", "transpose"])
+def test_the_predicted_peak_bounds_the_measured_one_of_a_transformed_merge(kind, tmp_path):
+    """In a fresh process: the resident memory a 16 MiB transformed tensor's merge adds stays under the dry run's
+    prediction (chunks of whole heads of 1 MiB; a transpose of dim 0 gathers the tensor whole, and predicts so)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "src").mkdir()
+    save_file({"w": torch.randn(2048, 2048)}, tmp_path / "src" / "model.safetensors")  # 16 MiB, made here
+    env = {**os.environ, "PYTHONPATH": str(fixture_dir(LLAMA).parent.parent)}
+    done = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "src"), str(tmp_path / "out"), kind],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    print(kind, found)
+    assert found["measured"] <= found["predicted"]
+    if kind == "rope":
+        assert found["predicted"] < 16 * 2**20  # never the whole tensor
+    else:
+        assert found["predicted"] > 3 * 16 * 2**20  # the pre tensor, the transposed one, and the read
+
+
+# ---- both directions --------------------------------------------------------------------------------------------
+
+#: maps that keep every shape (a split reads the merged output against the model's config)
+SQUARE = {Q: rope_halves(HEAD_DIM), K: rope_halves(HEAD_DIM), "model.layers.0.self_attn.o_proj.weight": Transpose(0, 1),
+          "model.layers.1.mlp.gate_proj.weight": Chain((interleave(2, 32, dim=1), rope_halves(HEAD_DIM)))}
+
+
+def merged_with(transforms: dict, out) -> None:
+    """The llama fixture merged through ``transforms`` into ``out`` (an HF directory with its config)."""
+    layout = read_layout(fixture_dir(LLAMA) / "checkpoint")
+    out.mkdir()
+    stream(plan_merge(layout, transformed_specs(layout, transforms)), out / "model.safetensors", 300)
+    (out / "config.json").write_text((fixture_dir(LLAMA) / "config.json").read_text())
+
+
+def test_a_second_plan_over_the_merged_output_with_the_inverse_maps_gives_the_original_bytes(tmp_path):
+    merged_with(SQUARE, tmp_path / "hf")
+    layout = read_layout(tmp_path / "hf")
+    back = plan_merge(layout, transformed_specs(layout, {n: t.inverse() for n, t in SQUARE.items()}))
+    stream(back, tmp_path / "back.safetensors", 200, workers=2)
+    reference = fixture_dir(LLAMA) / "reference" / "model.safetensors"
+    assert load_file(tmp_path / "back.safetensors").keys() == load_file(reference).keys()
+    for name, tensor in load_file(reference).items():
+        assert torch.equal(load_file(tmp_path / "back.safetensors")[name], tensor), name
+
+
+def test_split_writes_the_inverse_maps_per_rank_and_gives_the_original_bytes_back(tmp_path, monkeypatch):
+    """split --to dcp of the transformed merge, the model's in-memory tensors declared as the inverse maps of the
+    on-disk ones (what a family adapter says, e.g. torchtitan's Meta RoPE order): every rank's box is the same map
+    of a box of the pre tensor, and merging the DCP again gives the fixture's own tensors."""
+    from dataclasses import replace
+
+    import ckpttool
+    from ckpttool.commands import split_dcp
+
+    merged_with(SQUARE, tmp_path / "hf")
+    real = split_dcp.map_from_hf
+    inverse = {n: t.inverse() for n, t in SQUARE.items()}
+    monkeypatch.setattr(split_dcp, "map_from_hf",
+                        lambda info: [replace(m, transform=inverse.get(m.name)) for m in real(info)])
+    dry = ckpttool.split(tmp_path / "hf", None, to="dcp", fsdp=2, dry_run=True)
+    assert dry.transforms()[Q] == "RoPE halves to pairs (head_dim 8)"
+    assert "RoPE halves to pairs (head_dim 8)" in "\n".join(dry.lines())
+    tensors = {t["name"]: t for t in dry.to_json()["tensors"]}
+    assert tensors["model.layers.0.self_attn.o_proj.weight"]["transform"] == "transpose dims 0 and 1"
+    assert "transform" not in tensors["model.layers.0.self_attn.v_proj.weight"]
+    ckpttool.split(tmp_path / "hf", tmp_path / "dcp", to="dcp", fsdp=2)
+    back = plan_merge(read_layout(tmp_path / "dcp"))
+    stream(back, tmp_path / "back.safetensors", 10**6)
+    written = load_file(tmp_path / "back.safetensors")
+    for name, tensor in load_file(fixture_dir(LLAMA) / "reference" / "model.safetensors").items():
+        assert torch.equal(written[name], tensor), name
+
+
+def test_a_rank_box_that_cuts_through_a_transforms_blocks_is_refused(tmp_path, monkeypatch):
+    import ckpttool
+    from ckpttool.commands import split_dcp
+
+    merged_with({}, tmp_path / "hf")
+    real = split_dcp.map_from_hf
+    bad = interleave(2, 64)  # one block of all 64 rows of gate_proj: fsdp=2 cuts it in two
+    name = "model.layers.1.mlp.gate_proj.weight"
+    monkeypatch.setattr(split_dcp, "map_from_hf", lambda info: [
+        replace_transform(m, bad if m.name == name else None) for m in real(info)])
+    with pytest.raises(CoverageError) as e:
+        ckpttool.split(tmp_path / "hf", tmp_path / "dcp", to="dcp", fsdp=2)
+    assert (f"'{name}': rows 0..32 cuts through the blocks of interleave 2 parts of 32 along dim 0, which must stay "
+            "whole in one chunk; shard it along another dim, or in whole blocks") in str(e.value)
+    assert not (tmp_path / "dcp").exists()
+
+
+def replace_transform(memory, transform):
+    from dataclasses import replace
+
+    return replace(memory, transform=transform)
+
+
+def test_a_dry_run_lists_each_transformed_target_with_its_map(capsys):
+    from ckpttool.cli.show import print_result
+    from ckpttool.commands.merge import MergeResult
+
+    layout = read_layout(fixture_dir(LLAMA) / "checkpoint")
+    plan = plan_merge(layout, transformed_specs(layout, {Q: rope_halves(HEAD_DIM), DOWN: Transpose(0, 1)}))
+    result = MergeResult(str(layout.root), None, layout.format, plan, (), (), None, True)
+    print_result(result, 0)
+    out = capsys.readouterr().out
+    assert f"  {Q}  F32 [32x32]  <- {Q} (2 pieces, RoPE pairs to halves (head_dim 8))" in out
+    assert f"  {DOWN}  F32 [64x32]  <- {DOWN} (2 pieces, transpose dims 0 and 1)" in out
+    assert f"  {K}  F32 [16x32]  <- {K} (2 pieces)" in out
+    targets = {t["name"]: t for t in result.to_json()["targets"]}
+    assert targets[Q]["transform"] == "RoPE pairs to halves (head_dim 8)" and "transform" not in targets[K]
+
+
+def test_a_box_of_a_whole_transformed_target_is_carried_through_compose_and_part_of_one_is_refused():
+    from ckpttool.plan.compose import compose
+
+    layout = read_layout(fixture_dir(LLAMA) / "checkpoint")
+    plan = plan_merge(layout, transformed_specs(layout, {Q: rope_halves(HEAD_DIM), DOWN: Transpose(0, 1)}))
+    targets = {t.name: t for t in plan.targets}
+    reference = load_file(fixture_dir(LLAMA) / "reference" / "model.safetensors")
+    loader = PieceLoader(plan.root)
+    for name, box, expected in [(Q, Box((8, 0), (16, 32)), hf_permute(reference[Q], 4)[8:24]),
+                                (DOWN, Box((16, 0), (16, 32)), reference[DOWN].T[16:32])]:
+        whole = Box.whole(targets[name].shape)
+        target, problems = compose("m", box, [Slice(name, whole, whole)], targets)
+        assert not problems and target.transform is not None and target.shape == box.sizes
+        assert torch.equal(assemble(target, loader), expected), name
+    half = Box((0, 0), (16, 32))
+    target, problems = compose("m", half, [Slice(Q, half, half)], targets)
+    assert target is None and problems == [
+        f"'m': is made of '{Q}', which is transformed (RoPE pairs to halves (head_dim 8)) and has a transform of its "
+        "own, or is one of several parts: only a whole transformed tensor is carried through, as it is; merge it "
+        "first, then use that output"]
+
+
+def test_a_large_transformed_chunk_is_built_and_hashed_never_copied_file_to_file(tmp_path):
+    """A chunk of a one-piece tensor would be copied file to file or read in place; transformed, its bytes are not
+    the source's, so it is built, its CRC-32 is its digest token, and the journal's plan identity tells it apart."""
+    from ckpttool.execute.copies import COPY_BYTES, copied
+    from ckpttool.execute.executor import direct_offset
+    from ckpttool.writers.hf import assign_files
+    from ckpttool.writers.journal import plan_id
+
+    (tmp_path / "src").mkdir()
+    w = torch.randn(2048, 256)  # 2 MiB: one chunk, above COPY_BYTES
+    save_file({"w": w}, tmp_path / "src" / "model.safetensors")
+    layout = read_layout(tmp_path / "src")
+    plain = plan_merge(layout)
+    plan = plan_merge(layout, transformed_specs(layout, {"w": rope_halves(128)}))
+    (chunk,) = chunks(plan.targets[0], 0)
+    assert chunk.nbytes >= COPY_BYTES and copied(chunk) is None and direct_offset(chunk) is None
+    (untransformed,) = chunks(plain.targets[0], 0)
+    assert copied(untransformed) is not None and direct_offset(untransformed) is not None
+    stream(plan, tmp_path / "out.safetensors", 2**25)  # its digest computed again from the file agrees
+    assert torch.equal(load_file(tmp_path / "out.safetensors")["w"], hf_permute(w, 16))
+    assert plan_id(plan, assign_files(plan)) != plan_id(plain, assign_files(plain))
+
+
+def test_a_transformed_target_of_no_rows_has_no_chunk():
+    from ckpttool.layout.layout import Piece
+    from ckpttool.plan.plan import Copy, Target
+
+    piece = Piece("f.safetensors", "w", Box((0, 0), (0, 4)), "F32")
+    for t in (rope_halves(2, dim=1), Transpose(0, 1)):
+        shape = t.target_shape((0, 4))
+        target = Target("w", shape, "F32", "F32", (Copy(piece, piece.box, piece.box),), ("w",), transform=t)
+        assert chunks(target, 0, 8) == [] or all(c.nbytes == 0 for c in chunks(target, 0, 8))
+
+
+def test_split_to_megatron_refuses_vocab_padding_below_a_transformed_tensor():
+    from ckpttool.commands.split_megatron import _compose
+
+    layout = read_layout(fixture_dir(LLAMA) / "checkpoint")
+    embed = "model.embed_tokens.weight"
+    plan = plan_merge(layout, transformed_specs(layout, {embed: interleave(2, 32, dim=1)}))
+    targets = {t.name: t for t in plan.targets}
+    whole = Box.whole((1001, 32))
+    target, problems = _compose(embed, Box((0, 0), (1024, 32)), [Slice(embed, whole, whole)], targets, 1001)
+    assert target is None and problems == [
+        f"'{embed}': vocab padding rows below a transformed tensor (interleave 2 parts of 16 along dim 1) are not "
+        "written yet; merge it first, then split that output"]
+    target, problems = _compose(embed, Box((0, 0), (512, 32)), [Slice(embed, whole, whole)], targets, 1001)
+    assert not problems and target.transform == interleave(2, 32, dim=1)  # rows above the padding: carried

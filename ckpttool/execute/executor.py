@@ -10,7 +10,11 @@ the read buffer itself. Memory is a few chunks per thread, whatever the size of 
 
 A computed target (:class:`~ckpttool.plan.plan.Dequantize`: dequantized, or FP8-quantized in whole block rows)
 is not copied: the source and scale rows its codec (:mod:`ckpttool.quant.codecs`) names are gathered the same way,
-and the codec writes the chunk's values, with its temporaries on the thread's buffers too.
+and the codec writes the chunk's values, with its temporaries on the thread's buffers too. A transformed target
+(:mod:`ckpttool.plan.transforms`: a row permutation within heads, an interleave, a transpose) is cut into chunks of
+target rows its transform aligns (whole blocks of a dim-0 permutation; the whole tensor only when dim 0 is
+transposed): a chunk gathers the pre rows the transform names, as any rows are gathered, and the transform writes
+the chunk from them (a view and one copy) on the thread's buffers; such a chunk is never copied file to file.
 
 Each chunk's token is taken as it is written, and a file's digest made of them (:mod:`ckpttool.execute.digest`),
 so it can be computed again from the file and its sources (:func:`file_digest`).
@@ -77,7 +81,7 @@ def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: in
     if target.dequant is not None:  # a computed target: chunks of whole rows of blocks where it needs them
         per = codec(target.dequant.method, target.dequant.params).align(per)
     if target.transform is not None:  # whole blocks of a row permutation; everything when dim 0 is transposed
-        per = target.transform.align(target.shape, per)
+        per = max(1, target.transform.align(target.shape, per))  # (0 for a target of no rows: a step of 1)
     return [
         Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
         for a in range(0, shape[0], per)

@@ -15,7 +15,8 @@ Kinds (frozen data, compared and hashed like any part of a plan):
 - :class:`Chain`: steps applied in order (pre -> step 1 -> step 2 -> target).
 
 Each has ``name`` (words for ``--dry-run`` and the audit), :meth:`source_shape`, :meth:`target_shape`,
-:meth:`inverse` and :meth:`bound` (the checks against a target's shape, with messages naming it). The streaming
+:meth:`inverse`, :meth:`bound` (the checks against a target's shape, with messages naming it) and :meth:`pre_box`
+(the box of the pre tensor a box of the target is the same transform of, for a split's per-rank boxes). The streaming
 executor writes a transformed target in chunks of target rows ``[a, b)``: :meth:`pre_rows` says which rows of the
 pre tensor (along dim 0) a chunk needs, :meth:`align` how many target rows a chunk should take (whole periods when
 a :class:`Permute` works on dim 0, everything when a :class:`Transpose` moves dim 0), :meth:`apply` computes the
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Union
 from ckpttool.errors import ConfigError
 from ckpttool.fast.deferred import torch
 from ckpttool.io.dtypes import dtype_name, itemsize
-from ckpttool.layout.layout import Shape
+from ckpttool.layout.layout import Box, Shape
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -124,6 +125,13 @@ class Permute:
             return a, b
         return a // self.period * self.period, -(-b // self.period) * self.period
 
+    def pre_box(self, shape: Shape, box: Box) -> Box | None:
+        """The box of the pre tensor that this permutation (bound to ``box.sizes``) makes ``box`` of the target
+        of: the same box when it holds whole blocks along the dim; None when it cuts through one."""
+        if box.offsets[self.dim] % self.period or box.sizes[self.dim] % self.period:
+            return None
+        return box
+
     def scratch_bytes(self, shape: Shape, a: int, b: int, itemsize: int) -> dict[str, int]:
         """The bytes of each buffer :meth:`apply` takes for target rows ``a..b`` (``buffer`` as there)."""
         return _one_buffer(self, shape, a, b, itemsize)
@@ -193,6 +201,10 @@ class Transpose:
     def pre_rows(self, shape: Shape, a: int, b: int) -> tuple[int, int]:
         """The same rows, or every pre row when dim 0 is swapped."""
         return (0, self.source_shape(shape)[0]) if self.moves_rows() else (a, b)
+
+    def pre_box(self, shape: Shape, box: Box) -> Box:
+        """The box of the pre tensor that this transpose makes ``box`` of the target of: the two dims swapped."""
+        return Box(self.source_shape(box.offsets), self.source_shape(box.sizes))
 
     def scratch_bytes(self, shape: Shape, a: int, b: int, itemsize: int) -> dict[str, int]:
         """The bytes of each buffer :meth:`apply` takes for target rows ``a..b``."""
@@ -271,6 +283,15 @@ class Chain:
         for i, step in enumerate(self.steps):  # dim 0 is the same in every step here: their rows are one
             granule = math.lcm(granule, step.align(shapes[i + 1], 1))
         return min(shape[0], -(-rows // granule) * granule)
+
+    def pre_box(self, shape: Shape, box: Box) -> Box | None:
+        """The box of the pre tensor that this chain (bound to ``box.sizes``) makes ``box`` of the target of,
+        step by step; None when a step's box cuts through a block it permutes."""
+        shapes = self.shapes(shape)
+        found: Box | None = box
+        for i in range(len(self.steps) - 1, -1, -1):
+            found = self.steps[i].pre_box(shapes[i + 1], found) if found is not None else None
+        return found
 
     def pre_rows(self, shape: Shape, a: int, b: int) -> tuple[int, int]:
         """The rows of the pre tensor target rows ``a..b`` are made of, step by step."""
