@@ -233,3 +233,17 @@ def test_every_fixture_stays_small():
     for name in NAMES:
         size = sum(p.stat().st_size for p in Path(fixture_dir(name)).rglob("*") if p.is_file())
         assert size < 1_200_000, (name, size)
+
+
+def test_the_dry_run_names_the_rope_transform_and_reads_nothing(cli, tmp_path):
+    name = NAMES[1]
+    out = tmp_path / "out"
+    result = cli("merge", fixture_dir(name) / "checkpoint", out, "--config", fixture_dir(name) / "reference",
+                 "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["adapter"] == "llama (torchtitan convention)"
+    transforms = {t["name"]: t.get("transform") for t in plan["targets"]}
+    assert transforms["model.layers.1.self_attn.k_proj.weight"] == "RoPE pairs to halves (head_dim 8)"
+    assert transforms["model.layers.1.self_attn.v_proj.weight"] is None
+    assert not out.exists()
