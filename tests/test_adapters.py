@@ -49,7 +49,7 @@ def _llama() -> ModelInfo:
 def test_every_family_and_convention_is_registered_once_by_its_name():
     assert [a.name for a in ADAPTERS] == ["mixtral", "qwen2_moe", "gpt_oss"]
     assert ADAPTERS == [mixtral.ADAPTER, qwen2_moe.ADAPTER, gpt_oss.ADAPTER]
-    assert [c.name for c in CONVENTIONS] == ["Megatron-Core", "DeepSpeed MoE", "HuggingFace"]
+    assert [c.name for c in CONVENTIONS] == ["Megatron-Core", "DeepSpeed MoE", "torchtitan", "HuggingFace"]
     assert CONVENTIONS[-1] is hf.CONVENTION  # the catch-all is asked last
 
 
@@ -129,8 +129,9 @@ def test_a_megatron_layout_under_another_format_name_maps_as_the_megatron_reader
 
 # --- what no convention recognises --------------------------------------------------------------------------------
 
-TITAN = ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.feed_forward.w1.weight", "norm.weight",
-         "output.weight")
+#: a framework's own names no registered convention knows (nanoGPT's; torchtitan's were the example until it got
+#: its convention, ckpttool/families/conventions/torchtitan.py)
+TITAN = ("wte.weight", "h.0.attn.c_attn.weight", "h.0.mlp.c_fc.weight", "ln_f.weight", "head.weight")
 
 
 def test_a_layout_no_convention_recognises_is_refused_with_what_was_looked_for():
@@ -140,10 +141,12 @@ def test_a_layout_no_convention_recognises_is_refused_with_what_was_looked_for()
     with pytest.raises(ConfigError) as caught:
         recognised(layout, info)
     assert str(caught.value) == (
-        "'/ckpt': no source convention recognises its tensor names of a llama model ('tok_embeddings.weight', "
-        "'layers.0.attention.wq.weight', 'layers.0.feed_forward.w1.weight' and 2 more; format 'dcp'). Looked for:\n"
+        "'/ckpt': no source convention recognises its tensor names of a llama model ('wte.weight', "
+        "'h.0.attn.c_attn.weight', 'h.0.mlp.c_fc.weight' and 2 more; format 'dcp'). Looked for:\n"
         "  - Megatron-Core: embedding.*, decoder.layers.*, output_layer.*, mtp.layers.* (Megatron-Core's GPT names)\n"
         "  - DeepSpeed MoE: *.deepspeed_moe.experts.deepspeed_experts.*, *.deepspeed_moe.gate.wg.weight (DeepSpeed MoE)\n"
+        "  - torchtitan: tok_embeddings.weight, layers.N.attention[.qkv_linear].wq.weight, "
+        "layers.N.feed_forward.w1.weight (torchtitan)\n"
         "  - HuggingFace: the model's in-memory or on-disk HuggingFace names (with a config)\n"
         "Is this the config the model was trained with? A framework naming tensors its own way needs a convention "
         "(docs/adding-a-family.md)"
@@ -164,7 +167,7 @@ def test_merging_names_no_convention_recognises_is_refused_and_writes_nothing(cl
     result = cli("merge", src, out)
     assert_failed_cleanly(
         result, out,
-        f"'{src}': no source convention recognises its tensor names of a llama model ('layers.0.attention.wq.weight'",
+        f"'{src}': no source convention recognises its tensor names of a llama model ('h.0.attn.c_attn.weight'",
         "  - Megatron-Core: embedding.*, decoder.layers.*",
         "Is this the config the model was trained with?",
     )
@@ -186,3 +189,25 @@ def test_a_rule_added_to_a_family_is_what_map_to_hf_applies():
     specs, notes, problems = hf.CONVENTION.to_hf(layout, info, toy)
     assert sorted(s.name for s in specs) == ["a.weight", "b.weight"]
     assert re.fullmatch(r"toy \(its rules\)", hf.CONVENTION.describe(info, toy, True))
+
+
+# --- placements: the adapter's, asked by split ---------------------------------------------------------------------
+
+def test_split_places_tensors_by_the_family_adapters_tp_rules():
+    from ckpttool.commands.meshes import Mesh, shard_tensors
+
+    toy = FamilyAdapter("toy", tp_rules=((r"\.foo\.weight$", SHARD1),))
+    (sharding,) = shard_tensors([("m.foo.weight", (4, 6), False)], Mesh(tp=2), toy.tp_placement)
+    assert sharding.placements == (REPLICATE, SHARD1)
+    with pytest.raises(ConfigError) as caught:
+        shard_tensors([("m.bar.weight", (4, 6), False)], Mesh(tp=2), toy.tp_placement)
+    assert "'m.bar.weight': no tensor-parallel placement is known for it (tp=2)" in str(caught.value)
+
+
+def test_the_megatron_way_back_names_a_tensor_it_cannot_place():
+    from ckpttool.families.conventions import megatron_back
+
+    assert megatron_back.tp_placement("decoder.layers.self_attention.linear_qkv.weight") == megatron_back.TP_RULES[3][1]
+    with pytest.raises(ConfigError, match=r"^'decoder.layers.foo.weight': the Megatron-Core convention knows no "
+                                          r"tensor-parallel placement for it$"):
+        megatron_back.tp_placement("decoder.layers.foo.weight")

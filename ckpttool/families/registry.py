@@ -12,7 +12,7 @@ from __future__ import annotations
 from ckpttool.errors import ConfigError
 from ckpttool.families import gpt_oss, mixtral, qwen2_moe
 from ckpttool.families.adapter import Convention, FamilyAdapter
-from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core
+from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, torchtitan
 from ckpttool.layout.layout import Layout
 from ckpttool.model.architecture import ModelInfo
 
@@ -27,6 +27,7 @@ ADAPTERS: list[FamilyAdapter] = [
 CONVENTIONS: list[Convention] = [
     megatron_core.CONVENTION,
     deepspeed_moe.CONVENTION,
+    torchtitan.CONVENTION,
     hf.CONVENTION,
 ]
 

@@ -103,6 +103,11 @@ _ALLOWED: dict[tuple[str, str], Allowed] = {
         DCP_RELEASES,
         "TensorProperties.memory_format, as Cls(value) (or getattr(Cls, NAME) under Python 3.11.0-3.11.4)",
     ),
+    # megatron-core 0.12.3 and 0.14.0 keep each rank's plan as their SavePlan subclass (with mcore_data, a dict per
+    # item); 0.9.0 and 0.16.1 write torch's SavePlan (fixtures megatron_v0_*; tests/test_megatron_versions.py)
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): Allowed(
+        record_class("MCoreSavePlan"), (), "megatron-core 0.12.3 and 0.14.0 under torch 2.13 (" + _MEGATRON + "); proven by fixtures megatron_v0_12_*, megatron_v0_14_*"
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): Allowed(record_class("_StorageInfo"), DCP_RELEASES),
     **{
         (_PLANNER, name): Allowed(record_class(name), ("2.13",), _MEGATRON)
