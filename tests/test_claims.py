@@ -20,7 +20,7 @@ EXPECTED = {
     "llama_tp2_fsdp2_dcp": "dcp", "mixtral_fsdp2_dcp": "dcp", "mixtral_fsdp8_dcp_zero_chunk": "dcp",
     "llama_hf_tp2": "hf-distributed", "accelerate_": "dcp", "mixtral_hf_tp2_ep2": "hf-distributed", "verl_": "verl",
     "qwen2moe_fsdp2_dcp": "dcp", "deepseek_v3_fsdp2_dcp": "dcp", "deepseek_v3_hf_tp2_ep2": "hf-distributed",
-    "deepseek_v3_hf_mtp": "hf", "quantized_": "hf", "hf_bin_": "hf", "incident_": "hf",
+    "deepseek_v3_hf_mtp": "hf", "qwen2_5_vl_fsdp2_dcp": "dcp", "quantized_": "hf", "hf_bin_": "hf", "incident_": "hf",
 }
 
 

@@ -1,0 +1,142 @@
+"""Vision-language models: a Qwen2.5-VL saved by torch FSDP2 + DCP (fixtures/make_vlm.py) merges into what
+``save_pretrained`` writes (both towers under their on-disk names), loads strictly into its image-text-to-text class
+and gives the reference's logits on text and on an image; its processor files come along; a checkpoint without its
+vision tower is refused, naming the missing tensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpttool.families import adapter_for, map_from_hf
+from ckpttool.families.rules import cut
+from ckpttool.layout.layout import TensorLayout
+from ckpttool.model.architecture import model_info, read_config
+from ckpttool.writers.destination import EXTRA_FILES
+from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, load_output, tree_digest
+
+NAME = "qwen2_5_vl_fsdp2_dcp"
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+                   "chat_template.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="module")
+def info():
+    return model_info(read_config(fixture_dir(NAME) / "checkpoint" / "config.json"))
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    out = tmp_path_factory.mktemp("vlm") / "merged"
+    result = CliRunner().invoke(main, ["merge", str(fixture_dir(NAME) / "checkpoint"), str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+def test_both_towers_are_expected_from_the_image_text_to_text_class(info):
+    """transformers has no causal LM for Qwen2.5-VL: the expectations come from its ...ForConditionalGeneration,
+    with the vision tower and merger, in memory as the model holds them and on disk as save_pretrained writes."""
+    assert info.architecture == "Qwen2_5_VLForConditionalGeneration"
+    assert "model.visual.patch_embed.proj.weight" in info.memory_shapes
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in info.memory_shapes
+    assert "visual.merger.mlp.0.weight" in info.disk_shapes and "model.layers.1.mlp.up_proj.weight" in info.disk_shapes
+    assert not any(n.startswith(("model.visual.", "model.language_model.")) for n in info.disk_shapes)
+
+
+def test_the_adapter_rules_give_transformers_on_disk_names_and_back(info):
+    """The family adapter's renames, run forwards, turn every in-memory name into transformers' own reverted name
+    with its shape (nothing left over); run backwards (split), every in-memory tensor is one on-disk tensor."""
+    family = adapter_for(info)
+    assert family.name == "qwen2_5_vl"
+    forward = {}
+    for name, shape in info.memory_shapes.items():
+        (spec,) = cut(TensorLayout(name, shape, "", ()), name, family.rules)
+        forward[spec.name] = spec.shape
+    assert forward == dict(info.disk_shapes)
+    back = {t.name: [s.source for s in t.slices] for t in map_from_hf(info)}
+    assert back["model.visual.blocks.0.attn.qkv.weight"] == ["visual.blocks.0.attn.qkv.weight"]
+    assert back["model.language_model.norm.weight"] == ["model.norm.weight"]
+
+
+def test_merge_is_bit_exact_with_save_pretrained_and_copies_the_processor(merged):
+    out, output = merged
+    ours, want = load_output(out), load_output(fixture_dir(NAME) / "reference")
+    assert sorted(ours) == sorted(want)
+    for name, tensor in want.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    assert "family:   qwen2_5_vl" in output and "audit: PASS" in output
+    for name in ("preprocessor_config.json", "chat_template.jinja", "tokenizer.json"):
+        assert (out / name).read_bytes() == (fixture_dir(NAME) / "checkpoint" / name).read_bytes()
+    summary = json.loads((out / "ckpttool-audit.json").read_text())["summary"]
+    assert summary["verdict"] == "pass" and summary["adapter"] == "qwen2_5_vl (its rules)"
+
+
+def test_processor_files_are_extra_files():
+    """Copied with the tokenizer (same link rules: :data:`EXTRA_FILES`), and owned by a merge's output (--force)."""
+    assert set(PROCESSOR_FILES) <= set(EXTRA_FILES)
+
+
+def test_merged_loads_strictly_and_gives_the_references_logits_on_text_and_image(merged):
+    from transformers import AutoModelForImageTextToText
+
+    out, _ = merged
+    ours, loading = AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+    assert type(ours).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert not any(loading[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), loading
+    reference = AutoModelForImageTextToText.from_pretrained(fixture_dir(NAME) / "reference", dtype=torch.float32)
+    text = torch.tensor([[1, 5, 9, 17, 30, 2]])
+    # one 16x16 image: a 4x4 grid of 4x4 patches (temporal 2), merged 2x2 into 4 image tokens
+    cfg = ours.config
+    image_tokens = [cfg.vision_start_token_id] + [cfg.image_token_id] * 4 + [cfg.vision_end_token_id]
+    ids = torch.tensor([[1, 5, *image_tokens, 9, 2]])
+    pixels = torch.randn(16, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(0))
+    grid = torch.tensor([[1, 4, 4]])
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=text).logits, reference(input_ids=text).logits)
+        got = ours(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits
+        want = reference(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits
+        blind = ours(input_ids=ids, pixel_values=torch.zeros_like(pixels), image_grid_thw=grid).logits
+    assert torch.equal(got, want)
+    assert not torch.equal(got, blind)  # the image went through the vision tower
+
+
+def _without_vision_tower(tmp_path: Path) -> Path:
+    """The fixture re-saved with DCP (one process) without any ``model.visual.*`` tensor: a training script that
+    saved only the language model's state."""
+    import torch.distributed.checkpoint as dcp
+
+    sys.path.insert(0, str(FIXTURES))
+    import make_fixtures
+
+    source = fixture_dir(NAME) / "checkpoint"
+    state = make_fixtures.read_checkpoint_no_dist(source, hf=False)
+    dropped = tmp_path / "dropped" / "checkpoint"
+    dcp.save({k: v for k, v in state.items() if not k.startswith("model.visual.")}, checkpoint_id=str(dropped),
+             no_dist=True)
+    shutil.copy(source / "config.json", dropped)
+    return dropped
+
+
+def test_a_checkpoint_without_its_vision_tower_is_refused_naming_the_missing_tensors(tmp_path, cli):
+    source = _without_vision_tower(tmp_path)
+    before = tree_digest(source)
+    out = tmp_path / "out"
+    result = cli("merge", source, out)
+    assert_failed_cleanly(result, out, "does not match its qwen2_5_vl config (30 problems)",
+                          "'visual.patch_embed.proj.weight': expected by the config but not in the checkpoint",
+                          "'visual.merger.mlp.2.weight': expected by the config but not in the checkpoint")
+    assert tree_digest(source) == before
+    audit = cli("audit", source)
+    assert audit.exit_code == 3, audit.output
+    assert "tensor-missing  visual.blocks.0.attn.qkv.weight" in audit.output
+    assert "audit: FAIL" in audit.output
