@@ -136,7 +136,43 @@ def test_a_checkpoint_without_its_vision_tower_is_refused_naming_the_missing_ten
                           "'visual.patch_embed.proj.weight': expected by the config but not in the checkpoint",
                           "'visual.merger.mlp.2.weight': expected by the config but not in the checkpoint")
     assert tree_digest(source) == before
+    assert tree_digest(source) == before
+
+
+def test_the_audit_gives_one_root_cause_for_a_missing_vision_tower(tmp_path, cli):
+    source = _without_vision_tower(tmp_path)
     audit = cli("audit", source)
     assert audit.exit_code == 3, audit.output
-    assert "tensor-missing  visual.blocks.0.attn.qkv.weight" in audit.output
-    assert "audit: FAIL" in audit.output
+    assert ("tensor-missing  the vision side 'visual' of a vision-language model is missing (30 tensors); the "
+            "config declares it") in audit.output
+    report = cli("audit", "--json", source)
+    causes = json.loads(report.stdout)["causes"]
+    assert len(causes) == 1 and causes[0]["code"] == "tensor-missing"
+    assert "visual.merger.mlp.2.weight" in causes[0]["tensors"] and len(causes[0]["tensors"]) == 30
+
+
+def test_split_to_dcp_gives_back_what_fsdp2_saved(merged, tmp_path, cli):
+    """``split --to dcp --fsdp 2`` of the merged model: the producer's in-memory names, values bit for bit and the
+    chunks FSDP2 made on 2 ranks; the processor files come along."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    sys.path.insert(0, str(FIXTURES))
+    import make_fixtures
+
+    out, _ = merged
+    split = tmp_path / "split"
+    result = cli("split", out, split, "--to", "dcp", "--fsdp", "2")
+    assert result.exit_code == 0, result.output
+    source = fixture_dir(NAME) / "checkpoint"
+    got = make_fixtures.read_checkpoint_no_dist(split, hf=False)
+    want = make_fixtures.read_checkpoint_no_dist(source, hf=False)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+    def chunks(path):
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks) for k, v in meta.items()}
+
+    assert chunks(split) == chunks(source)
+    assert (split / "preprocessor_config.json").read_bytes() == (out / "preprocessor_config.json").read_bytes()
