@@ -176,3 +176,25 @@ def test_split_to_dcp_gives_back_what_fsdp2_saved(merged, tmp_path, cli):
 
     assert chunks(split) == chunks(source)
     assert (split / "preprocessor_config.json").read_bytes() == (out / "preprocessor_config.json").read_bytes()
+
+
+def test_processor_files_linking_out_are_skipped_with_a_note_as_tokenizer_files_are(tmp_path, cli):
+    """The link rules of tokenizer files hold for the processor's: a link out of the checkpoint is never followed
+    (not copied, a note names it and where it leads); the files inside are copied."""
+    source = tmp_path / "ckpt"
+    shutil.copytree(fixture_dir(NAME) / "checkpoint", source)
+    secret = tmp_path / "elsewhere" / "preprocessor_config.json"
+    secret.parent.mkdir()
+    shutil.move(source / "preprocessor_config.json", secret)
+    (source / "preprocessor_config.json").symlink_to(secret)
+    (source / "video_preprocessor_config.json").symlink_to("/etc/passwd")
+    out = tmp_path / "out"
+    result = cli("merge", source, out, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    for name, target in (("preprocessor_config.json", str(secret)), ("video_preprocessor_config.json", "/etc/passwd")):
+        assert not (out / name).exists()
+        note = next(n for n in doc["notes"] if f"{name}' not copied" in n)
+        assert f"it is a symlink to '{target}" in note and "outside the checkpoint" in note
+    assert (out / "chat_template.jinja").read_bytes() == (source / "chat_template.jinja").read_bytes()
+    assert "chat_template.jinja" in doc["extras"]
