@@ -198,3 +198,12 @@ def test_processor_files_linking_out_are_skipped_with_a_note_as_tokenizer_files_
         assert f"it is a symlink to '{target}" in note and "outside the checkpoint" in note
     assert (out / "chat_template.jinja").read_bytes() == (source / "chat_template.jinja").read_bytes()
     assert "chat_template.jinja" in doc["extras"]
+
+
+def test_verify_runs_the_merged_vlm_against_its_dcp_source_through_its_class(merged, cli):
+    """``verify`` loads both sides with the class ``config.architectures`` names and compares text logits."""
+    out, _ = merged
+    result = cli("verify", out, "--against", fixture_dir(NAME) / "checkpoint")
+    assert result.exit_code == 0, result.output
+    assert f"output:    {out} (Qwen2_5_VLForConditionalGeneration, float32)" in result.output
+    assert "max |Δlogit| 0 " in result.output and "verified: equal to the reference" in result.output
