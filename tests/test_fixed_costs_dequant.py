@@ -11,7 +11,8 @@ from test_quantized import DEEPSEEK, GPT_OSS, QWEN3, checkpoint
 import ckpttool
 import ckpttool.execute.executor as executor
 from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
-from ckpttool.plan.source import dequantized_targets, plan_layout, plan_source
+from ckpttool.commands.source import plan_source
+from ckpttool.families.source import dequantized_targets, plan_layout
 from ckpttool.quant import decode
 from ckpttool.quant.codecs import codec
 from ckpttool.quant.decode import scale_blocks

@@ -15,7 +15,7 @@ from ckpttool.plan import plan as plan_module
 from ckpttool.layout.layout import RAW, Box, Piece
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError
-from ckpttool.plan.source import plan_source
+from ckpttool.commands.source import plan_source
 from ckpttool.io.safetensors_format import _check_contiguous, _entry, _well_formed
 from conftest import FIXTURES
 

@@ -1,4 +1,4 @@
-"""The one entry point from a source to a plan (ckpttool.plan.source), and the family adapter it reports."""
+"""The one entry point from a source to a plan (ckpttool.commands.source), and the family adapter it reports."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from ckpttool.errors import ConfigError, CoverageError
-from ckpttool.plan.source import plan_source
+from ckpttool.commands.source import plan_source
 from conftest import FIXTURES, fixture_dir
 
 

@@ -36,7 +36,7 @@ from ckpttool.plan.plan import TargetSpec, plan_covered
 from ckpttool.families import mtp_missing_note
 from ckpttool.families.quantized import scale_names
 from ckpttool.findings import Finding, Report, TensorStats, finding, sort_findings
-from ckpttool.plan.source import plan_layout
+from ckpttool.families.source import plan_layout
 from ckpttool.readers import detect_format, hf, read_layout
 from ckpttool.audit.causes import group_findings
 from ckpttool.audit.config import (

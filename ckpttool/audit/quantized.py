@@ -13,14 +13,14 @@ from ckpttool.fast.deferred import torch
 from ckpttool.io.dtypes import torch_dtype
 from ckpttool.plan.plan import Plan, Target
 from ckpttool.findings import Finding, finding
-from ckpttool.plan.source import Planned, dequantized_targets
+from ckpttool.families.source import Planned, dequantized_targets
 from ckpttool.quant.checks import Problem
 from ckpttool.quant.formats import E8M0_NAN, SCALES_SUFFIX, links
 from ckpttool.audit.stats import blocks, fold
 
 
 def quantization_findings(problems: Sequence[Problem]) -> list[Finding]:
-    """Each problem of the plan's quantized tensors (:attr:`ckpttool.plan.source.Planned.quantization`) as a finding."""
+    """Each problem of the plan's quantized tensors (:attr:`ckpttool.families.source.Planned.quantization`) as a finding."""
     return [finding(p.code, p.message, tensor=p.tensor) for p in problems]
 
 

@@ -67,7 +67,7 @@ def print_result(result: MergeResult, verbose: int) -> None:
             click.echo("\n".join(lines))
 
 
-#: how the plan's note of a generic merge begins (ckpttool.plan.source.plan_layout); the warning says it instead
+#: how the plan's note of a generic merge begins (ckpttool.families.source.plan_layout); the warning says it instead
 GENERIC_NOTE = "generic merge ("
 
 #: the tensor lines of a dry run are printed this many at a time (one write each)

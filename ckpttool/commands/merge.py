@@ -17,7 +17,8 @@ from ckpttool.families.quantize import quantize_block
 from ckpttool.families.quantized import output_config, scale_names
 from ckpttool.findings import Report
 from ckpttool.fast.jsontext import dumps as json_text
-from ckpttool.plan.source import Planned, plan_source
+from ckpttool.commands.source import plan_source
+from ckpttool.families.source import Planned
 from ckpttool.quant.encode import RoundTrip
 from ckpttool.writers.destination import AUDIT_FILE, Staging, check_destination
 from ckpttool.writers.hf import (
@@ -117,7 +118,7 @@ def prepare(
 
     With a config that transformers knows, targets get the on-disk HuggingFace names of its family's adapter and
     are checked against the architecture; without one (or for an unknown architecture), the merge is generic:
-    tensor names are kept as the source recorded them, and a note says so (see :mod:`ckpttool.plan.source`).
+    tensor names are kept as the source recorded them, and a note says so (see :mod:`ckpttool.families.source`).
 
     Raises:
         ConfigError: tensors that do not fit the config; CoverageError: targets not covered exactly once.

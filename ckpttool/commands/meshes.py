@@ -13,10 +13,10 @@ holding the same experts shard them again with FSDP2.
 rank ``d * fsdp * tp + f * tp + t``, and each replica holds the whole ``fsdp x tp`` layout above. DCP saves a
 replicated chunk once (``dedup_save_plans``; :func:`ckpttool.writers.dcp.share_items`).
 
-Tensor-parallel placements follow torch's and transformers' Llama/Mixtral plans (:data:`TP_RULES`):
-``ColwiseParallel`` q/k/v/gate/up ``Shard(0)`` (their biases too), ``RowwiseParallel`` o/down ``Shard(1)`` (their
-biases replicated), embeddings and ``lm_head`` ``Shard(0)`` (the vocab), norms, routers and experts replicated
-(``ep`` shards experts). FSDP2 over TP shards dim 0 of each TP shard: ``_StridedShard(0, tp)`` on ``fsdp`` when
+Tensor-parallel placements are the family adapter's (:meth:`ckpttool.families.adapter.FamilyAdapter.tp_placement`,
+by default torch's and transformers' Llama/Mixtral plans: ``ColwiseParallel`` q/k/v/gate/up ``Shard(0)``,
+``RowwiseParallel`` o/down ``Shard(1)``, embeddings and ``lm_head`` ``Shard(0)``, norms, routers and experts
+replicated; ``ep`` shards experts), given to :func:`shard_tensors` by the command. FSDP2 over TP shards dim 0 of each TP shard: ``_StridedShard(0, tp)`` on ``fsdp`` when
 TP shards dim 0, else ``Shard(0)``. The arithmetic is :mod:`ckpttool.layout.placements` (``torch.chunk`` splits, uneven
 sizes included), the same that reads such checkpoints.
 
@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ckpttool.layout.layout import Box, Shape
@@ -38,20 +37,6 @@ from ckpttool.errors import ArgumentError, ConfigError
 from ckpttool.layout.placements import Placement, local_ranges, local_shape
 
 SHARD0, SHARD1, REPLICATE = Placement("shard", 0), Placement("shard", 1), Placement("replicate")
-
-#: in-memory tensor name (regex, searched) -> its placement on the ``tp`` mesh dim; the first match applies
-TP_RULES: tuple[tuple[str, Placement], ...] = (
-    (r"(^|\.)embed_tokens\.weight$", SHARD0),  # RowwiseParallel on an nn.Embedding: vocab rows
-    (r"(^|\.)lm_head\.weight$", SHARD0),  # ColwiseParallel: vocab rows
-    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$", SHARD0),  # ColwiseParallel
-    (r"\.(o_proj|down_proj)\.weight$", SHARD1),  # RowwiseParallel
-    (r"\.(o_proj|down_proj)\.bias$", REPLICATE),
-    (r"norm\.weight$", REPLICATE),
-    (r"\.mlp\.gate\.(weight|e_score_correction_bias)$", REPLICATE),  # MoE router
-    (r"\.mlp\.experts\.", REPLICATE),  # stacked experts: not tensor-parallel, ep shards them
-    (r"\.shared_expert_gate\.weight$", REPLICATE),
-)
-
 
 #: the most ranks of any mesh dim, and of a whole mesh (the product of its dims): every rank is a file to plan
 MAX_RANKS = 65536
@@ -260,13 +245,10 @@ class Sharding:
         return f"({', '.join(p for _, p in shown)}) over {' x '.join(d for d, _ in shown)}"
 
 
-def tp_placement(name: str) -> Placement | None:
-    """The tensor-parallel placement of in-memory tensor ``name`` (:data:`TP_RULES`), or None when no rule knows it."""
-    return next((p for pattern, p in TP_RULES if re.search(pattern, name)), None)
-
-
-def shard_tensors(tensors: Iterable[tuple[str, Shape, bool]], mesh: Mesh) -> list[Sharding]:
-    """Place every ``(name, shape, stacked experts)`` tensor on ``mesh``.
+def shard_tensors(tensors: Iterable[tuple[str, Shape, bool]], mesh: Mesh,
+                  tp_placement: Callable[[str], Placement | None]) -> list[Sharding]:
+    """Place every ``(name, shape, stacked experts)`` tensor on ``mesh``; ``tp_placement`` gives a tensor's
+    placement on the ``tp`` dim by its in-memory name (the family adapter's), None when it knows none.
 
     Raises:
         ConfigError: every tensor the mesh cannot place, listed: no tensor-parallel rule for it (with ``tp``

@@ -25,7 +25,7 @@ from ckpttool.plan.plan import Plan, plan_merge
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError, OutputError, SourceError
 from ckpttool.commands.merge import config_dtype, extras_search, prepare
 from ckpttool.commands.meshes import MegatronMesh, Mesh, Sharding, mesh_for
-from ckpttool.plan.source import Planned
+from ckpttool.families.source import Planned
 from ckpttool.commands.split_dcp import model_of, plan_dcp
 from ckpttool.commands.split_megatron import plan_megatron, training_args
 from ckpttool.console.terminal import escaped, shown, size_text

@@ -1,7 +1,8 @@
 """``split --to dcp``: every rank's chunks of every in-memory tensor on a device mesh, planned as targets.
 
 The model's in-memory tensors are slices of the merge plan's on-disk ones (:func:`in_memory`: the family's rules
-run backwards); :func:`ckpttool.commands.meshes.shard_tensors` places them on the mesh, and every rank's box becomes
+run backwards); :func:`ckpttool.commands.meshes.shard_tensors` places them on the mesh (tensor-parallel placements
+from the family adapter), and every rank's box becomes
 one target whose copies reach straight into the source's pieces (:func:`ckpttool.plan.compose.compose`), laid out
 in the rank files torch's ``FileSystemWriter`` writes (:func:`ckpttool.writers.dcp.lay_out`). Reads no tensor data.
 """
@@ -12,12 +13,12 @@ import math
 
 from ckpttool.commands.meshes import Mesh, Sharding, shard_tensors
 from ckpttool.errors import ConfigError, CoverageError
-from ckpttool.families import MemoryTensor, map_from_hf
+from ckpttool.families import MemoryTensor, adapter_for, map_from_hf
 from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import Box
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.plan.compose import compose
-from ckpttool.plan.source import Planned
+from ckpttool.families.source import Planned
 from ckpttool.writers import dcp
 
 
@@ -55,7 +56,8 @@ def plan_dcp(prepared: Planned, mesh: Mesh) -> tuple[list[Sharding], tuple[dcp.D
     """
     memory = in_memory(prepared)
     _check_degrees(memory, mesh)
-    shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh)
+    placement = adapter_for(model_of(prepared)).tp_placement
+    shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh, placement)
     slices = {m.name: m.slices for m in memory}
     targets = {t.name: t for t in prepared.plan.targets}
     # a chunk weighs its whole tensor's bytes when ranks share replicated chunks out (torch's tensor_storage_size)

@@ -1,9 +1,10 @@
 """``split --to megatron``: Megatron-Core ``torch_dist`` for TP x PP x EP, planned as the DCP target is.
 
 The global tensors and where every HuggingFace element goes are the family layer's
-(:func:`ckpttool.families.conventions.megatron_back.from_hf`: Megatron-Core's cut run backwards). Here each is placed on
-Megatron's ranks, ordered ``tp`` fastest, then ``ep``, then ``pp`` (megatron-core's default ``tp-cp-ep-dp-pp``
-with one data-parallel rank per expert group), with :class:`~ckpttool.commands.meshes.Sharding` over the mesh dims
+(:func:`ckpttool.families.conventions.megatron_back.from_hf`: Megatron-Core's cut run backwards), and so are their
+tensor-parallel placements (:data:`~ckpttool.families.conventions.megatron_back.TP_RULES`) and the ``_extra_state``
+modules. Here each is placed on Megatron's ranks, ordered ``tp`` fastest, then ``ep``, then ``pp`` (megatron-core's
+default ``tp-cp-ep-dp-pp`` with one data-parallel rank per expert group), with :class:`~ckpttool.commands.meshes.Sharding` over the mesh dims
 ``(pp, ep, tp)``:
 
 - stacked layer tensors: the layer axis ``Shard(0)`` over ``pp`` (each stage its consecutive layers);
@@ -21,7 +22,6 @@ Vocab rows past the true vocab are zeros.
 from __future__ import annotations
 
 import math
-import re
 
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.io.dtypes import itemsize
@@ -29,29 +29,12 @@ from ckpttool.plan.compose import compose
 from ckpttool.layout.layout import Box
 from ckpttool.plan.plan import Target
 from ckpttool.errors import ConfigError, CoverageError
-from ckpttool.families.conventions.megatron_back import EXPERT_TENSORS, from_hf, padded_vocab
+from ckpttool.families.conventions import megatron_back
+from ckpttool.families.conventions.megatron_back import EXPERT_TENSORS, EXTRA_STATE, from_hf, padded_vocab
 from ckpttool.commands.meshes import REPLICATE, MegatronMesh, Sharding
 from ckpttool.layout.placements import Placement
-from ckpttool.plan.source import Planned
+from ckpttool.families.source import Planned
 from ckpttool.writers import dcp
-
-#: Megatron-Core tensor name (regex, searched) -> its tensor-parallel placement; the first match applies
-TP_RULES: tuple[tuple[str, Placement], ...] = (
-    (r"^(embedding\.word_embeddings|output_layer)\.weight$", Placement("shard", 0)),
-    (r"^decoder\.layers\.mlp\.experts\.experts\.linear_fc1\.weight$", Placement("strided", 2, 2)),
-    (r"^decoder\.layers\.mlp\.experts\.experts\.linear_fc2\.weight$", Placement("shard", 3)),
-    (r"\.linear_qkv\.(weight|bias)$", Placement("shard", 1)),
-    (r"\.linear_fc1\.weight$", Placement("strided", 1, 2)),
-    (r"\.(linear_proj|linear_fc2)\.weight$", Placement("shard", 2)),
-    (r"(layer_norm_weight|layernorm\.weight|router\.weight|gate_weight)$", REPLICATE),
-)
-
-
-#: the linear layers whose ``_extra_state`` megatron-core saves beside their weights
-EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
-               "mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2", "mlp.shared_experts.linear_fc1",
-               "mlp.shared_experts.linear_fc2")
-
 
 def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:
     """Every rank's chunks of every Megatron-Core global tensor, each a target proven to tile its box (padding
@@ -112,7 +95,7 @@ def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh) -> lis
 
 
 def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh) -> Sharding:
-    tp = next(p for pattern, p in TP_RULES if re.search(pattern, name))  # at tp=1 too: fc1's halves are two chunks
+    tp = megatron_back.tp_placement(name)  # at tp=1 too: fc1's halves are two chunks
     pp = Placement("shard", 0) if name.startswith("decoder.layers.") else REPLICATE
     ep = Placement("shard", 1) if name in EXPERT_TENSORS else REPLICATE
     return Sharding(name, shape, (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)), (pp, ep, tp))
@@ -179,35 +162,7 @@ def _check_sizes(config, shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh)
 
 
 def training_args(info: ModelInfo, mesh: MegatronMesh, shapes: dict[str, tuple[int, ...]]) -> dict[str, object]:
-    """The Megatron-LM training arguments ``common.pt`` records for this model and mesh: those its
-    ``load_checkpoint`` compares and the ones a reader needs to tell padding from vocab."""
-    config = info.config
-    heads = int(config.get("num_attention_heads") or 0)
-    groups = int(config.get("num_key_value_heads") or heads)
-    qkv = shapes["decoder.layers.self_attention.linear_qkv.weight"]
-    experts = shapes.get(EXPERT_TENSORS[0])
-    shared = shapes.get("decoder.layers.mlp.shared_experts.linear_fc1.weight")
-    dense = shapes.get("decoder.layers.mlp.linear_fc1.weight")
-    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
-    theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
-    args: dict[str, object] = {
-        "num_layers": qkv[0], "hidden_size": qkv[2], "num_attention_heads": heads, "group_query_attention": groups != heads,
-        "num_query_groups": groups, "kv_channels": qkv[1] // (heads + 2 * groups),
-        "ffn_hidden_size": (dense[1] // 2 if dense else int(config.get("intermediate_size") or experts[2] // 2)),
-        "max_position_embeddings": config.get("max_position_embeddings"), "position_embedding_type": "rope",
-        "rotary_base": int(theta), "normalization": "RMSNorm", "norm_epsilon": config.get("rms_norm_eps"), "swiglu": True,
-        "add_bias_linear": False, "add_qkv_bias": "decoder.layers.self_attention.linear_qkv.bias" in shapes,
-        "untie_embeddings_and_output_weights": "output_layer.weight" in shapes,
-        "tensor_model_parallel_size": mesh.tp, "pipeline_model_parallel_size": mesh.pp,
-        "expert_model_parallel_size": mesh.ep, "expert_tensor_parallel_size": mesh.tp,
-        "make_vocab_size_divisible_by": mesh.divisible_by,
-        "padded_vocab_size": shapes["embedding.word_embeddings.weight"][0], "transformer_impl": "local",
-        "ckpt_format": "torch_dist", "iteration": mesh.iteration, "num_experts": experts[1] if experts else None,
-    }
-    if experts:
-        args.update(moe_ffn_hidden_size=experts[2] // 2, moe_router_topk=config.get("num_experts_per_tok"),
-                    moe_grouped_gemm=False)
-    if shared:
-        args.update(moe_shared_expert_intermediate_size=shared[1] // 2,
-                    moe_shared_expert_gate="decoder.layers.mlp.shared_experts.gate_weight" in shapes)
-    return args
+    """The Megatron-LM training arguments ``common.pt`` records for this model and mesh
+    (:func:`ckpttool.families.conventions.megatron_back.training_args`)."""
+    return megatron_back.training_args(info, shapes, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
+                                       divisible_by=mesh.divisible_by, iteration=mesh.iteration)

@@ -48,7 +48,7 @@ def quiet_interrupts() -> None:
 
 #: the cyclic garbage collector's thresholds for the command (Python's default: 700, 10, 10)
 COLLECT_THRESHOLDS = (100_000, 20, 20)
-#: the commands that plan a source (:func:`ckpttool.plan.source.plan_layout`) before anything else of their own
+#: the commands that plan a source (:func:`ckpttool.families.source.plan_layout`) before anything else of their own
 PLANNING_COMMANDS = frozenset({"merge", "audit", "diff", "split"})
 #: True while the command holds the collector off until its plan is built (see :func:`collect_rarely`)
 _held = False
@@ -79,7 +79,7 @@ def collect_rarely() -> None:
 
 
 def planned() -> None:
-    """A plan is built (:func:`ckpttool.plan.source.plan_layout`): if the command held the collector off until now,
+    """A plan is built (:func:`ckpttool.families.source.plan_layout`): if the command held the collector off until now,
     freeze every object there is and let the collector run again. Does nothing otherwise (a library's caller,
     a second plan)."""
     global _held

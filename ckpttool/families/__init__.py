@@ -14,7 +14,7 @@ Entry points: :func:`map_to_hf` (a layout under on-disk HuggingFace names, unche
 :func:`mtp_missing_note` (declared MTP layers a source does not hold, :mod:`.mtp`), :func:`keeps_dtype` (targets a
 cast leaves alone), :func:`convention_of` (whose names a format holds) and :func:`refusal` (the error a merge raises
 for what does not fit). Commands reach them through
-:mod:`ckpttool.plan.source`.
+:mod:`ckpttool.families.source` (and :mod:`ckpttool.commands.source`, which reads).
 Adding a family is one adapter module here and one line in :data:`.registry.ADAPTERS`
 (``docs/adding-a-family.md``).
 """

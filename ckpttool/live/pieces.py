@@ -21,7 +21,7 @@ from ckpttool.layout.layout import Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.plan.plan import Plan
 from ckpttool.errors import SourceError
-from ckpttool.plan.source import plan_layout
+from ckpttool.families.source import plan_layout
 from ckpttool.io.sidecar import PieceSpec
 
 

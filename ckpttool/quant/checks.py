@@ -1,7 +1,7 @@
 """What can be wrong with a quantized checkpoint, seen from its headers and its config (no tensor data).
 
 Each problem carries the audit's finding code (:data:`ckpttool.findings.CODES`); a merge refuses the same
-problems before writing anything (:mod:`ckpttool.plan.source`).
+problems before writing anything (:mod:`ckpttool.families.source`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout, Padding, Shape, TensorLayout
 from ckpttool.plan.plan import Slice
 from ckpttool.errors import ConfigError
+from ckpttool.families.adapter import REPLICATE, SHARD0, PlacementRules, placement_of
 from ckpttool.families.conventions import megatron_core
+from ckpttool.layout.placements import Placement
 
 #: tensors whose rows are the (padded) vocab
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -28,6 +30,33 @@ EXPERT_TENSORS = ("decoder.layers.mlp.experts.experts.linear_fc1.weight",
                   "decoder.layers.mlp.experts.experts.linear_fc2.weight")
 #: model types whose HuggingFace tensors this convention places
 MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+
+#: Megatron-Core tensor name (regex, searched) -> its tensor-parallel placement; the first match applies
+TP_RULES: PlacementRules = (
+    (r"^(embedding\.word_embeddings|output_layer)\.weight$", SHARD0),
+    (r"^decoder\.layers\.mlp\.experts\.experts\.linear_fc1\.weight$", Placement("strided", 2, 2)),
+    (r"^decoder\.layers\.mlp\.experts\.experts\.linear_fc2\.weight$", Placement("shard", 3)),
+    (r"\.linear_qkv\.(weight|bias)$", Placement("shard", 1)),
+    (r"\.linear_fc1\.weight$", Placement("strided", 1, 2)),
+    (r"\.(linear_proj|linear_fc2)\.weight$", Placement("shard", 2)),
+    (r"(layer_norm_weight|layernorm\.weight|router\.weight|gate_weight)$", REPLICATE),
+)
+#: the linear layers whose ``_extra_state`` megatron-core saves beside their weights
+EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
+               "mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2", "mlp.shared_experts.linear_fc1",
+               "mlp.shared_experts.linear_fc2")
+
+
+def tp_placement(name: str) -> Placement:
+    """The tensor-parallel placement of Megatron-Core global tensor ``name`` (:data:`TP_RULES`).
+
+    Raises:
+        ConfigError: no rule places it (a tensor :func:`megatron_shapes` does not list: a bug or a new tensor).
+    """
+    placement = placement_of(name, TP_RULES)
+    if placement is None:
+        raise ConfigError(f"'{name}': the Megatron-Core convention knows no tensor-parallel placement for it")
+    return placement
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
@@ -128,3 +157,40 @@ def from_hf(info: ModelInfo, vocab_rows: int) -> list[tuple[str, Shape, tuple[Sl
                           f"place in the Megatron-Core form ckpttool writes: {', '.join(repr(n) for n in left[:5])}")
     return [(name, shape, tuple(slices[name]), vocab if name in VOCAB and shape[0] != vocab else None)
             for name, shape in shapes.items()]
+
+
+def training_args(info: ModelInfo, shapes: Mapping[str, Shape], *, tp: int, pp: int, ep: int, divisible_by: int,
+                  iteration: int) -> dict[str, object]:
+    """The Megatron-LM training arguments ``common.pt`` records for this model (its Megatron-Core global tensors'
+    ``shapes``) on ``tp`` x ``pp`` x ``ep`` ranks: those its ``load_checkpoint`` compares and the ones a reader
+    needs to tell padding from vocab."""
+    config = info.config
+    heads = int(config.get("num_attention_heads") or 0)
+    groups = int(config.get("num_key_value_heads") or heads)
+    qkv = shapes["decoder.layers.self_attention.linear_qkv.weight"]
+    experts = shapes.get(EXPERT_TENSORS[0])
+    shared = shapes.get("decoder.layers.mlp.shared_experts.linear_fc1.weight")
+    dense = shapes.get("decoder.layers.mlp.linear_fc1.weight")
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    args: dict[str, object] = {
+        "num_layers": qkv[0], "hidden_size": qkv[2], "num_attention_heads": heads, "group_query_attention": groups != heads,
+        "num_query_groups": groups, "kv_channels": qkv[1] // (heads + 2 * groups),
+        "ffn_hidden_size": (dense[1] // 2 if dense else int(config.get("intermediate_size") or experts[2] // 2)),
+        "max_position_embeddings": config.get("max_position_embeddings"), "position_embedding_type": "rope",
+        "rotary_base": int(theta), "normalization": "RMSNorm", "norm_epsilon": config.get("rms_norm_eps"), "swiglu": True,
+        "add_bias_linear": False, "add_qkv_bias": "decoder.layers.self_attention.linear_qkv.bias" in shapes,
+        "untie_embeddings_and_output_weights": "output_layer.weight" in shapes,
+        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+        "expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp,
+        "make_vocab_size_divisible_by": divisible_by,
+        "padded_vocab_size": shapes["embedding.word_embeddings.weight"][0], "transformer_impl": "local",
+        "ckpt_format": "torch_dist", "iteration": iteration, "num_experts": experts[1] if experts else None,
+    }
+    if experts:
+        args.update(moe_ffn_hidden_size=experts[2] // 2, moe_router_topk=config.get("num_experts_per_tok"),
+                    moe_grouped_gemm=False)
+    if shared:
+        args.update(moe_shared_expert_intermediate_size=shared[1] // 2,
+                    moe_shared_expert_gate="decoder.layers.mlp.shared_experts.gate_weight" in shapes)
+    return args

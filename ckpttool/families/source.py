@@ -1,6 +1,8 @@
-"""The one way from a source to a plan, used by merge, audit, diff and live.
+"""The one way from a layout to a plan, used by merge, audit, diff, split and live: the commands' bridge to the
+families (:func:`ckpttool.commands.source.plan_source` reads the source and its config, then calls
+:func:`plan_layout`).
 
-source + config + options -> :class:`Planned`: the layout (what the reader found), the family's mapping of it
+layout + config + options -> :class:`Planned`: the layout (what the reader found), the family's mapping of it
 to HuggingFace names (:mod:`ckpttool.families`), and the coverage-checked plan, with everything that does not
 fit kept as data: tensors the adapter cannot place, mismatches against transformers, targets not covered
 exactly once. A merge refuses on any of them (:meth:`Planned.refuse`); the audit turns each into findings.
@@ -14,8 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpttool.model.architecture import ModelInfo, find_config, model_info, read_config
-from ckpttool.model.config_sizes import census, check_config_sizes
+from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import Plan, Target, TargetSpec, identity_specs, plan_covered
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError
@@ -35,7 +36,6 @@ from ckpttool.families.quantized import problems as quantization_problems
 from ckpttool.families.quantized import refusal as quantization_refusal
 from ckpttool.quant.checks import Problem
 from ckpttool.quant.formats import read_quantization
-from ckpttool.readers import read_layout
 from ckpttool.console.startup import planned
 
 
@@ -120,28 +120,6 @@ class Planned:
             "so a merge would write names transformers cannot load. Pass config='path/to/config.json' (the config of "
             f"the HuggingFace model) to write HuggingFace names, or raw_names=True to keep the {convention} names"
         )
-
-
-def plan_source(
-    src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None, quantize: tuple[int, int] | None = None, drop: Sequence[str] = (),
-) -> Planned:
-    """Find and read the config, read the source's layout, and plan it (see :func:`plan_layout`).
-
-    Raises:
-        SourceError, ConfigError: the source or the config cannot be read (not what merely does not fit:
-            that is data in the result).
-    """
-    root = Path(src)
-    config_path = find_config(root, config)
-    config_dict = read_config(config_path) if config_path is not None else None
-    model = None
-    if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
-        check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights))
-        model = model_info(config_dict, label=str(config_path))
-    layout = read_layout(root, format=format, model=model, weights=weights)
-    return plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype, quantize=quantize,
-                       drop=drop)
 
 
 def plan_layout(
