@@ -230,3 +230,24 @@ def test_split_with_tensor_parallel_keeps_the_vision_side_whole_and_the_language
     assert all(len(chunks[k]) == 1 for k in chunks if k.startswith("model.visual."))
     assert chunks["model.language_model.layers.0.self_attn.q_proj.weight"] == [((0, 0), (16, 32)), ((16, 0), (16, 32))]
     assert chunks["model.language_model.layers.0.self_attn.o_proj.weight"] == [((0, 0), (32, 16)), ((0, 16), (32, 16))]
+
+
+def test_a_tied_head_renamed_by_the_conversion_is_not_expected_on_disk(tmp_path):
+    """Gemma 3 with vision: its tied ``lm_head`` is reverted to ``language_model.lm_head.weight``, which
+    save_pretrained never writes; the expected on-disk tensors are exactly what save_pretrained writes."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = dict(model_type="gemma3", mm_tokens_per_image=4, image_token_index=299, boi_token_index=297,
+                  eoi_token_index=298,
+                  text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, vocab_size=300, sliding_window=16),
+                  vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=16, patch_size=4))
+    info = model_info(config)
+    assert info.architecture == "Gemma3ForConditionalGeneration" and "lm_head.weight" in info.tied
+    model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(**config))
+    model.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        written = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert dict(info.disk_shapes) == written

@@ -253,7 +253,10 @@ def _describe(model_type: str, config: Mapping[str, object], label: str) -> Mode
     try:
         from transformers.core_model_loading import revert_weight_conversion
 
-        disk_state = revert_weight_conversion(model, dict(state))
+        # tied weights dropped before reverting: a model whose conversion renames its head (Gemma 3's ``lm_head`` is
+        # reverted to ``language_model.lm_head.weight``) would keep it under a name the tied keys do not hold,
+        # where save_pretrained writes no such tensor
+        disk_state = revert_weight_conversion(model, {k: v for k, v in state.items() if k not in tied})
     except ImportError:  # transformers < 5: memory names are the disk names
         disk_state = state
     disk = {k: tuple(v.shape) for k, v in disk_state.items() if k not in tied}
