@@ -186,3 +186,25 @@ def test_a_rule_added_to_a_family_is_what_map_to_hf_applies():
     specs, notes, problems = hf.CONVENTION.to_hf(layout, info, toy)
     assert sorted(s.name for s in specs) == ["a.weight", "b.weight"]
     assert re.fullmatch(r"toy \(its rules\)", hf.CONVENTION.describe(info, toy, True))
+
+
+# --- placements: the adapter's, asked by split ---------------------------------------------------------------------
+
+def test_split_places_tensors_by_the_family_adapters_tp_rules():
+    from ckpttool.commands.meshes import Mesh, shard_tensors
+
+    toy = FamilyAdapter("toy", tp_rules=((r"\.foo\.weight$", SHARD1),))
+    (sharding,) = shard_tensors([("m.foo.weight", (4, 6), False)], Mesh(tp=2), toy.tp_placement)
+    assert sharding.placements == (REPLICATE, SHARD1)
+    with pytest.raises(ConfigError) as caught:
+        shard_tensors([("m.bar.weight", (4, 6), False)], Mesh(tp=2), toy.tp_placement)
+    assert "'m.bar.weight': no tensor-parallel placement is known for it (tp=2)" in str(caught.value)
+
+
+def test_the_megatron_way_back_names_a_tensor_it_cannot_place():
+    from ckpttool.families.conventions import megatron_back
+
+    assert megatron_back.tp_placement("decoder.layers.self_attention.linear_qkv.weight") == megatron_back.TP_RULES[3][1]
+    with pytest.raises(ConfigError, match=r"^'decoder.layers.foo.weight': the Megatron-Core convention knows no "
+                                          r"tensor-parallel placement for it$"):
+        megatron_back.tp_placement("decoder.layers.foo.weight")
