@@ -162,8 +162,8 @@ def worker(args: argparse.Namespace) -> None:
 
     from ckpttool.execute.distributed import Group, share_out
     from ckpttool.live import save_hf
-    from ckpttool.live.gather import _Gather
-    from ckpttool.live.pieces import _describe, _plan
+    from ckpttool.live.gather import Gather
+    from ckpttool.live.pieces import describe_held, plan_gather
     from ckpttool.writers.hf import assign_files
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -173,12 +173,12 @@ def worker(args: argparse.Namespace) -> None:
     state = synthetic_state(args.size_gib[0], world, init_device_mesh("cuda", (world,)))
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     group = Group()
-    held, views, notes = _describe(state, {})
-    plan = _plan(group.on_all(lambda: held), None, None, notes)
+    held, views, notes = describe_held(state, {})
+    plan = plan_gather(group.on_all(lambda: held), None, None, notes)
     files = assign_files(plan, args.max_shard_size)
     owner = share_out([f.nbytes for f in files], world)
     mine = [f for f, r in zip(files, owner) if r == rank]
-    gather = _Gather(plan, files, owner, group, views, bucket)
+    gather = Gather(plan, files, owner, group, views, bucket)
     here = args.work / f"rank{rank}"
     found: dict[str, list[float]] = {k: [] for k in ("copy", "gather", "disk", "run", "save_hf")}
     peaks: dict[str, int] = {"run": 0, "save_hf": 0}

@@ -24,7 +24,7 @@ def status():
     text = open("/proc/self/status").read()
     return {k: int(re.search(k + r":\s+(\d+)", text).group(1)) // 1024 for k in ("VmHWM", "VmPeak")}
 import torch, transformers
-from ckpttool.verify import verify
+from ckpttool.commands.verify import verify
 base = status()
 result = verify(sys.argv[1], tokens=16, stream=sys.argv[2] == "stream")
 assert result.ok, result.problems

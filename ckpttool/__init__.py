@@ -32,7 +32,7 @@ _HOMES = {
     "Report": ".findings", "MergeResult": ".commands.merge", "merge": ".commands.merge", "prepare": ".commands.merge",
     "READERS": ".readers", "detect_format": ".readers", "read_layout": ".readers", "PieceSpec": ".io.sidecar",
     "save_shard": ".io.sidecar", "SplitResult": ".commands.split", "split": ".commands.split", "Tolerance": ".verify",
-    "VerifyResult": ".verify", "verify": ".verify",
+    "VerifyResult": ".verify", "verify": ".commands.verify",
     **dict.fromkeys(("Box", "Fusion", "Layout", "Padding", "Piece", "TensorLayout"), ".layout.layout"),
     **dict.fromkeys(("Copy", "Plan", "Slice", "Target", "TargetSpec", "plan_merge"), ".plan.plan"),
     **dict.fromkeys((
@@ -91,7 +91,8 @@ if TYPE_CHECKING:
     from ckpttool.readers import READERS, detect_format, read_layout
     from ckpttool.io.sidecar import PieceSpec, save_shard
     from ckpttool.commands.split import SplitResult, split
-    from ckpttool.verify import Tolerance, VerifyResult, verify
+    from ckpttool.commands.verify import verify
+    from ckpttool.verify import Tolerance, VerifyResult
 
 __all__ = [
     "__version__", "ArgumentError", "AuditError", "DiffResult", "Finding", "Report", "audit", "diff",

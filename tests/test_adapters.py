@@ -24,7 +24,7 @@ from ckpttool.families import (
     map_to_hf,
     recognised,
 )
-from ckpttool.families import mixtral, qwen2_moe, qwen2_vl
+from ckpttool.families import gpt_oss, mixtral, qwen2_moe, qwen2_vl
 from ckpttool.families.adapter import HF_TP_RULES, REPLICATE, SHARD0, SHARD1
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core
 from ckpttool.families.rules import Rename
@@ -47,9 +47,9 @@ def _llama() -> ModelInfo:
 # --- the registry -------------------------------------------------------------------------------------------------
 
 def test_every_family_and_convention_is_registered_once_by_its_name():
-    assert [a.name for a in ADAPTERS] == ["mixtral", "qwen2_moe", "qwen2_5_vl"]
-    assert ADAPTERS == [mixtral.ADAPTER, qwen2_moe.ADAPTER, qwen2_vl.ADAPTER]
-    assert [c.name for c in CONVENTIONS] == ["Megatron-Core", "DeepSpeed MoE", "HuggingFace"]
+    assert [a.name for a in ADAPTERS] == ["mixtral", "qwen2_moe", "qwen2_5_vl", "gpt_oss"]
+    assert ADAPTERS == [mixtral.ADAPTER, qwen2_moe.ADAPTER, qwen2_vl.ADAPTER, gpt_oss.ADAPTER]
+    assert [c.name for c in CONVENTIONS] == ["Megatron-Core", "DeepSpeed MoE", "torchtitan", "HuggingFace"]
     assert CONVENTIONS[-1] is hf.CONVENTION  # the catch-all is asked last
 
 
@@ -129,8 +129,9 @@ def test_a_megatron_layout_under_another_format_name_maps_as_the_megatron_reader
 
 # --- what no convention recognises --------------------------------------------------------------------------------
 
-TITAN = ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.feed_forward.w1.weight", "norm.weight",
-         "output.weight")
+#: a framework's own names no registered convention knows (nanoGPT's; torchtitan's were the example until it got
+#: its convention, ckpttool/families/conventions/torchtitan.py)
+TITAN = ("wte.weight", "h.0.attn.c_attn.weight", "h.0.mlp.c_fc.weight", "ln_f.weight", "head.weight")
 
 
 def test_a_layout_no_convention_recognises_is_refused_with_what_was_looked_for():
@@ -140,10 +141,12 @@ def test_a_layout_no_convention_recognises_is_refused_with_what_was_looked_for()
     with pytest.raises(ConfigError) as caught:
         recognised(layout, info)
     assert str(caught.value) == (
-        "'/ckpt': no source convention recognises its tensor names of a llama model ('tok_embeddings.weight', "
-        "'layers.0.attention.wq.weight', 'layers.0.feed_forward.w1.weight' and 2 more; format 'dcp'). Looked for:\n"
+        "'/ckpt': no source convention recognises its tensor names of a llama model ('wte.weight', "
+        "'h.0.attn.c_attn.weight', 'h.0.mlp.c_fc.weight' and 2 more; format 'dcp'). Looked for:\n"
         "  - Megatron-Core: embedding.*, decoder.layers.*, output_layer.*, mtp.layers.* (Megatron-Core's GPT names)\n"
         "  - DeepSpeed MoE: *.deepspeed_moe.experts.deepspeed_experts.*, *.deepspeed_moe.gate.wg.weight (DeepSpeed MoE)\n"
+        "  - torchtitan: tok_embeddings.weight, layers.N.attention[.qkv_linear].wq.weight, "
+        "layers.N.feed_forward.w1.weight (torchtitan)\n"
         "  - HuggingFace: the model's in-memory or on-disk HuggingFace names (with a config)\n"
         "Is this the config the model was trained with? A framework naming tensors its own way needs a convention "
         "(docs/adding-a-family.md)"
@@ -164,7 +167,7 @@ def test_merging_names_no_convention_recognises_is_refused_and_writes_nothing(cl
     result = cli("merge", src, out)
     assert_failed_cleanly(
         result, out,
-        f"'{src}': no source convention recognises its tensor names of a llama model ('layers.0.attention.wq.weight'",
+        f"'{src}': no source convention recognises its tensor names of a llama model ('h.0.attn.c_attn.weight'",
         "  - Megatron-Core: embedding.*, decoder.layers.*",
         "Is this the config the model was trained with?",
     )

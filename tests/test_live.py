@@ -198,7 +198,9 @@ def test_large_tensors_are_built_from_the_buckets_not_copied_from_files(tmp_path
 
 def test_buckets_bound_what_a_rank_holds(tmp_path):
     from ckpttool.execute.distributed import Group
-    from ckpttool.live import _describe, _Gather, _plan
+    from ckpttool.live.gather import Gather as _Gather
+    from ckpttool.live.pieces import describe_held as _describe
+    from ckpttool.live.pieces import plan_gather as _plan
     from ckpttool.writers.hf import assign_files
 
     state = reference_state()

@@ -21,7 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ckpttool.errors import ArgumentError, ConfigError, SourceError
-from ckpttool.verify import MAX_TOKENS, TEXT_LIMIT, verify
+from ckpttool.commands.verify import verify
+from ckpttool.verify import MAX_TOKENS, TEXT_LIMIT
 from conftest import ROOT, fixture_dir
 
 SMALL = dict(vocab_size=1001, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -289,7 +290,7 @@ def nothing_heavy(monkeypatch) -> list[str]:
 
     calls: list[str] = []
     # by module object: the package binds the API's functions over its submodules' names (ckpttool.verify)
-    merging, verifying = (importlib.import_module(m) for m in ("ckpttool.commands.merge", "ckpttool.verify"))
+    merging, verifying = (importlib.import_module(m) for m in ("ckpttool.commands.merge", "ckpttool.commands.verify"))
     monkeypatch.setattr(merging, "merge", lambda *a, **k: calls.append("merge"))
     monkeypatch.setattr(verifying, "run_forward", lambda *a, **k: calls.append("forward"))
     return calls

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from ckpttool.errors import ArgumentError, ConfigError, SourceError
-from ckpttool.verify import SENTENCE, TOLERANCES, verify
+from ckpttool.commands.verify import verify
+from ckpttool.verify import SENTENCE, TOLERANCES
 from conftest import fixture_dir
 
 SMALL = dict(vocab_size=1001, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -202,7 +203,7 @@ import re, sys, json
 def peak_mib():
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1)) // 1024
 import torch, transformers
-from ckpttool.verify import verify
+from ckpttool.commands.verify import verify
 base = peak_mib()
 result = verify(sys.argv[1], tokens=16, stream=sys.argv[2] == "stream")
 print(json.dumps({"ok": result.ok, "base": base, "peak": peak_mib()}))

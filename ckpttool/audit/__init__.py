@@ -30,14 +30,14 @@ from pathlib import Path
 
 from ckpttool.errors import ConfigError
 from ckpttool.model.architecture import ModelInfo, find_config, model_info, read_config
-from ckpttool.model.config_sizes import census, check_config_sizes
+from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import TargetSpec, plan_covered
 from ckpttool.families import mtp_missing_note
 from ckpttool.families.quantized import scale_names
 from ckpttool.findings import Finding, Report, TensorStats, finding, sort_findings
 from ckpttool.families.source import plan_layout
-from ckpttool.readers import detect_format, hf, read_layout
+from ckpttool.readers import census, detect_format, hf, read_layout
 from ckpttool.audit.causes import group_findings
 from ckpttool.audit.config import (
     checkpoint_tokenizer_size,

@@ -306,7 +306,7 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
 
     Exit 0: loads, logits sound (and equal to REF's within tolerance); 3: a check fails; 1: cannot run.
     """
-    from ckpttool.verify import verify
+    from ckpttool.commands.verify import verify
 
     if tokens is not None and text is not None:
         raise click.UsageError("--tokens and --text are exclusive: feed fixed ids or a text, not both.")

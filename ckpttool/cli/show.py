@@ -59,7 +59,8 @@ def print_result(result: MergeResult, verbose: int) -> None:
             if shape is None:
                 shape = shapes[dims] = "x".join(map(str, dims)) or "scalar"
             pieces = counted(len(t.copies), "piece")
-            lines.append(f"  {shown(t.name)}  {t.dtype} [{shape}]  <- {', '.join(map(shown, t.sources))} ({pieces})")
+            through = f", {escaped(t.transform.name)}" if t.transform is not None else ""  # an index map of its pieces
+            lines.append(f"  {shown(t.name)}  {t.dtype} [{shape}]  <- {', '.join(map(shown, t.sources))} ({pieces}{through})")
             if len(lines) == ECHO_LINES:
                 click.echo("\n".join(lines))
                 lines.clear()

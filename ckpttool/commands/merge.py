@@ -92,7 +92,8 @@ class MergeResult:
             "extras": list(self.extras),
             "notes": list(self.plan.notes),
             "targets": [
-                {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "pieces": len(t.copies), "sources": list(t.sources)}
+                {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "pieces": len(t.copies), "sources": list(t.sources),
+                 **({"transform": t.transform.name} if t.transform is not None else {})}
                 for t in self.plan.targets
             ],
             "audit": self.audit.to_json() if self.audit is not None else None,

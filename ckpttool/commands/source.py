@@ -10,8 +10,8 @@ from pathlib import Path
 
 from ckpttool.families.source import Planned, plan_layout
 from ckpttool.model.architecture import find_config, model_info, read_config
-from ckpttool.model.config_sizes import census, check_config_sizes
-from ckpttool.readers import read_layout
+from ckpttool.model.config_sizes import check_config_sizes
+from ckpttool.readers import census, read_layout
 
 
 def plan_source(

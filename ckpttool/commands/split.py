@@ -68,14 +68,20 @@ class SplitResult:
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.files)
 
+    def transforms(self) -> dict[str, str]:
+        """The tensors written through a transform (:mod:`ckpttool.plan.transforms`), with its name."""
+        return {i.fqn: i.target.transform.name for f in self.files for i in f.items if i.target.transform is not None}
+
     def to_json(self) -> dict[str, object]:
         dtypes = {i.fqn: i.target.dtype for f in self.files for i in f.items}
+        transforms = self.transforms()
         return {
             "status": "ok", "dry_run": self.dry_run, "source": self.source, "output": self.output,
             "format": self.format, "to": self.to, "mesh": self.mesh.to_json(), "config": self.config,
             "adapter": self.adapter, "coverage": "every chunk of every tensor is covered exactly once",
             "tensors": [{"name": s.name, "shape": list(s.shape), "dtype": dtypes.get(s.name),
-                         "placements": s.describe(), "local_shapes": [list(s.local_shape(r)) for r in range(self.mesh.world)]}
+                         "placements": s.describe(), "local_shapes": [list(s.local_shape(r)) for r in range(self.mesh.world)],
+                         **({"transform": transforms[s.name]} if s.name in transforms else {})}
                         for s in self.tensors],
             "files": [{"name": f.name, "rank": f.rank, "bytes": f.nbytes, "items": len(f.items)} for f in self.files],
             "total_bytes": self.nbytes, "workers": self.workers,
@@ -109,11 +115,13 @@ class SplitResult:
             lines.append(f"peak memory: at most {size_text(predict_peak_bytes(self.plan, self.workers))} with "
                          f"{self.workers} worker{'s' if self.workers != 1 else ''}")
         lines.extend(f"note: {escaped(note)}" for note in self.notes)
+        transforms = self.transforms() if verbose or self.dry_run else {}
         for s in self.tensors if verbose or self.dry_run else ():
             runs = [(shape, len(list(group))) for shape, group in
                     itertools.groupby(s.local_shape(r) for r in range(self.mesh.world))]
             local = ", ".join(("x".join(map(str, shape)) or "scalar") + (f" x{n}" if n > 1 else "") for shape, n in runs)
-            lines.append(f"  {shown(s.name)}  [{'x'.join(map(str, s.shape))}]  {s.describe()}  local {local}")
+            through = f"  ({escaped(transforms[s.name])})" if s.name in transforms else ""
+            lines.append(f"  {shown(s.name)}  [{'x'.join(map(str, s.shape))}]  {s.describe()}  local {local}{through}")
         return lines
 
 

@@ -59,6 +59,7 @@ def plan_dcp(prepared: Planned, mesh: Mesh) -> tuple[list[Sharding], tuple[dcp.D
     placement = adapter_for(model_of(prepared)).tp_placement
     shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh, placement)
     slices = {m.name: m.slices for m in memory}
+    transforms = {m.name: m.transform for m in memory if m.transform is not None}
     targets = {t.name: t for t in prepared.plan.targets}
     # a chunk weighs its whole tensor's bytes when ranks share replicated chunks out (torch's tensor_storage_size)
     weight = {m.name: math.prod(m.shape) * next((itemsize(targets[sl.source].dtype) for sl in m.slices
@@ -70,7 +71,7 @@ def plan_dcp(prepared: Planned, mesh: Mesh) -> tuple[list[Sharding], tuple[dcp.D
     for chunks_written in dcp.share_items(held):
         items = []
         for name, box in chunks_written:
-            target, found = compose(name, box, slices[name], targets)
+            target, found = compose(name, box, slices[name], targets, transforms.get(name), by_name[name].shape)
             problems.extend(p for p in found if p not in problems)
             if target is not None:
                 items.append((name, by_name[name].shape, box, target))

@@ -128,6 +128,9 @@ def _compose(name: str, box: Box, slices, targets, true_rows: int | None) -> tup
         inner, problems = compose(name, Box(box.offsets, (rows, *box.sizes[1:])), slices, targets)
         if inner is None:
             return None, problems
+        if inner.transform is not None:  # its map covers its own rows, not the padding below them
+            return None, [f"'{name}': vocab padding rows below a transformed tensor ({inner.transform.name}) are not "
+                          "written yet; merge it first, then split that output"]
         return Target(name, box.sizes, inner.dtype, inner.source_dtype, inner.copies, inner.sources), []
     source = targets.get(slices[0].source) if slices else None
     if source is None:

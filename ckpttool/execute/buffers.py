@@ -33,34 +33,49 @@ class Chunk:
     nbytes: int
 
 
-def _rows(chunk: Chunk) -> Box:
-    return _row_box(chunk.target.shape, chunk.start, chunk.stop)
+def chunk_rows(chunk: Chunk) -> Box:
+    """The box of its target that ``chunk`` writes: rows ``start..stop``, every other dim whole."""
+    return row_box(chunk.target.shape, chunk.start, chunk.stop)
 
 
-def _row_box(shape: tuple[int, ...], start: int, stop: int) -> Box:
+def row_box(shape: tuple[int, ...], start: int, stop: int) -> Box:
+    """Rows ``start..stop`` of a tensor of ``shape`` as a box (the empty box of a scalar)."""
     if not shape:
         return Box((), ())
     return Box((start, *(0 for _ in shape[1:])), (stop - start, *shape[1:]))
 
 
-def _inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
-    """The copies a chunk reads and the box of their tensor it needs: the target's rows, or for a dequantized
-    target the stored rows and the scale rows."""
+def chunk_inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
+    """The copies a chunk reads and the box of their tensor it needs: the target's rows, for a transformed
+    target the rows of its pre tensor the transform names, or for a dequantized target the stored rows and the
+    scale rows."""
     target, dq, scale = chunk.target, chunk.target.dequant, chunk.target.scale
+    if target.transform is not None:
+        return [(target.copies, transformed_rows(chunk))]
     if dq is None:
-        return [(target.copies, _rows(chunk))]
+        return [(target.copies, chunk_rows(chunk))]
     compute = codec(dq.method, dq.params)
-    stored = [(target.copies, _row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop)))]
+    stored = [(target.copies, row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop)))]
     if scale is None:
         return stored
     lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
-    return [*stored, (scale.copies, _row_box(scale.shape, lo, hi))]
+    return [*stored, (scale.copies, row_box(scale.shape, lo, hi))]
+
+
+def transformed_rows(chunk: Chunk) -> Box:
+    """The rows of a transformed target's pre tensor its chunk is made of (see
+    :meth:`~ckpttool.plan.transforms.Permute.pre_rows`)."""
+    target = chunk.target
+    transform = target.transform
+    assert transform is not None
+    return row_box(target.filled_shape, *transform.pre_rows(target.shape, chunk.start, chunk.stop))
 
 
 def buffer_sizes(chunk_list: Sequence[Chunk], cache: bool = True) -> dict[str, int]:
     """The largest each per-thread buffer gets over ``chunk_list``: ``read`` (one region of a piece),
     ``chunk`` (a chunk in the source dtype) and ``cast`` (a chunk in the output dtype); for a dequantized
-    target also ``scale`` (its scale rows) and the decoder's own (:meth:`scratch_bytes`). With ``cache``,
+    target also ``scale`` (its scale rows) and the decoder's own (:meth:`scratch_bytes`); for a transformed
+    target ``chunk`` holds the pre rows, and the transform's own buffers (``transform``...) the chunk computed. With ``cache``,
     chunks of the same signature (:func:`_signature`) are sized once; the result is the same."""
     sizes = {"read": 0, "chunk": 0, "cast": 0}
     seen: dict[tuple, dict[str, int]] = {}
@@ -90,7 +105,7 @@ def _signature(target: Target) -> tuple:
     dq, scale = target.dequant, target.scale
     return (target.shape, target.dtype, target.source_dtype, tuple(map(_copy_signature, target.copies)),
             None if dq is None else (dq.method, dq.params, dq.stored),
-            None if scale is None else _signature(scale))
+            None if scale is None else _signature(scale), target.transform)
 
 
 def _copy_signature(c: Copy) -> tuple:
@@ -104,7 +119,7 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
     sizes: dict[str, int] = {}
     if target.dtype != target.source_dtype:
         sizes["cast"] = chunk.nbytes
-    inputs = _inputs(chunk)
+    inputs = chunk_inputs(chunk)
     for (copies, rows), buffer in zip(inputs, ("chunk", "scale")):
         dtype = target.source_dtype if buffer == "chunk" else target.scale.source_dtype  # type: ignore[union-attr]
         sizes[buffer] = max(sizes.get(buffer, 0), rows.numel * itemsize(dtype))
@@ -117,6 +132,10 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
             strides = c_strides(copy.piece.box.sizes)
             span = sum((s - 1) * st for s, st in zip(box.sizes, strides)) + 1
             sizes["read"] = max(sizes.get("read", 0), span * itemsize(copy.piece.dtype))
+    if target.transform is not None:
+        extra = target.transform.scratch_bytes(target.shape, chunk.start, chunk.stop, itemsize(target.source_dtype))
+        for name, n in extra.items():
+            sizes[name] = max(sizes.get(name, 0), n)
     if target.dequant is not None:
         extra = codec(target.dequant.method, target.dequant.params).scratch_bytes(
             inputs[0][1].sizes, inputs[1][1].sizes if len(inputs) > 1 else None, target.dtype)  # type: ignore[arg-type]
@@ -125,7 +144,7 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
     return sizes
 
 
-def _targets(chunk_list: Sequence[Chunk]) -> list[Target]:
+def chunk_targets(chunk_list: Sequence[Chunk]) -> list[Target]:
     """The targets of ``chunk_list``, each once (a target's chunks come one after another)."""
     found: list[Target] = []
     for chunk in chunk_list:
@@ -135,7 +154,7 @@ def _targets(chunk_list: Sequence[Chunk]) -> list[Target]:
 
 
 def _read_copies(target: Target) -> tuple[tuple[Copy, ...], ...]:
-    """The copies the chunks of ``target`` read, whatever their rows (see :func:`_inputs`)."""
+    """The copies the chunks of ``target`` read, whatever their rows (see :func:`chunk_inputs`)."""
     if target.dequant is None or target.scale is None:
         return (target.copies,)
     return (target.copies, target.scale.copies)
@@ -150,7 +169,7 @@ def distinct_targets(targets: Iterable[Target]) -> list[Target]:
     found: list[Target] = []
     for target in targets:
         copies = target.copies
-        if len(copies) == 1 and target.dequant is None and target.scale is None:
+        if len(copies) == 1 and target.dequant is None and target.scale is None and target.transform is None:
             copy = copies[0]
             box, piece = copy.src, copy.piece
             if box is copy.dst and box is piece.box and piece.encoding == RAW:  # the boxes of a whole copy are one
@@ -167,7 +186,7 @@ def predict_peak_bytes(chunk_list: Sequence[Chunk], workers: int = 1) -> int:
     (allocated once, at that size); plus whole ``torch.save`` pieces kept for later chunks (at most the
     loader's cache and one piece per thread)."""
     archives = {c.piece: math.prod(c.piece.box.sizes) * itemsize(c.piece.dtype)
-                for target in _targets(chunk_list) for copies in _read_copies(target) for c in copies
+                for target in chunk_targets(chunk_list) for copies in _read_copies(target) for c in copies
                 if c.piece.encoding != RAW}
     kept = min(sum(archives.values()), CACHE_BYTES) + workers * max(archives.values(), default=0)
     return workers * sum(buffer_sizes(chunk_list).values()) + kept + OVERHEAD_BYTES

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
 from ckpttool.io.dtypes import itemsize
-from ckpttool.execute.buffers import Chunk, _rows
+from ckpttool.execute.buffers import Chunk, chunk_rows
 from ckpttool.layout.layout import RAW, Piece, c_strides
 from ckpttool.execute.reads import Reader
 from ckpttool.layout.regions import map_region
@@ -31,11 +31,12 @@ Span = tuple[Piece, int, int, int]
 def copied(chunk: Chunk) -> tuple[Span, ...] | None:
     """How a chunk of at least :data:`COPY_BYTES` is copied from its pieces' files: one :data:`Span` per copy
     meeting its rows, in no particular order; None when it is smaller, or some part of it must be built (a
-    conversion, bytes spread over several runs on either side, rows no copy fills, a piece of no raw bytes)."""
+    conversion, a transform, bytes spread over several runs on either side, rows no copy fills, a piece of no raw bytes)."""
     target = chunk.target
-    if chunk.nbytes < COPY_BYTES or target.dequant is not None or target.dtype != target.source_dtype or not target.shape:
+    if (chunk.nbytes < COPY_BYTES or target.dequant is not None or target.transform is not None
+            or target.dtype != target.source_dtype or not target.shape):
         return None
-    rows, size = _rows(chunk), itemsize(target.dtype)
+    rows, size = chunk_rows(chunk), itemsize(target.dtype)
     out_strides = c_strides(rows.sizes)
     spans: list[Span] = []
     covered = 0

@@ -10,7 +10,11 @@ the read buffer itself. Memory is a few chunks per thread, whatever the size of 
 
 A computed target (:class:`~ckpttool.plan.plan.Dequantize`: dequantized, or FP8-quantized in whole block rows)
 is not copied: the source and scale rows its codec (:mod:`ckpttool.quant.codecs`) names are gathered the same way,
-and the codec writes the chunk's values, with its temporaries on the thread's buffers too.
+and the codec writes the chunk's values, with its temporaries on the thread's buffers too. A transformed target
+(:mod:`ckpttool.plan.transforms`: a row permutation within heads, an interleave, a transpose) is cut into chunks of
+target rows its transform aligns (whole blocks of a dim-0 permutation; the whole tensor only when dim 0 is
+transposed): a chunk gathers the pre rows the transform names, as any rows are gathered, and the transform writes
+the chunk from them (a view and one copy) on the thread's buffers; such a chunk is never copied file to file.
 
 Each chunk's token is taken as it is written, and a file's digest made of them (:mod:`ckpttool.execute.digest`),
 so it can be computed again from the file and its sources (:func:`file_digest`).
@@ -43,7 +47,8 @@ from ckpttool.io.dtypes import itemsize
 from ckpttool.errors import SourceError
 from ckpttool.quant.codecs import codec
 from ckpttool.quant.decode import BadScale
-from ckpttool.execute.buffers import Chunk, _inputs, _row_box, _rows, _targets, buffer_sizes, predict_peak_bytes
+from ckpttool.execute.buffers import (Chunk, buffer_sizes, chunk_inputs, chunk_rows, chunk_targets, predict_peak_bytes,
+                                      row_box, transformed_rows)
 from ckpttool.execute import copies as file_copies
 from ckpttool.execute.copies import copied, copy_chunk, write_all
 from ckpttool.execute.digest import COPIED, FromSource, crc_token, recheck, running
@@ -75,6 +80,8 @@ def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: in
     per = rows or (max(1, chunk_bytes // _compute_row_bytes(target, row)) if row else max(1, shape[0]))
     if target.dequant is not None:  # a computed target: chunks of whole rows of blocks where it needs them
         per = codec(target.dequant.method, target.dequant.params).align(per)
+    if target.transform is not None:  # whole blocks of a row permutation; everything when dim 0 is transposed
+        per = max(1, target.transform.align(target.shape, per))  # (0 for a target of no rows: a step of 1)
     return [
         Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
         for a in range(0, shape[0], per)
@@ -107,7 +114,7 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
     """How many chunks read each piece of ``torch.save`` bytes (kept loaded until its last one); pieces of raw
     bytes, read in place, are not counted."""
     uses: Counter[Piece] = Counter()
-    if all(c.piece.encoding == RAW for t in _targets(chunk_list) for c in _every_copy(t)):
+    if all(c.piece.encoding == RAW for t in chunk_targets(chunk_list) for c in _every_copy(t)):
         return uses  # the common case, told in one pass over the targets: every piece is raw bytes
     archived: dict[int, bool] = {}  # by the target's id: hashing a target hashes all its copies
     for chunk in chunk_list:
@@ -117,7 +124,7 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
             every = (*target.copies, *(target.scale.copies if target.scale is not None else ()))
             found = archived[id(target)] = any(c.piece.encoding != RAW for c in every)
         if found:
-            for copies, rows in _inputs(chunk):
+            for copies, rows in chunk_inputs(chunk):
                 uses.update(c.piece for c in copies if c.piece.encoding != RAW and c.dst.intersect(rows) is not None)
     return uses
 
@@ -137,7 +144,11 @@ def build(chunk: Chunk, reader: Reader, *, check_scales: bool = True) -> torch.T
     target = chunk.target
     if target.dequant is not None:
         return _dequantize(chunk, reader, check_scales)
-    out = _gather(target.copies, _rows(chunk), target.source_dtype, reader, "chunk")
+    if target.transform is not None:  # the pre rows it names, gathered as any rows are, then its map
+        pre = _gather(target.copies, transformed_rows(chunk), target.source_dtype, reader, "chunk")
+        out = target.transform.apply(pre, target.shape, chunk.start, chunk.stop, target.source_dtype, reader.scratch)
+    else:
+        out = _gather(target.copies, chunk_rows(chunk), target.source_dtype, reader, "chunk")
     if target.dtype != target.source_dtype:
         out = reader.scratch("cast", tuple(out.shape), target.dtype).copy_(out)
     return out
@@ -194,17 +205,17 @@ def _dequantize(chunk: Chunk, reader: Reader, check_scales: bool = True) -> torc
     scales = None
     if scale is not None:  # a decoder's scales
         lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
-        rows = _row_box(scale.shape, lo, hi)
+        rows = row_box(scale.shape, lo, hi)
         scales = _read_rows(scale.copies, rows, scale.source_dtype, reader, "scale")
         if scales is None:
             scales = _gather(scale.copies, rows, scale.source_dtype, reader, "scale", view=False)
         if check_scales:
             _refuse_bad_scale(chunk, rows, compute.bad_scale(scales, chunk.start, dq.stored))  # type: ignore[union-attr]
-    rows = _row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop))
+    rows = row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop))
     stored = _read_rows(target.copies, rows, target.source_dtype, reader, "chunk")
     if stored is None:
         stored = _gather(target.copies, rows, target.source_dtype, reader, "chunk")
-    out = reader.scratch("cast", _rows(chunk).sizes, target.dtype)
+    out = reader.scratch("cast", chunk_rows(chunk).sizes, target.dtype)
     measured = compute.decode(stored, scales, chunk.start, out, reader.scratch)  # type: ignore[arg-type]
     if measured is not None:
         reader.record(target.name, measured)
@@ -240,7 +251,7 @@ def direct_offset(chunk: Chunk) -> int | None:
     """Where a chunk's bytes start in its piece's file when they lie there as the output holds them (the
     target is one raw piece copied whole, in its own dtype); None when the chunk must be built."""
     target = chunk.target
-    whole = target.dequant is None and target.dtype == target.source_dtype
+    whole = target.dequant is None and target.transform is None and target.dtype == target.source_dtype
     piece = _whole_piece(target.copies, target.shape, target.dtype) if whole else None
     if piece is None:
         return None

@@ -22,6 +22,7 @@ from ckpttool.io.paths import open_inside
 from ckpttool.quant.codecs import codec
 from ckpttool.layout.layout import RAW, Box, Piece
 from ckpttool.plan.plan import Target
+from ckpttool.plan.transforms import transform_tensor
 
 #: most bytes of pieces kept for later targets (a stacked expert piece feeds 2E targets)
 CACHE_BYTES = 256 * 2**20
@@ -115,8 +116,13 @@ def assemble(target: Target, loader: PieceLoader) -> torch.Tensor:
     """The full target tensor, in the output dtype, built from its copies.
 
     A target that is one whole piece (a HuggingFace file, an unsharded DCP item) is the piece itself, not a copy.
-    A computed target is its stored tensor and its scales (if any), whole, through its codec.
+    A computed target is its stored tensor and its scales (if any), whole, through its codec; a transformed target
+    its pre tensor, whole, through its transform.
     """
+    if target.transform is not None:
+        pre = assemble(replace(target, shape=target.filled_shape, dtype=target.source_dtype, transform=None), loader)
+        out = transform_tensor(target.transform, pre, target.name)
+        return out if target.dtype == target.source_dtype else out.to(torch_dtype(target.dtype))
     if target.dequant is not None:
         stored = assemble(replace(target, shape=target.dequant.stored, dtype=target.source_dtype, dequant=None,
                                   scale=None), loader)

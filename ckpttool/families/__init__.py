@@ -27,6 +27,7 @@ from ckpttool.model.architecture import ModelInfo
 from ckpttool.plan.diagnose import refusal_advice
 from ckpttool.layout.layout import Layout, Shape
 from ckpttool.plan.plan import Slice, TargetSpec
+from ckpttool.plan.transforms import Transform
 from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import Convention, FamilyAdapter
 from ckpttool.families.conventions import hf
@@ -81,12 +82,14 @@ class MemoryTensor:
     """A tensor of the model's in-memory state dict (what FSDP, DTensor TP and DCP hold) and the on-disk
     HuggingFace tensors it is made of: each :attr:`Slice.source` is an on-disk name (a tied tensor names the
     one it shares, e.g. ``lm_head.weight`` is ``model.embed_tokens.weight``). ``stacked``: experts stacked on
-    dim 0 (an ``Unstack`` rule of the family cuts it per expert)."""
+    dim 0 (an ``Unstack`` rule of the family cuts it per expert). ``transform``: the tensor is that transform
+    (:mod:`ckpttool.plan.transforms`) of what its slices make (e.g. HF's RoPE halves back to Meta's pairs)."""
 
     name: str
     shape: Shape
     slices: tuple[Slice, ...]
     stacked: bool = False
+    transform: Transform | None = None
 
 
 def map_from_hf(info: ModelInfo) -> list[MemoryTensor]:

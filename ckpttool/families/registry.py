@@ -10,9 +10,9 @@ line in :data:`CONVENTIONS` (see ``docs/adding-a-family.md``).
 from __future__ import annotations
 
 from ckpttool.errors import ConfigError
-from ckpttool.families import mixtral, qwen2_moe, qwen2_vl
+from ckpttool.families import gpt_oss, mixtral, qwen2_moe, qwen2_vl
 from ckpttool.families.adapter import Convention, FamilyAdapter
-from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core
+from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, torchtitan
 from ckpttool.layout.layout import Layout
 from ckpttool.model.architecture import ModelInfo
 
@@ -21,12 +21,14 @@ ADAPTERS: list[FamilyAdapter] = [
     mixtral.ADAPTER,
     qwen2_moe.ADAPTER,
     qwen2_vl.ADAPTER,
+    gpt_oss.ADAPTER,
 ]
 
 #: every source convention, in the order they are asked (:func:`convention_for`); the HuggingFace one last
 CONVENTIONS: list[Convention] = [
     megatron_core.CONVENTION,
     deepspeed_moe.CONVENTION,
+    torchtitan.CONVENTION,
     hf.CONVENTION,
 ]
 

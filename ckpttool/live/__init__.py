@@ -48,9 +48,9 @@ from ckpttool.commands.merge import finish_output
 from ckpttool.io.sidecar import PieceSpec
 from ckpttool.writers.destination import Staging
 from ckpttool.writers.hf import OutputFile, assign_files
-from ckpttool.live.gather import _Gather
-from ckpttool.live.pieces import _describe, _Held, _plan
-from ckpttool.live.watch import WATCH_SECONDS, LiveGatherError, _collect, _Watch
+from ckpttool.live.gather import Gather
+from ckpttool.live.pieces import describe_held, Held, plan_gather
+from ckpttool.live.watch import WATCH_SECONDS, LiveGatherError, collect, Watch
 
 __all__ = ["BUCKET_BYTES", "TIMEOUT", "WATCH_SECONDS", "LiveGatherError", "LiveResult", "save_hf"]
 
@@ -127,7 +127,7 @@ def save_hf(
     call = next(_calls)
     state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) else model_or_state_dict
     config_dict = _config_dict(config)
-    watch = _Watch(call)
+    watch = Watch(call)
     try:
         group = Group(timeout=timeout)
     except Exception as e:  # the gloo group is built by all ranks together: one did not arrive
@@ -137,12 +137,12 @@ def save_hf(
     try:
         local: dict[str, Any] = {}
 
-        def describe() -> list[_Held]:  # a rank's bad tensor stops every rank with its message
-            held, local["views"], local["notes"] = _describe(state, specs or {})
+        def describe() -> list[Held]:  # a rank's bad tensor stops every rank with its message
+            held, local["views"], local["notes"] = describe_held(state, specs or {})
             return held
 
-        everyone = _collect(group, watch, "exchange what each rank holds", describe)
-        plan = _collect(group, watch, "plan", lambda: _plan(everyone, config_dict, dtype, local["notes"]))[group.rank]
+        everyone = collect(group, watch, "exchange what each rank holds", describe)
+        plan = collect(group, watch, "plan", lambda: plan_gather(everyone, config_dict, dtype, local["notes"]))[group.rank]
         files = tuple(assign_files(plan, max_shard_size))
         owner = share_out([f.nbytes for f in files], group.world)
         staging = Staging(dest, force=force)
@@ -150,14 +150,14 @@ def save_hf(
         def enter() -> str:
             return str(staging.open())
 
-        path = Path(_collect(group, watch, "prepare the destination", enter, rank0=True)[0])
+        path = Path(collect(group, watch, "prepare the destination", enter, rank0=True)[0])
         mine = [f for f, rank in zip(files, owner) if rank == group.rank]
-        gather = _Gather(plan, files, owner, group, local["views"], bucket_bytes)
+        gather = Gather(plan, files, owner, group, local["views"], bucket_bytes)
         log.info("live gather: %d tensors, %d bytes, %d files, %d rounds", len(plan.targets), plan.nbytes,
                  len(files), len(gather.rounds))
-        _collect(group, watch, "gather and write the tensors", lambda: gather.run(mine, path))
+        collect(group, watch, "gather and write the tensors", lambda: gather.run(mine, path))
         info = model_info(config_dict, label="config") if config_dict is not None else None
-        extras, report = _collect(group, watch, "publish the checkpoint", lambda: finish_output(
+        extras, report = collect(group, watch, "publish the checkpoint", lambda: finish_output(
             staging, plan, files, config=config_dict, model=info, config_label="config" if config_dict else None,
             search=[], dtype=dtype, audit=audit,
         ), rank0=True)[0]

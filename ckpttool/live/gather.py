@@ -24,11 +24,11 @@ from ckpttool.execute.executor import Reader, buffer_sizes, write_file
 from ckpttool.layout.layout import Box, Piece
 from ckpttool.plan.plan import Copy, Plan, Target
 from ckpttool.writers.hf import OutputFile, check_written, file_layout
-from ckpttool.live.pieces import _rank_of
+from ckpttool.live.pieces import rank_of
 from ckpttool.live.watch import LiveGatherError
 
 
-class _Gather:
+class Gather:
     """Moves every writer's tensors to it, bucket by bucket, and writes its files while the next bucket arrives."""
 
     def __init__(self, plan: Plan, files: Sequence[OutputFile], owner: Sequence[int], group: Group,
@@ -95,7 +95,7 @@ class _Gather:
         received: dict[Piece, list[tuple[Box, torch.Tensor]]] = {}
         for writer, targets in buckets.items():
             for tag, copy in enumerate(_copies(targets), start=self.tags[number][writer]):
-                holder = _rank_of(copy.piece)
+                holder = rank_of(copy.piece)
                 if writer == self.rank:
                     assert arena is not None
                     if holder == self.rank:

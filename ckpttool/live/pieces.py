@@ -26,7 +26,7 @@ from ckpttool.io.sidecar import PieceSpec
 
 
 @dataclass(frozen=True, slots=True)
-class _Held:
+class Held:
     """One piece a rank holds, as exchanged between ranks (plain data)."""
 
     fqn: str
@@ -37,9 +37,9 @@ class _Held:
     spec: PieceSpec | None
 
 
-def _describe(state: Mapping[str, Any], specs: Mapping[str, PieceSpec]) -> tuple[list[_Held], dict[tuple[str, tuple[int, ...]], torch.Tensor], list[str]]:
+def describe_held(state: Mapping[str, Any], specs: Mapping[str, PieceSpec]) -> tuple[list[Held], dict[tuple[str, tuple[int, ...]], torch.Tensor], list[str]]:
     """This rank's pieces: what to tell the others, and the local tensors by ``(fqn, offsets)``."""
-    held: list[_Held] = []
+    held: list[Held] = []
     views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
     skipped = 0
     for fqn, value in state.items():
@@ -61,7 +61,7 @@ def _describe(state: Mapping[str, Any], specs: Mapping[str, PieceSpec]) -> tuple
             )
         if local.numel() == 0 and math.prod(global_shape) != 0:
             continue  # this rank's empty share of an unevenly split tensor: the others hold all of it
-        held.append(_Held(fqn, global_shape, dtype, offsets, tuple(local.shape), spec))
+        held.append(Held(fqn, global_shape, dtype, offsets, tuple(local.shape), spec))
         views[(fqn, offsets)] = local.detach()
     notes = [f"skipped {skipped} entries that are not tensors"] if skipped else []
     return held, views, notes
@@ -89,7 +89,7 @@ def _placement(fqn: str, value: torch.Tensor, spec: PieceSpec | None) -> tuple[t
     return value, tuple(value.shape), tuple(0 for _ in value.shape)
 
 
-def _plan(everyone: Sequence[list[_Held]], config: dict[str, object] | None, dtype: str | None, notes: list[str]) -> Plan:
+def plan_gather(everyone: Sequence[list[Held]], config: dict[str, object] | None, dtype: str | None, notes: list[str]) -> Plan:
     """The plan every rank builds from everyone's pieces: the offline merge's, with ranks for files."""
     builder = LayoutBuilder("", "live")
     for rank, held in enumerate(everyone):
@@ -115,6 +115,7 @@ def _rank_file(rank: int) -> str:
     return f"rank {rank}"
 
 
-def _rank_of(piece: Piece) -> int:
+def rank_of(piece: Piece) -> int:
+    """The rank holding a live piece (its ``file`` is ``"rank N"``: the ranks stand where files stand offline)."""
     return int(piece.file.removeprefix("rank "))
 

@@ -1,7 +1,7 @@
 """Failure detection of the live gather: heartbeats on the job's store name the rank that died or never came.
 
 Every rank bumps a counter in the job's ``torch.distributed`` store every half second. When a collective breaks
-(a peer died, hung or never arrived), :func:`_collect` turns the error into a :class:`LiveGatherError` naming the
+(a peer died, hung or never arrived), :func:`collect` turns the error into a :class:`LiveGatherError` naming the
 ranks whose counters stopped moving over :data:`WATCH_SECONDS`.
 """
 
@@ -24,7 +24,7 @@ class LiveGatherError(CkptError):
     """The live gather could not finish: a rank failed, died or never arrived; nothing was published."""
 
 
-def _collect(group: Group, watch: _Watch, step: str, work: Callable[[], Any], *, rank0: bool = False) -> list[Any]:
+def collect(group: Group, watch: Watch, step: str, work: Callable[[], Any], *, rank0: bool = False) -> list[Any]:
     """``work`` on every rank (or rank 0), its results shared; a rank that fails, dies or does not arrive is named."""
     try:
         return [group.on_rank0(work)] if rank0 else group.on_all(work)
@@ -34,7 +34,7 @@ def _collect(group: Group, watch: _Watch, step: str, work: Callable[[], Any], *,
         raise watch.failure(step, e) from None
 
 
-class _Watch:
+class Watch:
     """Heartbeats on the job's store: every rank bumps a counter; a counter that stops names a dead rank."""
 
     def __init__(self, call: int) -> None:

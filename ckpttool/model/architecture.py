@@ -104,16 +104,49 @@ def _refuse_link_out(path: Path, folder: Path) -> Path:
     return path
 
 
+#: top-level keys (JSON) or sections (TOML) of a training framework's job config (torchtitan's ``[job]``,
+#: ``[model]``, ``[training]``, ``[parallelism]``, ``[checkpoint]``; its 0.3 ``save_config_file`` JSON), which a user
+#: may pass for "the config the model was trained with"
+JOB_SECTIONS = frozenset({"job", "training", "parallelism", "checkpoint", "optimizer", "lr_scheduler", "model_spec"})
+_NOT_HF = ("is a training job config ({what}), not a HuggingFace config.json: ckpttool needs the config.json of the "
+           "HuggingFace model ({{\"model_type\": ...}}) to name and shape the tensors. Pass that one (torchtitan keeps "
+           "it in hf_assets_path, or write it for the model the job trained)")
+
+
 def read_config(path: Path) -> dict[str, object]:
+    """The JSON object in ``path``.
+
+    Raises:
+        ConfigError: it cannot be read, is not a JSON object, or is a training job config (a TOML file, or JSON
+            with a job's sections and no ``model_type``) instead of a HuggingFace config.
+    """
     try:
-        config = jsonfile.loads(read_source(path, limit=JSON_LIMIT))
+        data = read_source(path, limit=JSON_LIMIT)
+        config = jsonfile.loads(data)
     except SourceError as e:  # not a regular file, unreadable: the message names the file
         raise ConfigError(str(e)) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        sections = _toml_sections(data)
+        if sections & JOB_SECTIONS:
+            what = "TOML with sections " + ", ".join(f"[{s}]" for s in sorted(sections))
+            raise ConfigError(f"'{path}': " + _NOT_HF.format(what=what)) from None
         raise ConfigError(f"'{path}': cannot read the config: {e}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"'{path}': the config is not a JSON object")
+    job = sorted(JOB_SECTIONS & set(config))
+    if "model_type" not in config and len(job) >= 2:
+        raise ConfigError(f"'{path}': " + _NOT_HF.format(what="JSON with keys " + ", ".join(job)))
     return config
+
+
+def _toml_sections(data: bytes) -> set[str]:
+    """The ``[section]`` headers of a text that may be TOML (none when it is not text)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return set()
+    return {line.strip()[1:-1].strip() for line in text.splitlines()
+            if line.strip().startswith("[") and line.strip().endswith("]") and not line.strip().startswith("[[")}
 
 
 def model_info(config: Mapping[str, object], *, label: str = "config.json") -> ModelInfo | None:

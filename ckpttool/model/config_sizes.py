@@ -20,11 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from ckpttool.layout.layout import Layout
-from ckpttool.errors import CkptError, ConfigError
-from ckpttool.readers import read_layout
+from ckpttool.errors import ConfigError
 
 #: config keys that give the number of layers, and the number of routed experts
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers")
@@ -44,16 +42,9 @@ class Census:
 
     @classmethod
     def of(cls, layout: Layout) -> Census:
+        """The census of a layout (counting a checkpoint on disk is :func:`ckpttool.readers.census`)."""
         dims = (d for t in layout.tensors.values() for d in t.global_shape)
         return cls(len(layout.tensors), max(dims, default=0))
-
-
-def census(root: Path, format: str | None = None, weights: str | None = None) -> Census | None:
-    """The census of the checkpoint in ``root``, read without a model; None when it cannot be read so."""
-    try:
-        return Census.of(read_layout(root, format=format, weights=weights))
-    except CkptError:  # no global shapes without the model, or a broken source: the real read says why
-        return None
 
 
 def check_config_sizes(config: Mapping[str, object], label: str, count: Callable[[], Census | None]) -> None:

@@ -5,35 +5,66 @@ new tensor is made of slices of those targets (split: an in-memory tensor made o
 tensors), and that only a box of it is wanted (one rank's shard). :func:`compose` gives that box as a target
 whose copies reach straight into the source's pieces, so it streams like any other, and proves it is tiled
 exactly once. Reads no tensor data.
+
+A transformed tensor (:mod:`ckpttool.plan.transforms`) is carried through too: a new tensor that is a transform of
+what its slices make (split's way back: HF's halves to Meta's RoPE pairs), or a whole planned target that is one.
+A box of it is then the same transform of a box of its pre tensor (:meth:`~ckpttool.plan.transforms.Permute.pre_box`),
+which is what the target's copies tile; a box that cuts through a block the transform permutes is refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
-from ckpttool.layout.layout import Box
+from ckpttool.layout.layout import Box, Shape
 from ckpttool.plan.plan import Copy, Slice, Target, check_tiling
+from ckpttool.plan.transforms import Transform
 from ckpttool.layout.regions import map_region
 
 
-def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, Target]) -> tuple[Target | None, list[str]]:
+def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, Target],
+            transform: Transform | None = None, shape: Shape | None = None) -> tuple[Target | None, list[str]]:
     """``box`` of a tensor made of ``slices`` of ``targets`` (each :attr:`Slice.source` names a target), as a
     target of shape ``box.sizes`` whose copies read the pieces those targets read.
 
     Args:
         name: the new tensor's name, for messages (the target is called ``name`` too).
         box: the region wanted, in the new tensor's coordinates.
-        slices: what the new tensor is made of: ``src`` a box of a target, ``dst`` a box of the new tensor.
+        slices: what the new tensor is made of: ``src`` a box of a target, ``dst`` a box of the new tensor (of
+            its pre tensor, with ``transform``).
         targets: the planned targets, by name.
+        transform: the new tensor is this transform of the tensor ``slices`` make; ``shape`` is then its whole
+            shape (the transform is checked against it).
 
     Returns:
-        The target, or None and every problem (a slice naming no target, sources of several dtypes, a gap or
-        an overlap in ``box``).
+        The target (transformed, when the new tensor or the one target it is made of is), or None and every
+        problem (a slice naming no target, sources of several dtypes, a gap or an overlap in ``box``, a box that
+        cuts through a transform's blocks).
+
+    Raises:
+        ConfigError: ``transform`` does not fit ``shape`` (see :meth:`~ckpttool.plan.transforms.Permute.bound`).
 
     Example:
         >>> # rows 2..4 of a tensor that is two planned (2, 3) targets stacked:
         >>> target, problems = compose("t", Box((2, 0), (2, 3)), slices, planned)  # doctest: +SKIP
     """
+    carried = _carried(slices, targets, transform)
+    if carried is not None:  # a whole transformed target: its pre tensor, as a target of its own, transformed again
+        target, transform = carried
+        shape, whole = target.shape, Box.whole(target.filled_shape)
+        slices = (Slice(target.name, whole, whole),)
+        targets = {target.name: replace(target, shape=target.filled_shape, transform=None)}
+    bound = None
+    if transform is not None:
+        if shape is None:
+            raise ValueError("compose: a transform needs the new tensor's whole shape")
+        bound = transform.bound(shape, name)
+        pre = bound.pre_box(shape, box)
+        if pre is None:
+            return None, [f"'{name}': {box.describe(shape)} cuts through the blocks of {bound.name}, which must stay "
+                          "whole in one chunk; shard it along another dim, or in whole blocks"]
+        wanted_box, box = box, pre
     problems: list[str] = []
     copies: list[Copy] = []
     dtypes: set[tuple[str, str]] = set()
@@ -46,6 +77,11 @@ def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, 
         if getattr(target, "dequant", None) is not None:
             problems.append(f"'{name}': is made of '{sl.source}', which is computed from quantized weights; only "
                             "stored elements are carried through: merge with a dtype first, then use that output")
+            continue
+        if target.transform is not None:
+            problems.append(f"'{name}': is made of '{sl.source}', which is transformed ({target.transform.name}) and "
+                            "has a transform of its own, or is one of several parts: only a whole transformed tensor "
+                            "is carried through, as it is; merge it first, then use that output")
             continue
         dtypes.add((target.dtype, target.source_dtype))
         wanted = sl.dst.intersect(box)
@@ -72,4 +108,23 @@ def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, 
     if problems:
         return None, problems
     dtype, source_dtype = dtypes.pop()
-    return Target(name, box.sizes, dtype, source_dtype, tuple(copies), tuple(dict.fromkeys(sources))), []
+    if bound is None:
+        return Target(name, box.sizes, dtype, source_dtype, tuple(copies), tuple(dict.fromkeys(sources))), []
+    local = bound.bound(wanted_box.sizes, name)  # the same map on the box: whole blocks, the same dims
+    return Target(name, wanted_box.sizes, dtype, source_dtype, tuple(copies), tuple(dict.fromkeys(sources)),
+                  transform=local), []
+
+
+def _carried(slices: Sequence[Slice], targets: Mapping[str, Target],
+             transform: Transform | None) -> tuple[Target, Transform] | None:
+    """The transformed target a new tensor is, whole and as it is (its transform carried through); None for
+    anything else (a new tensor made of part of a transformed target, or with a transform of its own, is refused
+    by :func:`compose`: a transform of a transform is not composed here)."""
+    found = [targets[sl.source] for sl in slices if sl.source in targets and targets[sl.source].transform is not None]
+    if not found:
+        return None
+    target = found[0]
+    whole = Box.whole(target.shape)
+    if transform is None and len(slices) == 1 and slices[0].src == whole and slices[0].dst == whole:
+        return target, target.transform  # type: ignore[return-value]
+    return None  # refused in compose's loop, with the slice named

@@ -15,27 +15,33 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ckpttool.io.dtypes import FLOAT_DTYPES, ITEMSIZES
-from ckpttool.errors import ArgumentError, CoverageError
+from ckpttool.errors import ArgumentError, ConfigError, CoverageError
 from ckpttool.fast.frozen import quick_init
 from ckpttool.layout.layout import Box, Layout, Piece, Shape, TensorLayout
 from ckpttool.layout.regions import uncovered
 from ckpttool.plan.tiling import Copy, Slice, check_tiling
+from ckpttool.plan.transforms import Transform
 
 __all__ = [  # Copy, Slice, check_tiling and uncovered live in .tiling and .regions; offered here from the start
-    "Copy", "Dequantize", "Plan", "Slice", "Target", "TargetSpec", "check_tiling", "identity_specs", "plan_covered",
-    "plan_merge", "target_sizes", "tensor_specs", "uncovered",
+    "Copy", "Dequantize", "Plan", "Slice", "Target", "TargetSpec", "Transform", "check_tiling", "identity_specs",
+    "plan_covered", "plan_merge", "target_sizes", "tensor_specs", "uncovered",
 ]
 
 
 @quick_init  # built 90k times in a plan: see ckpttool.fast.frozen
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
-    """What a model mapping says one output tensor is made of."""
+    """What a model mapping says one output tensor is made of.
+
+    With a ``transform`` (:mod:`ckpttool.plan.transforms`), ``slices`` tile the pre tensor of shape
+    ``transform.source_shape(shape)`` and the target is ``transform`` of it (Q/K rows from Meta's RoPE order, an
+    interleave, a transpose)."""
 
     name: str
     shape: Shape
     slices: tuple[Slice, ...]
     dequant: Dequantize | None = None
+    transform: Transform | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +71,21 @@ class Target:
     #: a dequantized target: its copies fill ``dequant.stored`` in ``source_dtype``, ``scale``'s fill the scales
     dequant: Dequantize | None = None
     scale: Target | None = None
+    #: a transformed target: its copies fill ``transform.source_shape(shape)``, and it is ``transform`` of that
+    #: (checked against ``shape``, its dims plain: see :meth:`~ckpttool.plan.transforms.Permute.bound`)
+    transform: Transform | None = None
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * ITEMSIZES[self.dtype]
+
+    @property
+    def filled_shape(self) -> Shape:
+        """The shape the copies tile: the stored elements of a dequantized target, the pre tensor of a
+        transformed one, else the target's own."""
+        if self.transform is not None:
+            return self.transform.source_shape(self.shape)
+        return self.dequant.stored if self.dequant is not None else self.shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +165,8 @@ def plan_covered(
     failed: list[tuple[TargetSpec, list[str]]] = []
     for spec in specs:
         cast = None if spec.name in keep_dtype else dtype
-        target = _whole_copy(layout, spec, cast) if len(spec.slices) == 1 and spec.dequant is None else None
+        whole = len(spec.slices) == 1 and spec.dequant is None and spec.transform is None
+        target = _whole_copy(layout, spec, cast) if whole else None
         if target is not None:  # most targets: one piece copied whole (_plan_target would try it first too)
             targets.append(target)
             continue
@@ -188,9 +206,11 @@ def tensor_specs(tensor: TensorLayout, name: str) -> list[TargetSpec]:
 
 
 def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[Target | None, list[str]]:
-    whole = _whole_copy(layout, spec, dtype) if len(spec.slices) == 1 and spec.dequant is None else None
+    plain = len(spec.slices) == 1 and spec.dequant is None and spec.transform is None
+    whole = _whole_copy(layout, spec, dtype) if plain else None
     if whole is not None:
         return whole, []
+    transform = _bound_transform(spec)
     problems: list[str] = []
     copies: list[Copy] = []
     source_dtypes = set()
@@ -215,11 +235,31 @@ def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[T
         return None, problems
     if spec.dequant is not None:
         return _plan_dequantized(layout, spec, spec.dequant, copies, source_dtypes.pop(), dtype)
-    problems = check_tiling(spec.name, spec.shape, copies, layout, spec.slices)
+    # a transform is a bijection: its pre tensor tiled exactly once is the target tiled exactly once
+    filled = spec.shape if transform is None else transform.source_shape(spec.shape)
+    problems = check_tiling(spec.name, filled, copies, layout, spec.slices)
     source_dtype = source_dtypes.pop()
     out_dtype = dtype if (dtype is not None and source_dtype in FLOAT_DTYPES) else source_dtype
     sources = tuple(dict.fromkeys(sl.source for sl in spec.slices))
-    return Target(spec.name, spec.shape, out_dtype, source_dtype, tuple(copies), sources), problems
+    target = Target(spec.name, spec.shape, out_dtype, source_dtype, tuple(copies), sources, transform=transform)
+    return target, problems
+
+
+def _bound_transform(spec: TargetSpec) -> Transform | None:
+    """``spec``'s transform checked against its shape (see :meth:`~ckpttool.plan.transforms.Permute.bound`).
+
+    Raises:
+        ConfigError: the transform does not fit the target, or the target is dequantized too (not supported yet).
+    """
+    if spec.transform is None:
+        return None
+    if spec.dequant is not None:
+        raise ConfigError(
+            f"'{spec.name}': is both dequantized ({spec.dequant.method}) and transformed ({spec.transform.name}); "
+            "a target does one or the other for now. Merge the quantized checkpoint without a dtype (or dequantize it "
+            "first with a merge), then transform that output"
+        )
+    return spec.transform.bound(spec.shape, spec.name)
 
 
 def _whole_copy(layout: Layout, spec: TargetSpec, dtype: str | None) -> Target | None:

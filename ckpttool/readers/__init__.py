@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.config_sizes import Census
 from ckpttool.layout.layout import Layout
 from ckpttool.errors import CkptError, FormatNotDetectedError, SourceError, SourceNotFoundError
 from ckpttool.io.paths import contained
@@ -175,6 +176,15 @@ def read_layout(
         raise SourceError(f"'{e.filename or root}': cannot read it: {e.strerror or e}") from None
     _refuse_links_out(layout)
     return layout
+
+
+def census(root: Path, format: str | None = None, weights: str | None = None) -> Census | None:
+    """What the checkpoint in ``root`` holds, read without a model, for
+    :func:`ckpttool.model.config_sizes.check_config_sizes`; None when it cannot be read so."""
+    try:
+        return Census.of(read_layout(root, format=format, weights=weights))
+    except CkptError:  # no global shapes without the model, or a broken source: the real read says why
+        return None
 
 
 def _refuse_links_out(layout: Layout) -> None:

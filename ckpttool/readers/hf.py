@@ -25,6 +25,7 @@ from ckpttool.errors import SourceError, SourceNotFoundError
 from ckpttool.findings import Finding, finding
 from ckpttool.io.paths import JSON_LIMIT, inside, read_source
 from ckpttool.io.safetensors_format import Header, read_header
+from ckpttool.readers import accelerate
 from ckpttool.readers.base import FormatReader
 from ckpttool.readers.hf_bin import BIN_INDEX, BIN_PATTERN, BIN_SINGLE, read_bin
 
@@ -69,7 +70,7 @@ class Scan:
 
 
 def matches(root: Path) -> bool:
-    return SAFETENSORS.present(root) or BIN.present(root)
+    return SAFETENSORS.present(root) or BIN.present(root) or bool(accelerate.whole_model_files(root))
 
 
 def read(root: Path, model: ModelInfo | None) -> Layout:
@@ -135,6 +136,10 @@ def _chosen(root: Path, builder: LayoutBuilder) -> Weights:
     if not SAFETENSORS.present(root):
         if BIN.present(root):
             return BIN
+        if accelerate.whole_model_files(root):  # accelerate's FULL_STATE_DICT save_state: a .bin under its own name
+            name = accelerate.the_whole_model_file(root)
+            builder.note(accelerate.whole_note(root, name))
+            return Weights(BIN_INDEX, name, BIN_PATTERN, read_bin)
         raise SourceNotFoundError(f"'{root}': neither {INDEX} nor {SINGLE} found (nor {BIN_INDEX} or {BIN_SINGLE})")
     if BIN.present(root):
         bins = sorted(p.name for p in root.glob(BIN_PATTERN))

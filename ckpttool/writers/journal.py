@@ -139,8 +139,8 @@ def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
 
 def _layout_text(out: OutputFile, index: Mapping[str, int]) -> str:
     """The file's name, then a line per target (name, dtype, shape) and per copy (its source file's number in
-    ``index``, key when it is not the target's name, byte range, boxes), its dequantization and its scale's copies:
-    text that tells two layouts apart (names and keys quoted by ``repr``), made at a few million lines a second."""
+    ``index``, key when it is not the target's name, byte range, boxes), its dequantization, its transform and its
+    scale's copies: text that tells two layouts apart (names and keys quoted by ``repr``), made at a few million lines a second."""
     parts = [json.dumps(out.name)]
     for t in out.targets:
         parts.append(f"\n{t.name!r} {t.dtype} {t.shape}")
@@ -151,6 +151,8 @@ def _layout_text(out: OutputFile, index: Mapping[str, int]) -> str:
                          f"{c.dst.offsets}{c.dst.sizes}")
         if t.dequant is not None:
             parts.append(f"\n {t.dequant!r}")
+        if t.transform is not None:  # the same copies, another map: other bytes
+            parts.append(f"\n t {t.transform!r}")
         if t.scale is not None:
             parts.extend(f"\n s {index[c.piece.file]} {c.piece.key!r} {c.piece.byte_offset}" for c in t.scale.copies)
     return "".join(parts)

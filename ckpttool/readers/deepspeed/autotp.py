@@ -31,7 +31,7 @@ exact strings AutoTP writes (no regex from a checkpoint is compiled). A paramete
 unsupported, fused without a map, a map that is not plain boxes, shapes that contradict the record) is refused,
 naming it and the file. Buffers (never cut) are whole on every rank; a shared parameter takes its owner's split; a
 replicated block is read from the first rank holding it. Each rank's shards are read as any ZeRO-1/2 step
-(:mod:`.deepspeed_zero`) or module state dict, into a layout in the shard's coordinates whose pieces are then moved,
+(:mod:`.zero`) or module state dict, into a layout in the shard's coordinates whose pieces are then moved,
 so a missing rank file leaves its region of the global tensor uncovered and named.
 """
 
@@ -49,10 +49,10 @@ from ckpttool.layout.layout import RAW, Box, Layout, Piece, Shape, c_strides
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError, SourceNotFoundError
 from ckpttool.readers.validate import dims, expect, field, integer
-from ckpttool.readers.deepspeed.files import Scan, _Loaded, _names, _rel, _states
-from ckpttool.readers.deepspeed.pieces import _add_module, _Builder
+from ckpttool.readers.deepspeed.files import Scan, Loaded, listed_names, step_rel, load_states
+from ckpttool.readers.deepspeed.pieces import add_module, SharingBuilder
 from ckpttool.readers.deepspeed.universal import way_out
-from ckpttool.readers.deepspeed.zero import _read_zero12
+from ckpttool.readers.deepspeed.zero import read_zero12
 
 _UC = "universal_checkpoint_info"
 _MAPS = "affine_map"
@@ -64,7 +64,7 @@ _SUB_PARAMS = "parameter_with_sub_params"
 _MAP_VERSION = 1
 
 
-def recorded_tp(state: _Loaded) -> int:
+def recorded_tp(state: Loaded) -> int:
     """The tensor-parallel size a model states file records (``checkpoint_parallel_dimensions.tp_degree``), 1 if
     none."""
     recorded = field(state.obj, "checkpoint_parallel_dimensions", dict, state.rel, default=None) or {}
@@ -72,7 +72,7 @@ def recorded_tp(state: _Loaded) -> int:
                  what="checkpoint_parallel_dimensions.tp_degree", default=1)
 
 
-def is_autotp(state: _Loaded) -> bool:
+def is_autotp(state: Loaded) -> bool:
     """Whether a model states file was saved by AutoTP: its ``ds_config`` sets ``tensor_parallel.autotp_size`` > 1,
     or its ``universal_checkpoint_info`` has what only AutoTP writes (Megatron-DeepSpeed's has neither)."""
     config = state.obj.get("ds_config")
@@ -100,7 +100,7 @@ class _Split:
 
 
 def read_autotp(root: Path, step: Path, tag: str, models: list[tuple[int, str]], optims: list[tuple[int, int, str, str]],
-                first: _Loaded, builder: LayoutBuilder, *, weights: str, scan: Scan) -> None:
+                first: Loaded, builder: LayoutBuilder, *, weights: str, scan: Scan) -> None:
     """Every tensor-parallel rank of an AutoTP step, read per rank and placed in the global tensors.
 
     Raises:
@@ -110,32 +110,32 @@ def read_autotp(root: Path, step: Path, tag: str, models: list[tuple[int, str]],
     recorded, names = recorded_tp(first), dict(models)
     tp = max(recorded, max(names) + 1)
     if recorded > 1 and tp > recorded:
-        raise SourceError(f"'{_rel(tag, names[max(names)])}': tensor-parallel rank {max(names)}, but '{first.rel}' "
+        raise SourceError(f"'{step_rel(tag, names[max(names)])}': tensor-parallel rank {max(names)}, but '{first.rel}' "
                           f"records {recorded} ranks (checkpoint_parallel_dimensions.tp_degree). Is it a mix of two "
                           "checkpoints?")
     for rank in range(tp):
         if rank not in names:
             raise SourceNotFoundError(
-                f"'{_rel(tag, f'mp_rank_{rank:02d}_model_states.pt')}': missing: tensor-parallel rank {rank} of the "
+                f"'{step_rel(tag, f'mp_rank_{rank:02d}_model_states.pt')}': missing: tensor-parallel rank {rank} of the "
                 f"{tp} AutoTP ranks '{first.rel}' records (checkpoint_parallel_dimensions.tp_degree); its shards "
                 "cannot be placed without it. Is the checkpoint complete?")
     if weights == "master" and not optims:
-        raise SourceError(f"'{_rel(tag, '')}': no *_optim_states.pt files, so no fp32 master weights; pass "
+        raise SourceError(f"'{step_rel(tag, '')}': no *_optim_states.pt files, so no fp32 master weights; pass "
                           "weights='module' to take the module's weights")
-    shards: dict[int, tuple[_Loaded, Layout]] = {}
+    shards: dict[int, tuple[Loaded, Layout]] = {}
     for rank in range(tp):
-        state = first if _rel(tag, names[rank]) == first.rel else _states(root, _rel(tag, names[rank]), scan=scan)
-        local = _Builder(builder.root, builder.format)
+        state = first if step_rel(tag, names[rank]) == first.rel else load_states(root, step_rel(tag, names[rank]), scan=scan)
+        local = SharingBuilder(builder.root, builder.format)
         if weights == "module":
-            _add_module(state, local, names=None, why="module weights")
+            add_module(state, local, names=None, why="module weights")
             local.note(f"module weights (each rank's shard of them) from the {tp} mp_rank_XX_model_states.pt files")
         else:
             group = [o for o in optims if o[0] == rank]
             if not group:
                 raise SourceNotFoundError(
-                    f"'{_rel(tag, f'*zero_pp_rank_*_mp_rank_{rank:02d}_optim_states.pt')}': missing (the fp32 "
+                    f"'{step_rel(tag, f'*zero_pp_rank_*_mp_rank_{rank:02d}_optim_states.pt')}': missing (the fp32 "
                     f"master weights of tensor-parallel rank {rank}, held by no file)")
-            _read_zero12(root, step, tag, state, group, local, strip_layer=False, scan=scan)
+            read_zero12(root, step, tag, state, group, local, strip_layer=False, scan=scan)
         shards[rank] = (state, local.build())
     _place_all(shards, first, builder, step)
     for note in shards[0][1].notes:
@@ -143,7 +143,7 @@ def read_autotp(root: Path, step: Path, tag: str, models: list[tuple[int, str]],
     builder.set_parallel(tp=tp, pp=1, dp=shards[0][1].parallel.get("dp", 1))
 
 
-def _place_all(shards: Mapping[int, tuple[_Loaded, Layout]], first: _Loaded, builder: LayoutBuilder,
+def _place_all(shards: Mapping[int, tuple[Loaded, Layout]], first: Loaded, builder: LayoutBuilder,
                step: Path) -> None:
     record = _Record(first, step)
     shared = {alias: owner for alias, owner in (field(first.obj, "shared_params", dict, first.rel, default=None)
@@ -176,7 +176,7 @@ def _place_all(shards: Mapping[int, tuple[_Loaded, Layout]], first: _Loaded, bui
 class _Record:
     """What rank 0's model states record about the splits: affine maps, category lists, buffer names."""
 
-    def __init__(self, state: _Loaded, step: Path) -> None:
+    def __init__(self, state: Loaded, step: Path) -> None:
         self.rel = state.rel
         uc = field(state.obj, _UC, dict, state.rel, default=None) or {}
         if _UNSUPPORTED not in uc and _MAPS not in uc:  # "any other parameter: dim 0" holds only for AutoTP's record
@@ -196,7 +196,7 @@ class _Record:
         sub = field(uc, _SUB_PARAMS, list, state.rel, what=f"{_UC}.{_SUB_PARAMS}", default=None) or []
         self.fused = {p for entry in sub if isinstance(entry, dict) and isinstance(entry.get("patterns"), list)
                       for p in entry["patterns"] if isinstance(p, str)}
-        self.buffers = _names(state, "buffer_names")
+        self.buffers = listed_names(state, "buffer_names")
 
     def _strings(self, uc: dict, key: str) -> list[str]:
         values = field(uc, key, list, self.rel, what=f"{_UC}.{key}", default=None) or []

@@ -3,75 +3,56 @@ states say about the parameters, before any tensor is cut.
 
 The file names are those listed in :mod:`ckpttool.readers.deepspeed.reader`; this module knows which file of a step is
 which (the tag in ``latest``, the ``mp_rank``/``zero_pp_rank`` names), scans the pickles with stand-ins for the
-few DeepSpeed classes they name (:data:`ALLOW`), and checks the set of optimizer files against the
+few DeepSpeed classes they name (:data:`ALLOW`, the table of :mod:`.classes` that names the releases writing
+each), and checks the set of optimizer files against the
 ``partition_count`` they record. Loading goes through a :data:`Scan` that :func:`ckpttool.readers.deepspeed.reader.read`
-passes down (its ``_scan``), so one replacement there reaches every file read.
+passes down (its ``scan_file``), so one replacement there reaches every file read.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpttool.console.terminal import escaped, quoted
 from ckpttool.io import torch_save
-from ckpttool.errors import SourceError, SourceNotFoundError
+from ckpttool.errors import SourceError, SourceNotFoundError, UnsafePickleError
 from ckpttool.io.paths import contained, inside, open_inside, read_tag
-from ckpttool.io.pickle_bounds import EnumStandIn
-from ckpttool.io.safe_pickle import Record
 from ckpttool.readers.validate import dims, expect, field
+from ckpttool.readers.deepspeed.classes import ALLOW, refusal_note
 from ckpttool.readers.deepspeed.universal import universal_instead
 
-_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-_ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_LAYER = re.compile(r"^layer_(\d+)-model_states\.pt$")
+MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+OPTIM_STATES = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+LAYER_STATES = re.compile(r"^layer_(\d+)-model_states\.pt$")
 #: a pipeline layer saved per tensor-parallel rank ('layer_01-model_00-model_states.pt')
-_LAYER_TP = re.compile(r"^layer_(\d+)-(.+)-model_states\.pt$")
-
-
-class _Record(Record):
-    kind = "DeepSpeed"
-
-
-#: the exact non-tensor classes DeepSpeed's checkpoints pickle, as inert stand-ins (nothing is imported):
-#: the ZeRO stage enum, the loss scalers (static; dynamic under fp16), the param slice mappings of the optimizer
-#: state, and the training args Megatron-DeepSpeed adds to the model states
-ALLOW: Mapping[tuple[str, str], Any] = {
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): EnumStandIn(  # ZeroStageEnum(2) -> 2
-        "deepspeed.runtime.zero.config.ZeroStageEnum",
-        {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3, "max_stage": 3},
-    ),
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): _Record,
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): _Record,
-    ("deepspeed.utils.tensor_fragment", "fragment_address"): _Record,
-    ("argparse", "Namespace"): _Record,
-}
+LAYER_TP_STATES = re.compile(r"^layer_(\d+)-(.+)-model_states\.pt$")
 
 
 @dataclass(frozen=True, slots=True)
-class _Loaded:
+class Loaded:
     """A scanned ``.pt`` file: its path relative to the layout's root and its object tree."""
 
     rel: str
     obj: Any
 
 
-#: how a ``.pt`` file is loaded: ``scan(root, rel)``, :func:`_scan` unless the reader is given another
-Scan = Callable[[Path, str], _Loaded]
+#: how a ``.pt`` file is loaded: ``scan(root, rel)``, :func:`scan_file` unless the reader is given another
+Scan = Callable[[Path, str], Loaded]
 
 
 # --------------------------------------------------------------------------------------------------- discovery
 
-def _step_dir(root: Path) -> Path | None:
+def step_dir(root: Path) -> Path | None:
     """The directory holding the rank files: ``root`` itself, the tag ``root/latest`` names, or the only
     ``global_step*`` directory."""
     if not root.is_dir():
         return None
-    if _has_states(root):
+    if has_states(root):
         return root
     latest = root / "latest"
     if not latest.is_file() and (root / "latest_universal").is_file():
@@ -85,7 +66,7 @@ def _step_dir(root: Path) -> Path | None:
         if not step.is_dir():
             raise SourceError(f"'{latest}' names the checkpoint {tag!r}, but '{step}' is not a directory")
         return step
-    steps = sorted(p for p in root.iterdir() if p.is_dir() and _has_states(p))
+    steps = sorted(p for p in root.iterdir() if p.is_dir() and has_states(p))
     if len(steps) == 1:
         return steps[0]
     if len(steps) > 1:
@@ -96,33 +77,46 @@ def _step_dir(root: Path) -> Path | None:
     return None
 
 
-def _has_states(path: Path) -> bool:
+def has_states(path: Path) -> bool:
+    """Whether ``path`` holds DeepSpeed rank files (``*_model_states.pt`` or ``*_optim_states.pt``)."""
     return any(n.name.endswith(("_model_states.pt", "_optim_states.pt")) for n in path.iterdir() if n.is_file())
 
 
-def _rel(tag: str, name: str) -> str:
+def step_rel(tag: str, name: str) -> str:
+    """A file's path relative to the layout's root: ``name`` inside the step folder ``tag`` ('' when the root
+    is the step)."""
     return f"{tag}/{name}" if tag else name
 
 
 # ----------------------------------------------------------------------------------------------------- loading
 
-def _scan(root: Path, rel: str) -> _Loaded:
-    """``rel``'s object tree, tensors as :class:`StoredTensor` (``torch_save.scan`` with :data:`ALLOW`)."""
+def scan_file(root: Path, rel: str) -> Loaded:
+    """``rel``'s object tree, tensors as :class:`StoredTensor` (``torch_save.scan`` with :data:`ALLOW`).
+
+    Raises:
+        UnsafePickleError: the pickle asks for a class :data:`ALLOW` does not list; the message adds the
+            DeepSpeed release the checkpoint records (:func:`~ckpttool.readers.deepspeed.classes.refusal_note`).
+    """
     if not contained(root, rel).is_file():  # a link on the way out of the checkpoint is refused, naming it
         raise SourceNotFoundError(f"{quoted(rel)}: missing")
     label = escaped(rel)  # a universal checkpoint's folder names come from the file system
-    with open_inside(root, rel, label) as f:
-        return _Loaded(rel, torch_save.scan(f, label=label, allow=ALLOW))
+    try:
+        with open_inside(root, rel, label) as f:
+            return Loaded(rel, torch_save.scan(f, label=label, allow=ALLOW))
+    except UnsafePickleError as e:
+        raise UnsafePickleError(f"{e}{refusal_note(root, rel)}") from None
 
 
-def _model_states(root: Path, step: Path, tag: str, models: list[tuple[int, str]], *, scan: Scan) -> _Loaded:
+def first_model_states(root: Path, step: Path, tag: str, models: list[tuple[int, str]], *, scan: Scan) -> Loaded:
+    """The first model states file of ``models`` (``mp_rank_00_model_states.pt``), scanned; a clear error when
+    there is none."""
     if not models:
-        raise SourceNotFoundError(f"'{_rel(tag, 'mp_rank_00_model_states.pt')}': missing (the model states: "
+        raise SourceNotFoundError(f"'{step_rel(tag, 'mp_rank_00_model_states.pt')}': missing (the model states: "
                                   "parameter names and shapes)")
-    return _states(root, _rel(tag, models[0][1]), scan=scan)
+    return load_states(root, step_rel(tag, models[0][1]), scan=scan)
 
 
-def _states(root: Path, rel: str, *, scan: Scan) -> _Loaded:
+def load_states(root: Path, rel: str, *, scan: Scan) -> Loaded:
     """A model states file, scanned: a dict."""
     state = scan(root, rel)
     if not isinstance(state.obj, dict):
@@ -130,11 +124,13 @@ def _states(root: Path, rel: str, *, scan: Scan) -> _Loaded:
     return state
 
 
-def _dp_from_optim(optims: list[tuple[int, int, str, str]]) -> int:
+def dp_from_optim(optims: list[tuple[int, int, str, str]]) -> int:
+    """The data-parallel size the optimizer files show: one more than their highest ``zero_pp_rank`` (1 when none)."""
     return max((r for _, r, _, _ in optims), default=-1) + 1 or 1
 
 
-def _shapes(state: _Loaded) -> list[dict[str, tuple[int, ...]]]:
+def param_shapes(state: Loaded) -> list[dict[str, tuple[int, ...]]]:
+    """The model states' ``param_shapes``: one ordered ``{name: shape}`` per optimizer param group, checked."""
     groups = state.obj.get("param_shapes")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise SourceError(f"'{state.rel}': no 'param_shapes' (is it a ZeRO checkpoint? else use weights='module')")
@@ -149,7 +145,7 @@ def _shapes(state: _Loaded) -> list[dict[str, tuple[int, ...]]]:
     return out
 
 
-def _names(state: _Loaded, key: str) -> set[str]:
+def listed_names(state: Loaded, key: str) -> set[str]:
     """A list of names in the model states (``buffer_names``); absent: none."""
     names = field(state.obj, key, list, state.rel, default=None) or []
     return {expect(n, str, f"{key}: an entry", state.rel) for n in names}
@@ -157,25 +153,26 @@ def _names(state: _Loaded, key: str) -> set[str]:
 
 # --------------------------------------------------------------------------------------------- optimizer files
 
-def _optim_dict(loaded: _Loaded) -> dict:
+def optimizer_state_dict(loaded: Loaded) -> dict:
+    """The ``optimizer_state_dict`` of an optimizer states file, or an error naming the file."""
     osd = loaded.obj.get("optimizer_state_dict") if isinstance(loaded.obj, dict) else None
     if not isinstance(osd, dict):
         raise SourceError(f"'{loaded.rel}': no 'optimizer_state_dict'; not a DeepSpeed optimizer states file")
     return osd
 
 
-def _read_ranks(root: Path, tag: str, group: list[tuple[int, int, str, str]], *, scan: Scan) -> tuple[
-        dict[int, tuple[_Loaded, dict]], int, str, str]:
+def read_optim_ranks(root: Path, tag: str, group: list[tuple[int, int, str, str]], *, scan: Scan) -> tuple[
+        dict[int, tuple[Loaded, dict]], int, str, str]:
     """Scan every rank's optimizer file; check their number against the recorded partition count.
 
     Returns the present ranks, the partition count, the file-name prefix and the mp rank's name template.
     """
-    present = {rank: scan(root, _rel(tag, name)) for _, rank, _, name in group}
+    present = {rank: scan(root, step_rel(tag, name)) for _, rank, _, name in group}
     prefixes = sorted({prefix for _, _, prefix, _ in group})
     if len(prefixes) > 1:
-        raise SourceError(f"'{_rel(tag, '')}': optimizer files of different kinds ({', '.join(p or 'fp32' for p in prefixes)}) "
+        raise SourceError(f"'{step_rel(tag, '')}': optimizer files of different kinds ({', '.join(p or 'fp32' for p in prefixes)}) "
                           "side by side; is it two checkpoints in one directory?")
-    ranks = {rank: (loaded, _optim_dict(loaded)) for rank, loaded in present.items()}
+    ranks = {rank: (loaded, optimizer_state_dict(loaded)) for rank, loaded in present.items()}
     counts = {}
     for rank, (loaded, osd) in ranks.items():
         count = osd.get("partition_count")

@@ -15,6 +15,11 @@ What DeepSpeed 0.19.8 saves (``engine._save_moe_checkpoint``, ``_save_zero_check
     expp_rank_P_mp_rank_00_optim_states.pt
                                         only without ZeRO: a plain optimizer state (no weights; not read)
 
+Before 0.19 (0.14.5, 0.16.9 and 0.18.0 of the fixture matrix) the MoE model states hold no 'param_shapes', 'buffer_names',
+'ds_config' or 'ds_version', and ``expp_rank_P`` files (``{'optimizer': None}`` under ZeRO) are written beside the
+ZeRO ones: the param groups are then read from the optimizer files' ``param_slice_mappings`` (every file needed),
+the shapes from the module and the per-expert files, the topology from the optimizer files' 'ds_config'.
+
 Expert parameters live in their own optimizer param groups (``split_params_into_different_moe_groups_for_optimizer``:
 ``moe=True``, named by the layer's ``expert_group_name`` ``ep_size_<P>``, both kept in the base optimizer state's
 ``param_groups``). ZeRO partitions each group over its own data-parallel group (``stage_1_and_2.
@@ -25,7 +30,7 @@ has those shapes. Which ranks share an EP rank (``groups._create_expert_and_data
 groups are consecutive ranks, ``ep_rank = R % P``, expert-data-parallel rank ``R // P``; with
 ``use_data_before_expert_parallelism`` in ``ds_config`` (D + E) the expert-data-parallel groups are consecutive,
 ``ep_rank = R // (D/P)``, rank ``R % (D/P)`` in its group. For EP rank e, its ranks' files in expert-data-parallel
-order, laid end to end, are the group's flat buffer, cut as any ZeRO group (:func:`.deepspeed_zero._cut_group`);
+order, laid end to end, are the group's flat buffer, cut as any ZeRO group (:func:`.zero.cut_group`);
 local expert j becomes global expert ``e * local + j``.
 
 Every per-expert file must be there (a missing one is named), and the renumbered optimizer experts must be exactly
@@ -50,19 +55,20 @@ from ckpttool.errors import SourceError, SourceNotFoundError
 from ckpttool.io.torch_save import StoredTensor
 from ckpttool.readers.validate import dims, field, integer, shown
 from ckpttool.readers.deepspeed.files import (
-    _LAYER,
-    _MODEL,
-    _OPTIM,
-    _ZERO3_MODEL,
+    LAYER_STATES,
+    MODEL_STATES,
+    OPTIM_STATES,
+    ZERO3_MODEL_STATES,
     Scan,
-    _Loaded,
-    _model_states,
-    _optim_dict,
-    _rel,
-    _shapes,
+    Loaded,
+    first_model_states,
+    optimizer_state_dict,
+    step_rel,
+    param_shapes,
 )
-from ckpttool.readers.deepspeed.pieces import _add_module, _Builder, _whole_piece
-from ckpttool.readers.deepspeed.zero import _add_extras, _alignment_pads, _cut_group, _Part
+from ckpttool.readers.deepspeed.pieces import add_module, SharingBuilder, whole_piece
+from ckpttool.readers.deepspeed.slices import shapes_from_mappings
+from ckpttool.readers.deepspeed.zero import add_extras, alignment_pads, cut_group, FlatPart
 
 #: the layout format of a DeepSpeed MoE checkpoint (the families map its names)
 FORMAT = "deepspeed-moe"
@@ -81,36 +87,36 @@ def read_moe(root: Path, step: Path, tag: str, files: list[str], weights: str, *
     """The layout of a DeepSpeed MoE step: fp32 master weights from the optimizer files (``weights="master"``)
     or the module weights from the model states and the per-expert files (``"module"``), under DeepSpeed's names
     with global expert ids."""
-    builder = _Builder(str(root), FORMAT)
-    if any(_LAYER.match(n) or _ZERO3_MODEL.match(n) for n in files):
-        what = "pipeline layer files" if any(_LAYER.match(n) for n in files) else "ZeRO-3 model states"
-        raise SourceError(f"'{_rel(tag, '')}': a DeepSpeed MoE checkpoint with {what}; ckpttool reads MoE "
+    builder = SharingBuilder(str(root), FORMAT)
+    if any(LAYER_STATES.match(n) or ZERO3_MODEL_STATES.match(n) for n in files):
+        what = "pipeline layer files" if any(LAYER_STATES.match(n) for n in files) else "ZeRO-3 model states"
+        raise SourceError(f"'{step_rel(tag, '')}': a DeepSpeed MoE checkpoint with {what}; ckpttool reads MoE "
                           "checkpoints of ZeRO-1/2 and BF16_Optimizer without pipeline stages")
-    state = _model_states(root, step, tag, sorted((int(m.group(1)), n) for n in files if (m := _MODEL.match(n))),
+    state = first_model_states(root, step, tag, sorted((int(m.group(1)), n) for n in files if (m := MODEL_STATES.match(n))),
                           scan=scan)
     experts = _expert_files(root, tag, files, state, scan=scan)
     if weights == "module":
-        _add_module(state, builder, names=None, why="module weights")
+        add_module(state, builder, names=None, why="module weights")
         _add_expert_files(experts, builder, names=None)
         builder.set_parallel(tp=1, pp=1)
         builder.note(f"module weights from '{state.rel}' and {len(experts)} per-expert files (not the fp32 "
                      "master weights)")
         return builder.build()
-    optims = sorted((int(m.group(2)), m.group(1) or "", n) for n in files if (m := _OPTIM.match(n)))
+    optims = sorted((int(m.group(2)), m.group(1) or "", n) for n in files if (m := OPTIM_STATES.match(n)))
     if not optims:
-        raise SourceError(f"'{_rel(tag, '')}': no *_optim_states.pt files, so no fp32 master weights; pass "
+        raise SourceError(f"'{step_rel(tag, '')}': no *_optim_states.pt files, so no fp32 master weights; pass "
                           "weights='module' to take the module's weights (the per-expert files)")
-    _read_master(root, tag, state, optims, builder, scan=scan)
+    _read_master(root, tag, state, optims, experts, builder, scan=scan)
     frozen = field(state.obj, "frozen_param_shapes", dict, state.rel, default=None) or {}
     if any(isinstance(n, str) and _EXPERT.match(n) for n in frozen):
         raise SourceError(f"'{state.rel}': frozen expert parameters, which rank 0 records under its own local "
                           "expert ids only; use weights='module' (the per-expert files hold every expert)")
-    _add_extras(state, builder, strip_layer=False)
+    add_extras(state, builder, strip_layer=False)
     _against_expert_files(experts, builder)
     return builder.build()
 
 
-def _against_expert_files(experts: dict[str, _Loaded], builder: _Builder) -> None:
+def _against_expert_files(experts: dict[str, Loaded], builder: SharingBuilder) -> None:
     """Check the renumbered optimizer experts against DeepSpeed's own numbering, the per-expert files: every
     optimizer expert is in them, and every expert they hold is in the optimizer (a different count means another
     expert-parallel size); what the files hold beyond the parameters (an expert's buffers) is taken from them."""
@@ -143,14 +149,14 @@ def _expert_of(name: str) -> tuple[str, int]:
 
 # ---------------------------------------------------------------------------------------------- expert files
 
-def _expert_files(root: Path, tag: str, files: list[str], state: _Loaded, *, scan: Scan) -> dict[str, _Loaded]:
+def _expert_files(root: Path, tag: str, files: list[str], state: Loaded, *, scan: Scan) -> dict[str, Loaded]:
     """Every ``layer_L_expert_E`` file, scanned and checked: the ids its names carry are its own, one MoE module
     per layer, and no expert of a layer is missing (``num_experts`` in the model states)."""
     found: dict[int, dict[int, str]] = {}
     for name in files:
         if m := _EXPERT_FILE.match(name):
             if int(m.group(3)) != 0:
-                raise SourceError(f"'{_rel(tag, name)}': expert files of model-parallel rank {int(m.group(3))}: "
+                raise SourceError(f"'{step_rel(tag, name)}': expert files of model-parallel rank {int(m.group(3))}: "
                                   "ckpttool reads DeepSpeed MoE checkpoints without tensor parallelism")
             found.setdefault(int(m.group(1)), {})[int(m.group(2))] = name
     recorded = field(state.obj, "num_experts", list, state.rel, default=None)
@@ -160,18 +166,18 @@ def _expert_files(root: Path, tag: str, files: list[str], state: _Loaded, *, sca
                    if layer >= len(counts) or e >= counts[layer])
     if stray:
         layer, name = stray[0]
-        raise SourceError(f"'{_rel(tag, name)}': an expert file beyond the experts '{state.rel}' records "
+        raise SourceError(f"'{step_rel(tag, name)}': an expert file beyond the experts '{state.rel}' records "
                           f"(num_experts {list(counts)}: {len(counts)} MoE layers, expert ids 0..n-1 in each)")
-    loaded: dict[str, _Loaded] = {}
+    loaded: dict[str, Loaded] = {}
     missing: list[str] = []
     for layer, total in enumerate(counts):
         have = found.get(layer, {})
         module = None
         for expert in sorted(have):
-            item = loaded[have[expert]] = scan(root, _rel(tag, have[expert]))
+            item = loaded[have[expert]] = scan(root, step_rel(tag, have[expert]))
             module = _check_expert_file(item, expert, module)
         where = f"MoE layer {layer}" + (f", '{module}'" if module else "")
-        missing.extend(f"'{_rel(tag, f'layer_{layer}_expert_{e}_mp_rank_00_model_states.pt')}' (expert {e} of the "
+        missing.extend(f"'{step_rel(tag, f'layer_{layer}_expert_{e}_mp_rank_00_model_states.pt')}' (expert {e} of the "
                        f"{total} of {where})" for e in range(total) if e not in have)
     if missing:
         raise SourceNotFoundError(
@@ -181,7 +187,7 @@ def _expert_files(root: Path, tag: str, files: list[str], state: _Loaded, *, sca
     return loaded
 
 
-def _check_expert_file(item: _Loaded, expert: int, module: str | None) -> str:
+def _check_expert_file(item: Loaded, expert: int, module: str | None) -> str:
     """The MoE module an expert file belongs to; every tensor in it must be named for that module and expert."""
     if not isinstance(item.obj, dict) or not item.obj:
         raise SourceError(f"'{item.rel}': not a DeepSpeed expert state dict (no dict of tensors inside)")
@@ -198,30 +204,38 @@ def _check_expert_file(item: _Loaded, expert: int, module: str | None) -> str:
     return module or ""
 
 
-def _add_expert_files(experts: dict[str, _Loaded], builder: _Builder, names: set[str] | None) -> None:
+def _add_expert_files(experts: dict[str, Loaded], builder: SharingBuilder, names: set[str] | None) -> None:
     for item in experts.values():
         for key, tensor in item.obj.items():
             if (names is None or key in names) and builder.declare(key, tensor.shape, tensor.dtype,
                                                                    where=f"'{item.rel}'"):
-                builder.add(key, _whole_piece(item.rel, key, tensor))
+                builder.add(key, whole_piece(item.rel, key, tensor))
 
 
 # ---------------------------------------------------------------------------------------------- master weights
 
-def _read_master(root: Path, tag: str, state: _Loaded, optims: list[tuple[int, str, str]], builder: _Builder, *,
-                 scan: Scan) -> None:
+def _read_master(root: Path, tag: str, state: Loaded, optims: list[tuple[int, str, str]], experts: dict[str, Loaded],
+                 builder: SharingBuilder, *, scan: Scan) -> None:
     """The fp32 master weights: every param group cut from the ranks that partition it."""
     prefixes = sorted({p for _, p, _ in optims})
     if len(prefixes) > 1:
-        raise SourceError(f"'{_rel(tag, '')}': optimizer files of different kinds "
+        raise SourceError(f"'{step_rel(tag, '')}': optimizer files of different kinds "
                           f"({', '.join(p or 'fp32' for p in prefixes)}) side by side; is it two checkpoints in one "
                           "directory?")
     template = f"{prefixes[0]}zero_pp_rank_{{rank}}_mp_rank_00_optim_states.pt"
-    ranks = {rank: scan(root, _rel(tag, name)) for rank, _, name in optims}
-    osds = {rank: _optim_dict(loaded) for rank, loaded in ranks.items()}
+    ranks = {rank: scan(root, step_rel(tag, name)) for rank, _, name in optims}
+    osds = {rank: optimizer_state_dict(loaded) for rank, loaded in ranks.items()}
     first = min(ranks)
-    shapes = _shapes(state)
+    recorded = "param_shapes" in state.obj
+    shapes = param_shapes(state) if recorded else shapes_from_mappings(state, ranks, osds, experts, _EXPERT)
     counts = _partition_counts(ranks, osds, len(shapes))
+    if not recorded:  # the order of a group's parameters is read from every file that holds a part of it
+        absent = [r for r in range(max(counts)) if r not in ranks]
+        if absent:
+            raise SourceNotFoundError(
+                f"'{step_rel(tag, template.format(rank=absent[0]))}': missing; '{state.rel}' records no param_shapes "
+                "(DeepSpeed before 0.19 saves none with MoE), so the parameters' order is read from every optimizer "
+                "file's param_slice_mappings, and each one is needed")
     moe = [_is_moe_group(g, group, osds[first], ranks[first].rel, state.rel) for g, group in enumerate(shapes)]
     world = max(counts)
     extra = sorted(r for r in ranks if r >= world)
@@ -233,14 +247,15 @@ def _read_master(root: Path, tag: str, state: _Loaded, optims: list[tuple[int, s
     if not bf16_optimizer and some.get("zero_stage") not in (1, 2):
         raise SourceError(f"'{ranks[first].rel}': zero_stage {some.get('zero_stage')!r}; a DeepSpeed MoE checkpoint "
                           "is read from ZeRO-1/2 or BF16_Optimizer partitions")
-    config = field(state.obj, "ds_config", dict, state.rel, default=None) or {}
+    config = (field(state.obj, "ds_config", dict, state.rel, default=None)  # before 0.19: in the optimizer files only
+              or field(ranks[first].obj, "ds_config", dict, ranks[first].rel, default=None) or {})
     data_first = config.get("use_data_before_expert_parallelism", False) is True
     files = f"'{prefixes[0]}zero_pp_rank_*' files"
     eps: set[int] = set()
 
-    def part(rank: int, g: int) -> _Part:
+    def part(rank: int, g: int) -> FlatPart:
         if rank not in ranks:
-            return _Part(rank, _rel(tag, template.format(rank=rank)), None, 0)
+            return FlatPart(rank, step_rel(tag, template.format(rank=rank)), None, 0)
         groups, paddings = osds[rank].get("single_partition_of_fp32_groups"), osds[rank].get("group_paddings")
         if not (isinstance(groups, list) and isinstance(paddings, list) and len(groups) == len(paddings) == len(shapes)):
             raise SourceError(f"'{ranks[rank].rel}': single_partition_of_fp32_groups/group_paddings do not hold the "
@@ -249,16 +264,16 @@ def _read_master(root: Path, tag: str, state: _Loaded, optims: list[tuple[int, s
         if not isinstance(tensor, StoredTensor) or len(tensor.shape) != 1 or tensor.dtype != "F32":
             raise SourceError(f"'{ranks[rank].rel}': single_partition_of_fp32_groups[{g}] is not a flat fp32 tensor")
         tensor.required_offset(ranks[rank].rel, f"single_partition_of_fp32_groups[{g}]")
-        return _Part(rank, ranks[rank].rel, tensor, integer(paddings[g], f"group_paddings[{g}]", ranks[rank].rel))
+        return FlatPart(rank, ranks[rank].rel, tensor, integer(paddings[g], f"group_paddings[{g}]", ranks[rank].rel))
 
     for g, group in enumerate(shapes):
-        pads = _alignment_pads(some, g, group, ranks[first].rel)
+        pads = alignment_pads(some, g, group, ranks[first].rel)
         if not moe[g]:
             if counts[g] != world:
                 raise SourceError(f"'{ranks[first].rel}': partition_count {counts}: param group {g}, which holds no "
                                   f"experts, is partitioned over {counts[g]} ranks, another over {world}; a group "
                                   "without experts is partitioned over every data-parallel rank")
-            _cut_group(builder, f"param group {g}", group, pads, [part(r, g) for r in range(world)],
+            cut_group(builder, f"param group {g}", group, pads, [part(r, g) for r in range(world)],
                        bf16_optimizer=bf16_optimizer, state=state, files=files)
             continue
         ep = _ep_size(g, counts, world, some, ranks[first].rel)
@@ -268,7 +283,7 @@ def _read_master(root: Path, tag: str, state: _Loaded, optims: list[tuple[int, s
         for e in range(ep):
             members = ([e * edp + k for k in range(edp)] if data_first else [k * ep + e for k in range(edp)])
             renamed = {_global(n, e, local): s for n, s in group.items()}
-            _cut_group(builder, f"param group {g} (the experts of EP rank {e})", renamed, pads,
+            cut_group(builder, f"param group {g} (the experts of EP rank {e})", renamed, pads,
                        [part(r, g) for r in members], bf16_optimizer=bf16_optimizer, state=state, files=files)
     kind = "BF16_Optimizer" if bf16_optimizer else f"ZeRO-{some.get('zero_stage')}"
     topology = "D + E: expert-data-parallel groups of consecutive ranks" if data_first else \
@@ -279,7 +294,7 @@ def _read_master(root: Path, tag: str, state: _Loaded, optims: list[tuple[int, s
                  "renumbered to global ids (ep_rank * local + j), as the per-expert files name them")
 
 
-def _partition_counts(ranks: dict[int, _Loaded], osds: dict[int, dict], groups: int) -> list[int]:
+def _partition_counts(ranks: dict[int, Loaded], osds: dict[int, dict], groups: int) -> list[int]:
     """``partition_count`` (one per param group), the same in every optimizer file."""
     seen: dict[tuple[int, ...], str] = {}
     for rank, osd in osds.items():

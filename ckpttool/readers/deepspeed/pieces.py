@@ -2,8 +2,8 @@
 
 A tensor saved whole (in the module state dict, a pipeline layer file, a frozen parameter, a universal
 ``fp32.pt``) is one RAW piece at its byte offset; pipeline names lose their layer index when asked; and
-:class:`_Builder` remembers the pieces it was given, so a shared (tied) parameter can be written from its owner's.
-The flat fp32 partitions of ZeRO are cut in :mod:`.deepspeed_zero`.
+:class:`SharingBuilder` remembers the pieces it was given, so a shared (tied) parameter can be written from its owner's.
+The flat fp32 partitions of ZeRO are cut in :mod:`.zero`.
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError
 from ckpttool.io.torch_save import StoredTensor
 from ckpttool.readers.validate import expect
-from ckpttool.readers.deepspeed.files import _Loaded
+from ckpttool.readers.deepspeed.files import Loaded
 
 
-def _whole_piece(rel: str, key: str, tensor: StoredTensor) -> Piece:
+def whole_piece(rel: str, key: str, tensor: StoredTensor) -> Piece:
+    """A tensor saved whole at ``key`` of ``rel`` as one RAW piece at its byte offset."""
     offset = tensor.required_offset(rel, key)
     return Piece(rel, key, Box.whole(tensor.shape), tensor.dtype, RAW, offset, tensor.numel * itemsize(tensor.dtype))
 
 
-def _add_module(state: _Loaded, builder: LayoutBuilder, names: set[str] | None, why: str,
+def add_module(state: Loaded, builder: LayoutBuilder, names: set[str] | None, why: str,
                 strip_layer: bool = False) -> None:
     """Tensors of the module state dict (all of them, or ``names``) as whole pieces."""
     module = state.obj.get("module")
@@ -36,18 +37,18 @@ def _add_module(state: _Loaded, builder: LayoutBuilder, names: set[str] | None, 
         if not isinstance(tensor, StoredTensor):
             continue
         key = expect(key, str, "module: a tensor name", state.rel)
-        name = _strip(key) if strip_layer else key
+        name = strip_layer_index(key) if strip_layer else key
         if builder.declare(name, tensor.shape, tensor.dtype, where=f"'{state.rel}'"):
-            builder.add(name, _whole_piece(state.rel, f"module.{key}", tensor))
+            builder.add(name, whole_piece(state.rel, f"module.{key}", tensor))
 
 
-def _strip(name: str) -> str:
+def strip_layer_index(name: str) -> str:
     """A pipeline parameter's name less its layer index ('3.model.norm.weight' -> 'model.norm.weight')."""
     head, _, rest = name.partition(".")
     return rest if head.isdigit() and rest else name
 
 
-class _Builder(LayoutBuilder):
+class SharingBuilder(LayoutBuilder):
     """A layout builder that remembers what it was given, so a shared parameter can reuse its owner's pieces."""
 
     def __init__(self, root: str, fmt: str) -> None:
@@ -66,7 +67,8 @@ class _Builder(LayoutBuilder):
         super().add(fqn, piece, present=present)
 
 
-def _add_shared(state: _Loaded, builder: _Builder) -> None:
+def add_shared(state: Loaded, builder: SharingBuilder) -> None:
+    """Declare each tied parameter of ``shared_params`` with its owner's pieces, with a note."""
     shared = state.obj.get("shared_params") or {}
     if not isinstance(shared, dict):
         return

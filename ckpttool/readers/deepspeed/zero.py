@@ -17,7 +17,7 @@ Where the fp32 master weights are, per optimizer:
 
 ``partition_count`` records the data-parallel world size; it must equal the number of rank files. The flat
 buffers must be consumed exactly; a missing rank file leaves its region uncovered, and the coverage check
-names the file (the set of optimizer files is checked in :mod:`.deepspeed_files`). A flat range of a parameter
+names the file (the set of optimizer files is checked in :mod:`.files`). A flat range of a parameter
 becomes RAW boxes at byte offsets inside the optimizer files (:func:`ckpttool.layout.layout.range_boxes`).
 """
 
@@ -34,12 +34,20 @@ from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError, SourceNotFoundError
 from ckpttool.io.torch_save import StoredTensor
 from ckpttool.readers.validate import dims, expect, field, integer
-from ckpttool.readers.deepspeed.files import Scan, _Loaded, _names, _read_ranks, _rel, _shapes, _states
-from ckpttool.readers.deepspeed.pieces import _add_module, _add_shared, _strip, _whole_piece
+from ckpttool.readers.deepspeed.files import (
+    Loaded,
+    Scan,
+    listed_names,
+    load_states,
+    param_shapes,
+    read_optim_ranks,
+    step_rel,
+)
+from ckpttool.readers.deepspeed.pieces import add_module, add_shared, strip_layer_index, whole_piece
 
 # ------------------------------------------------------------------------------------------------ flat buffers
 
-def _flat_tensor(loaded: _Loaded, value: Any, what: str) -> StoredTensor:
+def _flat_tensor(loaded: Loaded, value: Any, what: str) -> StoredTensor:
     if not isinstance(value, StoredTensor) or len(value.shape) != 1 or value.dtype != "F32":
         raise SourceError(f"'{loaded.rel}': {what} is not a flat fp32 tensor ({value!r:.80})")
     value.required_offset(loaded.rel, what)
@@ -73,10 +81,12 @@ class _Flat:
 
 # ------------------------------------------------------------------------------------------------ ZeRO-1/2
 
-def _read_zero12(root: Path, step: Path, tag: str, state: _Loaded, group: list[tuple[int, int, str, str]],
+def read_zero12(root: Path, step: Path, tag: str, state: Loaded, group: list[tuple[int, int, str, str]],
                  builder: LayoutBuilder, strip_layer: bool, *, scan: Scan) -> None:
-    shapes = _shapes(state)
-    ranks, count, prefix, template = _read_ranks(root, tag, group, scan=scan)
+    """Cut the flat fp32 partitions of ZeRO-1/2 (or BF16_Optimizer) optimizer files into pieces of the parameters
+    in ``state``'s ``param_shapes``."""
+    shapes = param_shapes(state)
+    ranks, count, prefix, template = read_optim_ranks(root, tag, group, scan=scan)
     builder.set_parallel(dp=count)
     some = ranks[min(ranks)][1]
     bf16_optimizer = "zero_stage" not in some
@@ -104,15 +114,16 @@ def _read_zero12(root: Path, step: Path, tag: str, state: _Loaded, group: list[t
             for i, (g, p) in enumerate(zip(groups, paddings))
         ]
     for g, group_shapes in enumerate(shapes):
-        pads = _alignment_pads(some, g, group_shapes, ranks[min(ranks)][0].rel)
-        parts = [_Part(rank, ranks[rank][0].rel, *slices[rank][g]) if rank in slices
-                 else _Part(rank, _rel(tag, template.format(rank=rank)), None, 0) for rank in range(count)]
-        _cut_group(builder, f"param group {g}", {(_strip(n) if strip_layer else n): s for n, s in group_shapes.items()},
-                   pads, parts, bf16_optimizer=bf16_optimizer, state=state, files=f"'{prefix}zero_pp_rank_*' files")
-    _add_extras(state, builder, strip_layer)
+        pads = alignment_pads(some, g, group_shapes, ranks[min(ranks)][0].rel)
+        parts = [FlatPart(rank, ranks[rank][0].rel, *slices[rank][g]) if rank in slices
+                 else FlatPart(rank, step_rel(tag, template.format(rank=rank)), None, 0) for rank in range(count)]
+        named = {(strip_layer_index(n) if strip_layer else n): s for n, s in group_shapes.items()}
+        cut_group(builder, f"param group {g}", named, pads, parts, bf16_optimizer=bf16_optimizer, state=state,
+                  files=f"'{prefix}zero_pp_rank_*' files")
+    add_extras(state, builder, strip_layer)
 
 
-def _alignment_pads(osd: dict, g: int, group_shapes: dict[str, tuple[int, ...]], rel: str) -> list[int]:
+def alignment_pads(osd: dict, g: int, group_shapes: dict[str, tuple[int, ...]], rel: str) -> list[int]:
     """``param_alignment_paddings[g]`` of an optimizer state (zeros when not recorded), one per parameter."""
     aligns = osd.get("param_alignment_paddings")
     pads = aligns[g] if isinstance(aligns, list) and g < len(aligns) else [0] * len(group_shapes)
@@ -124,7 +135,7 @@ def _alignment_pads(osd: dict, g: int, group_shapes: dict[str, tuple[int, ...]],
 
 
 @dataclass(frozen=True, slots=True)
-class _Part:
+class FlatPart:
     """One partition of a param group's flat buffer: the rank that saved it, its file, the saved slice (None:
     the file is missing) and the padding stripped from it before saving (``group_paddings``)."""
 
@@ -134,8 +145,8 @@ class _Part:
     padding: int
 
 
-def _cut_group(builder: LayoutBuilder, label: str, group_shapes: dict[str, tuple[int, ...]], pads: list[int],
-               parts: list[_Part], *, bf16_optimizer: bool, state: _Loaded, files: str) -> None:
+def cut_group(builder: LayoutBuilder, label: str, group_shapes: dict[str, tuple[int, ...]], pads: list[int],
+               parts: list[FlatPart], *, bf16_optimizer: bool, state: Loaded, files: str) -> None:
     """A ZeRO-1/2 (or BF16_Optimizer) param group's flat fp32 buffer, its ``parts`` laid end to end in
     partition order, cut into pieces of the parameters ``group_shapes`` (target names, in buffer order)."""
     needed = sum(math.prod(s) for s in group_shapes.values()) + sum(pads)
@@ -171,33 +182,34 @@ def _cut_group(builder: LayoutBuilder, label: str, group_shapes: dict[str, tuple
         offset += numel + int(pad)
 
 
-def _add_extras(state: _Loaded, builder: LayoutBuilder, strip_layer: bool) -> None:
+def add_extras(state: Loaded, builder: LayoutBuilder, strip_layer: bool) -> None:
     """Buffers, frozen parameters (saved whole under ZeRO-1/2) and shared (tied) parameters."""
-    buffers = _names(state, "buffer_names")
+    buffers = listed_names(state, "buffer_names")
     if buffers:
-        _add_module(state, builder, names=buffers, why="buffers", strip_layer=strip_layer)
+        add_module(state, builder, names=buffers, why="buffers", strip_layer=strip_layer)
     frozen = field(state.obj, "frozen_param_fragments", dict, state.rel, default=None) or {}
     for key, tensor in frozen.items():
         if isinstance(tensor, StoredTensor):
             key = expect(key, str, "frozen_param_fragments: a parameter name", state.rel)
-            name = _strip(key) if strip_layer else key
+            name = strip_layer_index(key) if strip_layer else key
             if builder.declare(name, tensor.shape, tensor.dtype, where=f"'{state.rel}' frozen_param_fragments"):
-                builder.add(name, _whole_piece(state.rel, f"frozen_param_fragments.{key}", tensor))
-    _add_shared(state, builder)
+                builder.add(name, whole_piece(state.rel, f"frozen_param_fragments.{key}", tensor))
+    add_shared(state, builder)
 
 
 # ------------------------------------------------------------------------------------------------ ZeRO-3
 
-def _read_zero3(root: Path, step: Path, tag: str, mp_rank: int, group: list[tuple[int, int, str, str]],
+def read_zero3(root: Path, step: Path, tag: str, mp_rank: int, group: list[tuple[int, int, str, str]],
                 models: list[tuple[int, int, str]], builder: LayoutBuilder, *, scan: Scan) -> None:
+    """Cut ZeRO-3's flat fp32 partitions into pieces, the parameter names and shapes taken from rank 0's model states."""
     if not models or models[0][0] != 0:
         raise SourceNotFoundError(
-            f"'{_rel(tag, f'zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt')}': missing (rank 0's model "
+            f"'{step_rel(tag, f'zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt')}': missing (rank 0's model "
             "states hold the parameter names and shapes)"
         )
-    state = _states(root, _rel(tag, models[0][2]), scan=scan)
-    shapes = [s for g in _shapes(state) for s in g.items()]
-    ranks, count, _prefix, template = _read_ranks(root, tag, group, scan=scan)
+    state = load_states(root, step_rel(tag, models[0][2]), scan=scan)
+    shapes = [s for g in param_shapes(state) for s in g.items()]
+    ranks, count, _prefix, template = read_optim_ranks(root, tag, group, scan=scan)
     builder.set_parallel(dp=count)
     builder.note(f"fp32 master weights of a ZeRO-3 checkpoint over {count} data-parallel ranks")
     needed = sum(-(-math.prod(shape) // count) for _, shape in shapes)
@@ -207,7 +219,7 @@ def _read_zero3(root: Path, step: Path, tag: str, mp_rank: int, group: list[tupl
     for rank in range(count):
         flat = flats[rank] = _Flat()
         if rank not in ranks:
-            rel = _rel(tag, template.format(rank=rank))
+            rel = step_rel(tag, template.format(rank=rank))
             flat.add(0, needed, rel, 0, rank)
             missing.add(rel)
             continue
@@ -243,15 +255,15 @@ def _read_zero3(root: Path, step: Path, tag: str, mp_rank: int, group: list[tupl
     _add_extras_zero3(root, tag, state, models, count, builder, scan=scan)
 
 
-def _add_extras_zero3(root: Path, tag: str, state: _Loaded, models: list[tuple[int, int, str]], count: int,
+def _add_extras_zero3(root: Path, tag: str, state: Loaded, models: list[tuple[int, int, str]], count: int,
                       builder: LayoutBuilder, *, scan: Scan) -> None:
     """Buffers (whole, in rank 0's module) and frozen parameters (each rank's padded partition)."""
-    buffers = _names(state, "buffer_names")
+    buffers = listed_names(state, "buffer_names")
     if buffers:
-        _add_module(state, builder, names=buffers, why="buffers")
+        add_module(state, builder, names=buffers, why="buffers")
     frozen_shapes = field(state.obj, "frozen_param_shapes", dict, state.rel, default=None) or {}
     if frozen_shapes:
-        per_rank_states = {rank: (_states(root, _rel(tag, name), scan=scan) if rank else state)
+        per_rank_states = {rank: (load_states(root, step_rel(tag, name), scan=scan) if rank else state)
                            for rank, _, name in models}
         for name, shape in frozen_shapes.items():
             expect(name, str, "frozen_param_shapes: a parameter name", state.rel)
@@ -278,4 +290,4 @@ def _add_extras_zero3(root: Path, tag: str, state: _Loaded, models: list[tuple[i
                         raise SourceError(f"'{loaded.rel}': frozen '{name}' is not stored contiguously in place")
                     builder.add(name, Piece(loaded.rel, name, box, fragment.dtype, RAW, base + k * size,
                                             box.numel * size, (("dp_rank", rank),)))
-    _add_shared(state, builder)
+    add_shared(state, builder)

@@ -23,19 +23,19 @@ Megatron checkpoints carry no HuggingFace config: the config comes from ``--conf
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO
 
 from ckpttool.io import torch_save
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout, Padding, TensorLayout
-from ckpttool.errors import LinkOutError, SourceError, UnsafePickleError
+from ckpttool.errors import LinkOutError, SourceError
 from ckpttool.io.paths import inside, read_tag
-from ckpttool.io.pickle_bounds import EnumStandIn
 from ckpttool.io.safe_pickle import Record
 from ckpttool.readers.validate import integer
 from ckpttool.readers.megatron import fp8 as megatron_fp8
+from ckpttool.readers.megatron.allow import ArgsAllow, Opaque
 
 TRACKER = "latest_checkpointed_iteration.txt"
 #: tensors whose rows are the (padded) vocab
@@ -89,76 +89,7 @@ def matched_iteration(root: Path) -> Path | None:
 # ------------------------------------------------------------------------------------------------
 
 
-class Opaque(Record):
-    """Stand-in for an argument value of a class ckpttool does not import (an enum of megatron's, numpy's
-    random state): keeps what the pickle passes, runs nothing. An enum keeps its value."""
-
-    kind = "Opaque"
-
-    @property
-    def value(self) -> Any:
-        return self._args[0] if self._args else None
-
-
-#: Megatron's enums that training args hold (``attention_backend``, ``model_type``, ...), with their members as
-#: Megatron-Core defines them, so an enum pickled as ``getattr(AttnBackend, "auto")`` (Python 3.11.0-3.11.4) gives
-#: the same :class:`Opaque` as ``AttnBackend(5)``; a name not listed is refused
-_MEGATRON_ENUMS: dict[str, dict[str, Any]] = {
-    "ModelType": {"encoder_or_decoder": 1, "encoder_and_decoder": 2, "retro_encoder": 3, "retro_decoder": 4},
-    "LayerType": {"embedding": 1, "loss": 2, "encoder": 3, "decoder": 4, "mtp": 5},
-    "AttnType": {"self_attn": 1, "cross_attn": 2},
-    "AttnMaskType": {"padding": 1, "causal": 2, "no_mask": 3, "padding_causal": 4, "arbitrary": 5,
-                     "causal_bottom_right": 6},
-    "AttnBackend": {"flash": 1, "fused": 2, "unfused": 3, "local": 4, "auto": 5},
-    "CudaGraphScope": {"full_iteration": 1, "attn": 2, "mlp": 3, "moe": 4, "moe_router": 5, "moe_preprocess": 6,
-                       "mamba": 7, "full_iteration_inference": 8},
-    "Fp8Recipe": {n: n for n in ("delayed", "tensorwise", "mxfp8", "blockwise", "custom")},
-    "Fp4Recipe": {n: n for n in ("nvfp4", "custom")},
-}
-_ENUM_MODULES = {
-    "megatron.core.enums": ("ModelType", "Fp8Recipe", "Fp4Recipe"),
-    "megatron.core.transformer.enums": ("ModelType", "LayerType", "AttnType", "AttnMaskType", "AttnBackend", "CudaGraphScope"),
-}
-
-
-class ArgsAllow(megatron_fp8.RefusingAllowList):
-    """The classes Megatron-LM's ``model_optim_rng.pt`` and ``common.pt`` pickles name, as stand-ins:
-    ``argparse.Namespace`` -> :class:`Record`; megatron's own enums and numpy's RNG state -> :class:`Opaque`.
-    Nothing is imported; anything else is refused by :func:`ckpttool.io.torch_save.scan`."""
-
-    _EXACT: ClassVar[dict[tuple[str, str], Any]] = {
-        ("argparse", "Namespace"): Record,
-        ("numpy", "dtype"): Opaque,
-        ("numpy", "ndarray"): Opaque,
-        ("numpy.core.multiarray", "_reconstruct"): Opaque,
-        ("numpy._core.multiarray", "_reconstruct"): Opaque,
-        ("numpy.core.multiarray", "scalar"): Opaque,
-        ("numpy._core.multiarray", "scalar"): Opaque,
-        ("_codecs", "encode"): lambda *args: b"",  # the bytes of numpy's RNG state array: not needed
-        **{(module, name): EnumStandIn(f"{module}.{name}", _MEGATRON_ENUMS[name], Opaque)
-           for module, names in _ENUM_MODULES.items() for name in names},
-    }
-
-    def __init__(self, label: str = "checkpoint") -> None:
-        self.label = label  # the file whose pickle asks, for the refusal of Transformer Engine's classes
-
-    def __getitem__(self, key: tuple[str, str]) -> Any:
-        if key in self._EXACT:
-            return self._EXACT[key]
-        module = key[0]
-        if module == "megatron" or module.startswith("megatron."):
-            return Opaque
-        if megatron_fp8.is_te(module):
-            raise UnsafePickleError(megatron_fp8.refusal(self.label, f"{module}.{key[1]}"))
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        return iter(self._EXACT)
-
-    def __len__(self) -> int:
-        return len(self._EXACT)
-
-
+#: the table of :mod:`.allow` (the classes, with the megatron-core releases that write them)
 ALLOW = ArgsAllow()
 
 

@@ -17,8 +17,9 @@ imported or run) and tensors are read in place.
 Each local tensor becomes pieces of Megatron-Core's *global* tensor, the one ``torch_dist`` would save:
 
 - column-parallel tensors (``linear_qkv``, ``linear_fc1``, ``word_embeddings``, ``output_layer``, MLA's up
-  projections, ``eh_proj``) are split on dim 0 across TP ranks, row-parallel ones (``linear_proj``, ``linear_fc2``)
-  on dim 1, MLA's down projections either way (:meth:`_Placer._down_dim`), the rest replicated;
+  projections, ``eh_proj``, the learnable softmax offset per head) are split on dim 0 across TP ranks, row-parallel
+  ones (``linear_proj``, ``linear_fc2``) on dim 1, MLA's down projections either way (:meth:`_Placer._down_dim`),
+  the rest replicated;
 - a SwiGLU ``linear_fc1`` holds ``[gate_r; up_r]`` on each TP rank: the two halves are placed as
   ``gate[r]`` and ``up[r]`` of the global ``[gate; up]`` (a plain concatenation would interleave them);
 - layers are renumbered across pipeline stages (global = stage offset + local index; uneven first/last stages
@@ -58,9 +59,10 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^(mtp\.layers\.(\d+)\.transformer_layer\.)(.+)$")
+#: ``core_attention.softmax_offset`` (``softmax_type="learnable"``, gpt-oss's sinks) holds this rank's heads
 _COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
            "word_embeddings.weight", "output_layer.weight", "linear_q_proj.weight", "linear_q_up_proj.weight",
-           "linear_kv_up_proj.weight", "eh_proj.weight")
+           "linear_kv_up_proj.weight", "eh_proj.weight", "core_attention.softmax_offset")
 #: MLA's down projections, split on rows or whole on every TP rank (see :meth:`_Placer._down_dim`)
 _MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
