@@ -58,11 +58,11 @@ def test_only_one_raw_piece_holding_the_whole_tensor_is_read_whole():
     target = next(t for t in plan.targets if t.dequant is not None and t.scale is not None)
     reader = Reader(plan.root, piece_uses([]), {})
     try:
-        whole = executor._row_box(target.dequant.stored, 0, target.dequant.stored[0])
+        whole = executor.row_box(target.dequant.stored, 0, target.dequant.stored[0])
         assert executor._read_rows(target.copies, whole, target.source_dtype, reader, "chunk") is not None
         assert executor._read_rows(target.copies, whole, "BF16", reader, "chunk") is None  # another dtype
         assert executor._read_rows(target.copies * 2, whole, target.source_dtype, reader, "chunk") is None
-        beyond = executor._row_box(target.dequant.stored, 1, target.dequant.stored[0] + 1)
+        beyond = executor.row_box(target.dequant.stored, 1, target.dequant.stored[0] + 1)
         assert executor._read_rows(target.copies, beyond, target.source_dtype, reader, "chunk") is None
     finally:
         reader.close()

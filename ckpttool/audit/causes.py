@@ -9,6 +9,8 @@ router that diverged on 7 ranks gives 7 findings per layer. A cause gathers the 
   and ranks 1-7 in layers 0-60";
 - anything about an expert (missing, dead, NaN): one cause per expert index across the layers;
 - a shared expert's missing tensors: one cause per shared expert across the layers;
+- a vision-language model's missing vision tower, projector or merger tensors: one cause per tower (``visual``,
+  ``vision_tower``, ``multi_modal_projector``), whatever blocks they are in;
 - otherwise the same code on the same tensor of several layers: "'model.layers.{L}.mlp.up_proj.weight' in layers
   0-3".
 
@@ -28,6 +30,9 @@ from ckpttool.audit.shapes import LAYER_NAME
 #: an expert's tensor, or the expert itself (``expert-missing`` names ``...experts.3``)
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)(?:\.(?P<rest>.+))?$")
 _SHARED = re.compile(r"^(?P<prefix>.*\.shared_experts?)\.(?P<rest>.+)$")
+#: a vision-language model's vision side, as transformers names it in memory and on disk (Qwen-VL's ``visual`` with
+#: its merger, Gemma 3's and LLaVA's ``vision_tower`` and ``multi_modal_projector``)
+_TOWER = re.compile(r"^(?P<prefix>(?:model\.)?(?:visual|vision_tower|vision_model|multi_modal_projector))\.")
 #: a rank in a file name: DCP's ``__3_0.distcp``, Megatron's and DeepSpeed's ``mp_rank_03``, verl's ``rank_3``, a sidecar's ``rank-00003``
 _RANK = re.compile(r"(?:^__|rank[-_])(\d+)")
 
@@ -75,6 +80,9 @@ def _key(f: Finding) -> tuple[str | None, ...]:
     shared = _SHARED.match(pattern)
     if shared and f.code == "tensor-missing":
         return (f.code, "shared", shared["prefix"])
+    tower = _TOWER.match(f.tensor)
+    if tower and f.code == "tensor-missing":
+        return (f.code, "tower", tower["prefix"])
     return (f.code, "tensor", pattern)
 
 
@@ -99,6 +107,9 @@ def _cause(key: tuple[str | None, ...], members: Sequence[Finding]) -> Cause:
         text = members[0].message
     elif kind == "expert":
         text = f"expert {key[3]} of '{key[2]}'{layers} ({n}): {CODES[code][1]}"
+    elif kind == "tower":
+        text = (f"the vision side '{key[2]}' of a vision-language model is missing ({n}); the config declares it "
+                "(was only the language model saved?)")
     elif kind == "shared":
         text = f"shared expert '{key[2]}' is missing{layers} ({n}); the config declares it"
     else:

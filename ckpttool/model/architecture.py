@@ -56,6 +56,8 @@ class ModelInfo:
         buffers: the model's non-persistent buffers (``model.rotary_emb.inv_freq``): not in its state dict, so
             ``save_pretrained`` never writes them, but some savers do (ColossalAI's MoE checkpoint IO); a merge
             drops them with a note.
+        architecture: the transformers class the expectations were built from (``Qwen2_5_VLForConditionalGeneration``
+            for an image-text-to-text model, a causal LM otherwise); None in descriptions cached before it was kept.
     """
 
     model_type: str
@@ -66,6 +68,7 @@ class ModelInfo:
     family: str | None = None
     mtp_shapes: Mapping[str, Shape] = field(default_factory=dict)
     buffers: Mapping[str, Shape] = field(default_factory=dict)
+    architecture: str | None = None
 
 
 def find_config(source: Path, explicit: str | Path | None) -> Path | None:
@@ -260,7 +263,7 @@ def _describe(model_type: str, config: Mapping[str, object], label: str) -> Mode
     """Build the architecture on the meta device in this process and read its expected tensors."""
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
@@ -272,24 +275,50 @@ def _describe(model_type: str, config: Mapping[str, object], label: str) -> Mode
         raise ConfigError(f"'{label}': transformers rejects this {model_type} config: {e}") from None
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)  # an auto_map is never run
-    except ValueError:
-        return None  # a model type transformers knows, but with no causal-LM head: stay generic
+            model = _build_model(model_type, cfg, config)
     except Exception as e:
         raise ConfigError(f"'{label}': transformers cannot build a {model_type} model from it: {e}") from None
+    if model is None:
+        return None  # a model type transformers knows, but with no causal-LM or image-text-to-text head: stay generic
     state = model.state_dict()
     memory = {k: tuple(v.shape) for k, v in state.items()}
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     try:
         from transformers.core_model_loading import revert_weight_conversion
 
-        disk_state = revert_weight_conversion(model, dict(state))
+        # tied weights dropped before reverting: a model whose conversion renames its head (Gemma 3's ``lm_head`` is
+        # reverted to ``language_model.lm_head.weight``) would keep it under a name the tied keys do not hold,
+        # where save_pretrained writes no such tensor
+        disk_state = revert_weight_conversion(model, {k: v for k, v in state.items() if k not in tied})
     except ImportError:  # transformers < 5: memory names are the disk names
         disk_state = state
     disk = {k: tuple(v.shape) for k, v in disk_state.items() if k not in tied}
     buffers = {k: tuple(v.shape) for k, v in model.named_buffers() if k not in state}
     return ModelInfo(model_type, dict(config), memory, disk, tied, _family(model_type), _mtp_shapes(model, cfg),
-                     buffers)
+                     buffers, type(model).__name__)
+
+
+def _build_model(model_type: str, cfg: Any, config: Mapping[str, object]) -> Any:
+    """The model transformers builds for ``cfg`` (on the current device), or None when it has no class to build.
+
+    The class is transformers' own for the model type, never remote code: the one ``config.architectures`` names
+    when it is the model type's causal-LM or image-text-to-text class (a vision-language model saved by its
+    ``...ForConditionalGeneration``), else the causal LM, else the image-text-to-text model (Qwen2.5-VL has no
+    causal-LM class: both towers are only built by the latter)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto import modeling_auto
+
+    kinds = {modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type): AutoModelForCausalLM,
+             modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type): AutoModelForImageTextToText}
+    named = config.get("architectures")
+    if isinstance(named, list) and len(named) == 1 and named[0] in kinds and named[0] is not None:
+        return kinds[named[0]].from_config(cfg, trust_remote_code=False)  # an auto_map is never run
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        try:
+            return auto.from_config(cfg, trust_remote_code=False)
+        except ValueError:  # no class of this kind for the model type
+            continue
+    return None
 
 
 def _mtp_shapes(model: Any, cfg: Any) -> dict[str, Shape]:
@@ -323,7 +352,7 @@ def _mtp_shapes(model: Any, cfg: Any) -> dict[str, Shape]:
 
 
 #: bumped whenever :class:`ModelInfo` gains a field, so that no older entry (which lacks it) is read
-_CACHE_FORMAT = 3
+_CACHE_FORMAT = 4
 
 
 def _cache_path(config: Mapping[str, object]) -> Path | None:
@@ -354,14 +383,14 @@ def _from_doc(doc: Mapping[str, Any], config: Mapping[str, object]) -> ModelInfo
     AttributeError when it holds none."""
     shapes = lambda m: {k: tuple(int(n) for n in v) for k, v in m.items()}  # noqa: E731
     return ModelInfo(doc["model_type"], dict(config), shapes(doc["memory"]), shapes(doc["disk"]), dict(doc["tied"]),
-                     doc.get("family"), shapes(doc["mtp"]), shapes(doc["buffers"]))
+                     doc.get("family"), shapes(doc["mtp"]), shapes(doc["buffers"]), doc.get("architecture"))
 
 
 def _to_doc(info: ModelInfo | None) -> dict[str, Any]:
     """A description as a JSON document (a cache entry, and the subprocess's answer); ``{"none": true}`` for None."""
     return {"none": True} if info is None else {
         "model_type": info.model_type, "memory": info.memory_shapes, "disk": info.disk_shapes, "tied": info.tied,
-        "family": info.family, "mtp": info.mtp_shapes, "buffers": info.buffers,
+        "family": info.family, "mtp": info.mtp_shapes, "buffers": info.buffers, "architecture": info.architecture,
     }
 
 

@@ -57,6 +57,10 @@ EXTRA_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
     "chat_template.json",
+    # a vision-language model's processor: its image and video preprocessing and the processor's own settings
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
 )
 JOURNAL_GLOB = ".ckpttool-journal-*.json"
 PARTIAL, OLD, LOCK = ".ckpttool-partial-", ".ckpttool-old-", ".ckpttool-lock"
