@@ -30,7 +30,7 @@ collect_rarely()
 _HOMES = {
     "audit": ".audit", "DiffResult": ".commands.diff", "diff": ".commands.diff", "Finding": ".findings",
     "Report": ".findings", "MergeResult": ".commands.merge", "merge": ".commands.merge", "prepare": ".commands.merge",
-    "READERS": ".readers", "detect_format": ".readers", "read_layout": ".readers", "PieceSpec": ".io.sidecar",
+    "READERS": ".readers", "detect_format": ".readers", "read_layout": ".commands.source", "PieceSpec": ".io.sidecar",
     "save_shard": ".io.sidecar", "SplitResult": ".commands.split", "split": ".commands.split", "Tolerance": ".verify",
     "VerifyResult": ".verify", "verify": ".commands.verify",
     **dict.fromkeys(("Box", "Fusion", "Layout", "Padding", "Piece", "TensorLayout"), ".layout.layout"),
@@ -88,7 +88,8 @@ if TYPE_CHECKING:
     )
     from ckpttool.findings import Finding, Report
     from ckpttool.commands.merge import MergeResult, merge, prepare
-    from ckpttool.readers import READERS, detect_format, read_layout
+    from ckpttool.commands.source import read_layout
+    from ckpttool.readers import READERS, detect_format
     from ckpttool.io.sidecar import PieceSpec, save_shard
     from ckpttool.commands.split import SplitResult, split
     from ckpttool.commands.verify import verify

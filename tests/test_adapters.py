@@ -30,7 +30,7 @@ from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core
 from ckpttool.families.rules import Rename
 from ckpttool.layout.layout import Layout, TensorLayout
 from ckpttool.model.architecture import ModelInfo, model_info, read_config
-from ckpttool.readers import read_layout
+from ckpttool import read_layout  # the readers told what the conventions know
 from conftest import FIXTURES, assert_failed_cleanly
 
 MEGATRON = FIXTURES / "megatron_tp2_pp2"

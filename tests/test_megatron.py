@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from ckpttool.layout.layout import Padding
-from ckpttool.readers import detect_format, read_layout
+from ckpttool import read_layout  # the readers told what the conventions know
+from ckpttool.readers import detect_format
 from ckpttool.readers.megatron import legacy as megatron_legacy
 from conftest import FIXTURES, apply_spec, assert_failed_cleanly, load_output, tree_digest
 

@@ -1,5 +1,5 @@
 """The training args of a Megatron checkpoint against its HuggingFace config, for DeepSeek-V3-style models (MLA,
-routing, MTP; ckpttool.readers.megatron.args), and what the legacy reader takes from them for MLA and MTP tensors.
+routing, MTP; ckpttool.families.conventions.megatron_args and ckpttool.families.deepseek), and what the legacy reader takes from them for MLA and MTP tensors.
 
 The fixtures are tests/test_megatron_deepseek.py's (fixtures/make_megatron_deepseek.py).
 """
@@ -13,7 +13,7 @@ import pytest
 import ckpttool
 from ckpttool.model.architecture import model_info
 from ckpttool.errors import ConfigError, SourceError
-from ckpttool.readers.megatron import args as megatron_args
+from ckpttool.families.registry import MEGATRON_TP as megatron_args  # the convention's args check, the family's after
 from ckpttool.readers.megatron import legacy as megatron_legacy
 from conftest import assert_failed_cleanly
 from test_megatron_deepseek import ADAPTER, config_of, fixture
@@ -109,7 +109,7 @@ def test_mla_down_projections_split_on_rows_or_whole_on_every_rank():
     builder = LayoutBuilder("x", megatron_legacy.NAME)
     builder.set_parallel(tp=2, pp=1, ep=1)
     args = {"num_layers": 3, "kv_lora_rank": 16, "qk_pos_emb_head_dim": 4}
-    placer = megatron_legacy._Placer(builder, args, None, "", "mp_rank_00/model_optim_rng.pt")
+    placer = megatron_legacy._Placer(builder, args, None, "", "mp_rank_00/model_optim_rng.pt", megatron_args)
     down = "decoder.layers.0.self_attention.linear_kv_down_proj.weight"
     assert placer._down_dim("f", "k", down, (10, 32), 2) == 0
     assert placer._down_dim("f", "k", down, (20, 32), 2) is None
@@ -126,7 +126,8 @@ def test_legacy_mtp_layer_beyond_the_args_is_refused_and_its_experts_renumbered(
 
     builder = LayoutBuilder("x", megatron_legacy.NAME)
     builder.set_parallel(tp=1, pp=2, ep=2)
-    placer = megatron_legacy._Placer(builder, {"num_layers": 3, "num_experts": 4, "mtp_num_layers": 1}, None, "", "f")
+    placer = megatron_legacy._Placer(builder, {"num_layers": 3, "num_experts": 4, "mtp_num_layers": 1}, None, "", "f",
+                                     megatron_args)
     rank = megatron_legacy._Rank(tp=0, pp=1, ep=1)
     expert = "mtp.layers.0.transformer_layer.mlp.experts.local_experts.1.linear_fc2.weight"
     assert placer._global_name(expert, rank, 2, "f") == ("mtp.layers.0.transformer_layer.mlp.experts.3.linear_fc2.weight", True)

@@ -33,7 +33,7 @@ from ckpttool.model.architecture import ModelInfo, find_config, model_info, read
 from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import TargetSpec, plan_covered
-from ckpttool.families import mtp_missing_note
+from ckpttool.families import READER_TABLES, mtp_missing_note
 from ckpttool.families.quantized import scale_names
 from ckpttool.findings import Finding, Report, TensorStats, finding, sort_findings
 from ckpttool.families.source import plan_layout
@@ -98,7 +98,7 @@ def audit(
     fmt = format or detect_format(root)
     invalid: list[Finding] = []
     if config_path is not None and config_dict is not None:  # absurd sizes refused before transformers spends minutes
-        check_config_sizes(config_dict, str(config_path), lambda: census(root, format))
+        check_config_sizes(config_dict, str(config_path), lambda: census(root, format, tables=READER_TABLES))
         rejected = None
         try:
             model = model_info(config_dict, label=str(config_path))
@@ -134,7 +134,7 @@ def check(
         layout = scan.layout
         found.extend(scan.findings)
     else:
-        layout = read_layout(root, format=fmt, model=model)
+        layout = read_layout(root, format=fmt, model=model, tables=READER_TABLES)  # what the conventions tell readers
     found.extend(finding("source-note", note) for note in layout.notes)
     found.extend(_padding(layout))
 

@@ -1,6 +1,8 @@
 """Reading a source for a command: its config found and read, its sizes checked, its layout read, then planned by
 the families (:func:`ckpttool.families.source.plan_layout`). The one place commands go from a path to a
-:class:`~ckpttool.families.source.Planned`; it sits above the readers and the families, which never import each other.
+:class:`~ckpttool.families.source.Planned`; it sits above the readers and the families, which never import each other,
+and tells the readers what the conventions know that a format does not record (:func:`read_layout`:
+:data:`ckpttool.families.registry.READER_TABLES`, e.g. which dim Megatron-Core splits each tensor on).
 """
 
 from __future__ import annotations
@@ -8,10 +10,39 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ckpttool.families import READER_TABLES
 from ckpttool.families.source import Planned, plan_layout
-from ckpttool.model.architecture import find_config, model_info, read_config
+from ckpttool.layout.layout import Layout
+from ckpttool.model.architecture import ModelInfo, find_config, model_info, read_config
 from ckpttool.model.config_sizes import check_config_sizes
-from ckpttool.readers import census, read_layout
+from ckpttool import readers
+from ckpttool.readers import census
+
+
+def read_layout(
+    src: str | Path, *, format: str | None = None, model: ModelInfo | None = None, **options: str | None
+) -> Layout:
+    """Describe a checkpoint directory as a layout, reading metadata and headers only: the API's ``read_layout``,
+    :func:`ckpttool.readers.read_layout` with what the source conventions tell the readers
+    (:data:`~ckpttool.families.registry.READER_TABLES`).
+
+    Args:
+        src: the checkpoint directory.
+        format: a reader name (``dcp``, ``megatron-legacy``, ``sidecar``, ``hf``, ...); detected when None.
+        model: what the config says the model looks like; needed where the format records no global shapes
+            (transformers distributed checkpoints), and the args of a Megatron checkpoint are checked against it.
+        options: reader options (``weights="module"``); None values are left out.
+
+    Raises:
+        SourceError: as :func:`ckpttool.readers.read_layout` says.
+        ConfigError: a checkpoint's training args contradict ``model``'s config.
+
+    Example:
+        >>> layout = read_layout("fixtures/megatron_tp2_pp2/legacy")  # doctest: +SKIP
+        >>> layout.tensors["decoder.layers.0.self_attention.linear_qkv.weight"].global_shape  # doctest: +SKIP
+        (96, 32)
+    """
+    return readers.read_layout(src, format=format, model=model, tables=READER_TABLES, **options)
 
 
 def plan_source(
@@ -29,7 +60,7 @@ def plan_source(
     config_dict = read_config(config_path) if config_path is not None else None
     model = None
     if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
-        check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights))
+        check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights, READER_TABLES))
         model = model_info(config_dict, label=str(config_path))
     layout = read_layout(root, format=format, model=model, weights=weights)
     return plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype, quantize=quantize,

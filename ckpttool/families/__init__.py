@@ -14,7 +14,8 @@ Entry points: :func:`map_to_hf` (a layout under on-disk HuggingFace names, unche
 :func:`mtp_missing_note` (declared MTP layers a source does not hold, :mod:`.mtp`), :func:`keeps_dtype` (targets a
 cast leaves alone), :func:`convention_of` (whose names a format holds) and :func:`refusal` (the error a merge raises
 for what does not fit). Commands reach them through
-:mod:`ckpttool.families.source` (and :mod:`ckpttool.commands.source`, which reads).
+:mod:`ckpttool.families.source` (and :mod:`ckpttool.commands.source`, which reads, telling the readers
+:data:`READER_TABLES`: what the conventions know that a format does not record).
 Adding a family is one adapter module here and one line in :data:`.registry.ADAPTERS`
 (``docs/adding-a-family.md``).
 """
@@ -32,14 +33,14 @@ from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import Convention, FamilyAdapter
 from ckpttool.families.conventions import hf
 from ckpttool.families.registry import ADAPTERS, CONVENTIONS, adapter_for, convention_for, convention_of, known_family
-from ckpttool.families.registry import recognised, unrecognised
+from ckpttool.families.registry import READER_TABLES, recognised, unrecognised
 from ckpttool.families.check import Mismatch, compare_with_model
 from ckpttool.families.mtp import absent as mtp_absent
 from ckpttool.families.mtp import missing_note as mtp_missing_note
 from ckpttool.families.rules import keeps_dtype, memory_slices, stacks_experts
 
 __all__ = [
-    "ADAPTERS", "CONVENTIONS", "Convention", "FamilyAdapter", "HfMapping", "MemoryTensor", "Mismatch", "adapter_for",
+    "ADAPTERS", "CONVENTIONS", "READER_TABLES", "Convention", "FamilyAdapter", "HfMapping", "MemoryTensor", "Mismatch", "adapter_for",
     "compare_with_model", "convention_for", "convention_of", "keeps_dtype", "map_from_hf", "map_to_hf", "mtp_absent",
     "mtp_missing_note", "recognised", "refusal", "unrecognised",
 ]

@@ -4,7 +4,9 @@
 source conventions (:class:`~.adapter.Convention`) in the order they are asked whether they recognise a layout; the
 HuggingFace convention is last and takes what no other recognises. A new family is one module defining ``ADAPTER``
 and one line in :data:`ADAPTERS`; a new convention is one module in ``conventions/`` defining ``CONVENTION`` and one
-line in :data:`CONVENTIONS` (see ``docs/adding-a-family.md``).
+line in :data:`CONVENTIONS` (see ``docs/adding-a-family.md``). :data:`READER_TABLES` is what the conventions tell
+the readers of formats that record no global shapes (the Megatron-Core convention's tensor-parallel table and args
+checks), handed to them by the one place that reads a source.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from ckpttool.errors import ConfigError
 from ckpttool.families import gpt_oss, mixtral, qwen2_moe, qwen2_vl
 from ckpttool.families.adapter import Convention, FamilyAdapter
-from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, torchtitan
+from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, megatron_tp, torchtitan
 from ckpttool.layout.layout import Layout
 from ckpttool.model.architecture import ModelInfo
 
@@ -37,6 +39,13 @@ def adapter_for(info: ModelInfo) -> FamilyAdapter:
     """The family adapter that serves ``info`` (:meth:`~.adapter.FamilyAdapter.serves`), or a plain one named after
     its model type: transformers' names, no rules, the Llama tensor-parallel plan."""
     return next((a for a in ADAPTERS if a.serves(info)), None) or FamilyAdapter(info.model_type)
+
+
+#: the Megatron-Core convention's table for the Megatron readers, running each family adapter's args checks
+MEGATRON_TP = megatron_tp.MegatronTP(family_of=adapter_for)
+
+#: reader format name -> what its source convention tells it (``ckpttool.readers.read_layout``'s ``tables``)
+READER_TABLES: dict[str, object] = dict.fromkeys(megatron_core.FORMATS, MEGATRON_TP)
 
 
 def known_family(info: ModelInfo) -> bool:

@@ -12,7 +12,7 @@ model family is :mod:`ckpttool.families`' business.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
 from ckpttool.model.architecture import ModelInfo
@@ -130,15 +130,23 @@ def _checkpoints_below(root: Path) -> list[tuple[Path, str]]:
 
 
 def read_layout(
-    src: str | Path, *, format: str | None = None, model: ModelInfo | None = None, **options: str | None
+    src: str | Path, *, format: str | None = None, model: ModelInfo | None = None,
+    tables: Mapping[str, object] | None = None, **options: str | None
 ) -> Layout:
     """Describe a checkpoint directory as a layout, reading metadata and headers only.
+
+    The readers carry no table of what a framework's modules are: what a source convention tells a reader
+    (``tables``, by format name) comes from :data:`ckpttool.families.registry.READER_TABLES`, handed down by the
+    one place that reads a source (:func:`ckpttool.read_layout`, :func:`ckpttool.commands.source.read_layout`);
+    a reader that needs its table refuses without it (``megatron-legacy``).
 
     Args:
         src: the checkpoint directory.
         format: a reader name (``dcp``, ``hf-distributed``, ``sidecar``, ``hf``); detected when None.
         model: what the config says the model looks like; needed where the format records no global shapes
             (transformers distributed checkpoints).
+        tables: format name -> what that format's source convention tells its reader (a reader of a format not
+            named gets nothing).
         options: reader options (``weights="module"``); None values are left out. A reader that does not
             take an option refuses it.
 
@@ -168,8 +176,9 @@ def read_layout(
     unknown = sorted(set(given) - set(reader.options))
     if unknown:
         raise SourceError(f"'{root}': {unknown[0]}={given[unknown[0]]!r} does not apply to the {format} format")
+    told = {"tables": tables[format]} if tables is not None and format in tables else {}
     try:
-        layout = reader.read(root, model, **given)
+        layout = reader.read(root, model, **told, **given)
     except OSError as e:  # a file the reader opens is unreadable (permissions, I/O error): the input, not a bug
         if isinstance(e, CkptError):
             raise
@@ -178,11 +187,12 @@ def read_layout(
     return layout
 
 
-def census(root: Path, format: str | None = None, weights: str | None = None) -> Census | None:
-    """What the checkpoint in ``root`` holds, read without a model, for
-    :func:`ckpttool.model.config_sizes.check_config_sizes`; None when it cannot be read so."""
+def census(root: Path, format: str | None = None, weights: str | None = None,
+           tables: Mapping[str, object] | None = None) -> Census | None:
+    """What the checkpoint in ``root`` holds, read without a model (``tables`` as :func:`read_layout` takes them),
+    for :func:`ckpttool.model.config_sizes.check_config_sizes`; None when it cannot be read so."""
     try:
-        return Census.of(read_layout(root, format=format, weights=weights))
+        return Census.of(read_layout(root, format=format, weights=weights, tables=tables))
     except CkptError:  # no global shapes without the model, or a broken source: the real read says why
         return None
 

@@ -16,8 +16,10 @@ defines them, so one source convention (:mod:`ckpttool.families.conventions.mega
   multiple of ``make_vocab_size_divisible_by * tp``: the readers record that as :class:`~ckpttool.layout.layout.Padding`
   from the config's true vocab, checked against the args, so the cut strips it once.
 
-Megatron checkpoints carry no HuggingFace config: the config comes from ``--config``; where the checkpoint has
-``args``, :func:`.megatron_args.check_args` compares them with it.
+Megatron checkpoints carry no HuggingFace config: the config comes from ``--config``. What the readers need to know
+of Megatron-Core's modules they are told (:class:`ConventionTables`, the source convention's, never imported
+here): which dim each local tensor is split on across TP ranks (the legacy format records no global shape), and
+the checks of the ``args`` against the config, run before vocab padding is checked.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from ckpttool.io import torch_save
 from ckpttool.model.architecture import ModelInfo
@@ -40,6 +42,47 @@ from ckpttool.readers.megatron.allow import ArgsAllow, Opaque
 TRACKER = "latest_checkpointed_iteration.txt"
 #: tensors whose rows are the (padded) vocab
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+class ConventionTables(Protocol):
+    """What the Megatron readers are told by the Megatron-Core source convention (its
+    :class:`ckpttool.families.conventions.megatron_tp.MegatronTP`): readers carry no table of Megatron-Core's modules.
+
+    Names are suffixes of a local tensor's name, matched with ``str.endswith``; the first of these that matches
+    applies: :attr:`column` (split on dim 0 across TP ranks), :attr:`row` (dim 1), :attr:`either` (dim 0 or whole on
+    every rank: the rows a rank holds against the sum of the named args tell); any other tensor is whole on every
+    rank. :attr:`paired` tensors hold two halves ``[a_r; b_r]`` on each rank, of the global ``[a; b]``, when the arg
+    :attr:`paired_when` names is true (its default when absent).
+    """
+
+    @property
+    def column(self) -> tuple[str, ...]: ...
+
+    @property
+    def row(self) -> tuple[str, ...]: ...
+
+    @property
+    def either(self) -> tuple[tuple[str, tuple[str, ...]], ...]: ...
+
+    @property
+    def paired(self) -> tuple[str, ...]: ...
+
+    @property
+    def paired_when(self) -> tuple[str, bool]: ...
+
+    def check_args(self, args: Any, info: ModelInfo, where: str) -> None:
+        """Refuse ``args`` (a plain mapping: :func:`args_view`) that contradict ``info``'s config (a ConfigError
+        naming ``where``)."""
+        ...
+
+
+def args_view(args: Any) -> dict[str, Any] | None:
+    """The training args as a plain dict, enum stand-ins as their values (what a convention's checks are given:
+    they never see a reader's pickle records)."""
+    if args is None:
+        return None
+    items = args.items() if isinstance(args, dict) else vars(args).items() if isinstance(args, Record) else ()
+    return {str(name): arg(args, str(name)) for name, _ in items if not str(name).startswith("_")}
 
 
 # ------------------------------------------------------------------------------------------------

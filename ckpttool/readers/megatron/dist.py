@@ -16,8 +16,9 @@ Transformer Engine's names (``linear_qkv.layer_norm_weight``). With ``singleton_
 are named by index instead (``decoder.layers.3.mlp.experts.5.linear_fc1.weight_w``). ``_extra_state`` entries
 and the RNG ``ShardedObject`` are bytes, skipped.
 
-The DCP parsing is :mod:`.dcp`'s; this reader adds the args check, vocab padding and the parallel layout, and
-the cut into HuggingFace tensors of :mod:`.megatron`.
+The DCP parsing is :mod:`.dcp`'s; this reader adds the args check (the source convention's, which the reader is
+told: :class:`~.common.ConventionTables`), vocab padding and the parallel layout; the cut into HuggingFace tensors
+is the Megatron-Core convention's.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ckpttool.io.safe_pickle import Record
 from ckpttool.readers.validate import expect
 from ckpttool.readers import dcp
 from ckpttool.readers.megatron import common as megatron
-from ckpttool.readers.megatron import args as megatron_args
+from ckpttool.readers.megatron.common import ConventionTables
 from ckpttool.readers.megatron import fp8 as megatron_fp8
 from ckpttool.readers.base import FormatReader
 
@@ -71,7 +72,14 @@ def _backend(directory: Path, root: Path) -> str | None:
     return doc.get("sharded_backend") if isinstance(doc, dict) else None
 
 
-def read(root: Path, model: ModelInfo | None) -> Layout:
+def read(root: Path, model: ModelInfo | None, *, tables: ConventionTables | None = None) -> Layout:
+    """The ``torch_dist`` checkpoint in ``root`` as a layout; ``tables``: what the source convention tells the
+    reader (its args checks; without them, the args are not compared with ``model``'s config, and a note says so).
+
+    Raises:
+        SourceError: the checkpoint is malformed.
+        ConfigError: the args contradict ``model``'s config (before any vocab padding is checked).
+    """
     directory = megatron.iteration_dir(root)
     backend = _backend(directory, root)
     if backend != "torch_dist":
@@ -83,8 +91,8 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     prefix = "" if directory == root else f"{directory.relative_to(root)}/"
     megatron_fp8.refuse_te_items(layout, directory, prefix, root)
     where = f"{prefix}{COMMON}"
-    if model is not None:
-        megatron_args.check_args(args, model, f"{prefix}{COMMON}")
+    if model is not None and tables is not None:
+        tables.check_args(megatron.args_view(args), model, f"{prefix}{COMMON}")
     padding = {}
     for fqn in megatron.VOCAB_TENSORS:
         tensor = layout.tensors.get(fqn)
@@ -98,6 +106,9 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                                            directory / dcp.METADATA, f"{prefix}{dcp.METADATA}")
     if args is None:
         notes.append(f"no args in '{prefix}{COMMON}': parallel layout unknown, nothing checked against the config")
+    elif model is not None and tables is None:
+        notes.append(f"the args in '{prefix}{COMMON}' were not checked against the config (the reader was not told "
+                     "the convention's checks: ckpttool.read_layout tells it)")
     if prefix:
         layout = _rebase(layout, prefix, root)
     return replace(layout, format=NAME, notes=tuple(notes),

@@ -16,11 +16,11 @@ imported or run) and tensors are read in place.
 
 Each local tensor becomes pieces of Megatron-Core's *global* tensor, the one ``torch_dist`` would save:
 
-- column-parallel tensors (``linear_qkv``, ``linear_fc1``, ``word_embeddings``, ``output_layer``, MLA's up
-  projections, ``eh_proj``, the learnable softmax offset per head) are split on dim 0 across TP ranks, row-parallel
-  ones (``linear_proj``, ``linear_fc2``) on dim 1, MLA's down projections either way (:meth:`_Placer._down_dim`),
-  the rest replicated;
-- a SwiGLU ``linear_fc1`` holds ``[gate_r; up_r]`` on each TP rank: the two halves are placed as
+- which dim a local tensor is split on across TP ranks (or whether it is whole on every rank) is the source
+  convention's table, which the reader is told (:class:`~.common.ConventionTables`: the Megatron-Core
+  convention's :mod:`ckpttool.families.conventions.megatron_tp`); the global shape is the local one times the
+  TP size on that dim, and rank ``r``'s piece starts at ``r`` times the local size;
+- a tensor the table calls *paired* (a SwiGLU ``[gate_r; up_r]`` on each TP rank) is placed as halves
   ``gate[r]`` and ``up[r]`` of the global ``[gate; up]`` (a plain concatenation would interleave them);
 - layers are renumbered across pipeline stages (global = stage offset + local index; uneven first/last stages
   and virtual stages from the args); experts are renumbered across EP ranks (global = ep_rank x local count +
@@ -48,7 +48,7 @@ from ckpttool.io.safe_pickle import Record
 from ckpttool.io.torch_save import StoredTensor
 from ckpttool.readers.validate import expect, integer
 from ckpttool.readers.megatron import common as megatron
-from ckpttool.readers.megatron import args as megatron_args
+from ckpttool.readers.megatron.common import ConventionTables
 from ckpttool.readers.megatron import fp8 as megatron_fp8
 from ckpttool.readers.base import FormatReader
 
@@ -59,13 +59,6 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^(mtp\.layers\.(\d+)\.transformer_layer\.)(.+)$")
-#: ``core_attention.softmax_offset`` (``softmax_type="learnable"``, gpt-oss's sinks) holds this rank's heads
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-           "word_embeddings.weight", "output_layer.weight", "linear_q_proj.weight", "linear_q_up_proj.weight",
-           "linear_kv_up_proj.weight", "eh_proj.weight", "core_attention.softmax_offset")
-#: MLA's down projections, split on rows or whole on every TP rank (see :meth:`_Placer._down_dim`)
-_MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
 def matches(root: Path) -> bool:
@@ -89,7 +82,19 @@ class _Rank:
     ep: int
 
 
-def read(root: Path, model: ModelInfo | None) -> Layout:
+def read(root: Path, model: ModelInfo | None, *, tables: ConventionTables | None = None) -> Layout:
+    """The checkpoint in ``root`` as Megatron-Core's global tensors (see the module docstring); ``tables`` is what
+    the source convention tells the reader (which dim each local tensor is split on, the args checks).
+
+    Raises:
+        SourceError: no ``tables`` (without them no global shape can be known), or the checkpoint is malformed.
+        ConfigError: the args contradict ``model``'s config (before any vocab padding is checked).
+    """
+    if tables is None:
+        raise SourceError(
+            f"'{root}': the {NAME} format records no global shapes, and its reader was not told how Megatron-Core "
+            "splits each tensor over TP ranks; read it with ckpttool.read_layout, which tells it"
+        )
     directory = megatron.iteration_dir(root)
     prefix = "" if directory == root else f"{directory.relative_to(root)}/"
     dirs = [p.name for p in _subdirs(directory) if _RANK_DIR.match(p.name)]
@@ -124,7 +129,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
                 "Are two checkpoints mixed in one directory?"
             )
     if model is not None:
-        megatron_args.check_args(args, model, f"{prefix}{first}/{FILE}")
+        tables.check_args(megatron.args_view(args), model, f"{prefix}{first}/{FILE}")
     tp, pp, ep = parallel["tp"], parallel["pp"], parallel["ep"]
     if tp > 99 or pp > 999 or ep > 999 or tp * pp * ep > 64 * len(dirs):
         raise SourceError(
@@ -142,7 +147,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
         )
     builder = LayoutBuilder(str(root), NAME)
     builder.set_parallel(**parallel)
-    reader = _Placer(builder, args, model, prefix, f"{prefix}{first}/{FILE}")
+    reader = _Placer(builder, args, model, prefix, f"{prefix}{first}/{FILE}", tables)
     lost = []
     for name, rank in expected.items():
         if name in states:
@@ -195,8 +200,10 @@ def _donor(rank: _Rank, expected: dict[str, _Rank], states: dict[str, Any]) -> s
 class _Placer:
     """Turns one rank's local state dict into pieces of the global tensors."""
 
-    def __init__(self, builder: LayoutBuilder, args: Any, model: ModelInfo | None, prefix: str, args_file: str) -> None:
+    def __init__(self, builder: LayoutBuilder, args: Any, model: ModelInfo | None, prefix: str, args_file: str,
+                 tables: ConventionTables) -> None:
         self.builder = builder
+        self.tables = tables
         self.args = args
         self.model = model
         self.prefix = prefix
@@ -206,13 +213,11 @@ class _Placer:
         self.layers = megatron.int_arg(args, "num_layers", args_file)
         self.experts = megatron.int_arg(args, "num_experts", args_file)
         self.mtp_layers = megatron.int_arg(args, "mtp_num_layers", args_file)
-        rope = megatron.int_arg(args, "qk_pos_emb_head_dim", args_file)
-        self.down_rows = {  # the full rows of MLA's down projections, and what they are
-            _MLA_DOWN[0]: (megatron.int_arg(args, "q_lora_rank", args_file), "q_lora_rank"),
-            _MLA_DOWN[1]: (megatron.int_arg(args, "kv_lora_rank", args_file) + rope,
-                           "kv_lora_rank + qk_pos_emb_head_dim"),
+        self.full_rows = {  # the rows of a tensor split on rows or whole, from the args the table names
+            suffix: (sum(megatron.int_arg(args, name, args_file) for name in names), " + ".join(names))
+            for suffix, names in tables.either
         }
-        self.gated = bool(arg(args, "swiglu", True))
+        self.paired = bool(arg(args, *tables.paired_when))
         etp = arg(args, "expert_tensor_parallel_size")
         self.expert_tp = int(etp) if isinstance(etp, int) and etp > 0 else self.parallel["tp"]
         if self.expert_tp not in (1, self.parallel["tp"]):
@@ -245,7 +250,7 @@ class _Placer:
         fqn, expert = self._global_name(name, rank, offset, file)
         split = self.expert_tp if expert else self.parallel["tp"]
         tp_rank = rank.tp if split > 1 else 0
-        dim = 0 if name.endswith(_COLUMN) else 1 if name.endswith(_ROW) else None
+        dim = 0 if name.endswith(self.tables.column) else 1 if name.endswith(self.tables.row) else None
         dim = self._down_dim(file, key, name, t.shape, split) if dim is None else dim
         if split == 1:
             dim = None
@@ -263,7 +268,7 @@ class _Placer:
             return
         base = t.byte_offset() or 0
         tags = (("tp_rank", rank.tp), ("pp_stage", rank.pp)) + ((("ep_rank", rank.ep),) if expert else ())
-        if name.endswith(("linear_fc1.weight", "linear_fc1.bias")) and self.gated and split > 1:
+        if name.endswith(self.tables.paired) and self.paired and split > 1:
             # [gate_r; up_r] on this rank -> gate rows r*f.. and up rows F + r*f.. of the global [gate; up]
             if t.shape[0] % 2 or not t.shape[0]:
                 raise SourceError(f"'{file}': '{key}' has {t.shape[0]} rows, not a SwiGLU [gate; up] pair")
@@ -281,12 +286,12 @@ class _Placer:
         self.builder.add(fqn, piece, present=present)
 
     def _down_dim(self, file: str, key: str, name: str, shape: tuple[int, ...], split: int) -> int | None:
-        """MLA's down projections: split on rows (the local spec's ``ColumnParallelLinear``) when a rank holds
-        ``1/tp`` of the rows the args give, whole on every rank (TE's ``duplicated`` linear) when it holds them all."""
-        suffix = next((s for s in _MLA_DOWN if name.endswith(s)), None)
+        """A tensor the table splits on rows or keeps whole (MLA's down projections): split on rows when a rank holds
+        ``1/tp`` of the rows the args give, whole on every rank when it holds them all."""
+        suffix = next((s for s in self.full_rows if name.endswith(s)), None)
         if suffix is None or split == 1:
             return None
-        (full, what), rows = self.down_rows[suffix], shape[0] if shape else 0
+        (full, what), rows = self.full_rows[suffix], shape[0] if shape else 0
         if full and rows in (full, full / split):
             return None if rows == full else 0
         why = (f"neither the {full} rows of the args' {what} nor a 1/{split} tensor-parallel share of them" if full
