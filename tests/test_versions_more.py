@@ -10,10 +10,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, tree_digest
+import torch
+from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, load_output, tree_digest
 
+import ckpttool
 from ckpttool.io.torch_save import accepted_classes
 from ckpttool.readers import colossalai_classes
+
+INPUT_IDS = torch.tensor([[1, 5, 9, 42, 100, 999, 1000, 7]])
 
 
 def _globals(path: Path) -> set[str]:
@@ -87,8 +91,9 @@ def test_every_release_the_colossalai_table_names_is_proven_by_a_fixture():
         assert set(entry.written_by) <= seen.get(entry.qualified, set()), entry
 
 
-# one case per release (the merge describes the model from its config first: the suite's cache has this one)
-@pytest.mark.parametrize("release, name", [("0.5.0", "colossalai_real_llama_tp2_bin")])
+# one case per release (the merge describes the model from its config first: the suite's cache has these)
+@pytest.mark.parametrize("release, name", [("0.5.0", "colossalai_real_llama_tp2_bin"),
+                                           ("0.4.9", "colossalai_v0_4_llama_tp2_bin")])
 def test_an_unknown_class_in_a_colossalai_shard_is_refused_naming_it_and_the_release(
         release, name, cli, copy_fixture, tmp_path):
     root = copy_fixture(name)
@@ -115,3 +120,40 @@ def test_an_unknown_class_without_a_config_says_nothing_is_recorded(cli, copy_fi
     assert_failed_cleanly(result, tmp_path / "hf", "'torch._utils._rebuild_tensor_v9'",
                           "the checkpoint records no ColossalAI version (ColossalAI writes none: its index holds only "
                           "metadata.total_size).")
+
+
+#: the fixtures an older ColossalAI release wrote (make_colossalai_real.py run by it: colossalai_v0_4_*)
+COLOSSALAI_OLDER = sorted(n for n in COLOSSALAI if n.startswith("colossalai_v"))
+
+
+def test_the_older_colossalai_fixtures_are_the_release_the_table_names():
+    assert COLOSSALAI_OLDER == ["colossalai_v0_4_llama_tp2_bin", "colossalai_v0_4_mixtral_ep2_bin"]
+    for name in COLOSSALAI_OLDER:
+        producer = json.loads((fixture_dir(name) / "producer.json").read_text())
+        assert producer["fixture"] == name and producer["versions"]["colossalai"] == "0.4.9"
+        assert producer["versions"]["transformers"] in colossalai_classes.TRANSFORMERS_PINS
+        assert producer["plugin"] == ("MoeHybridParallelPlugin" if "mixtral" in name else "HybridParallelPlugin")
+
+
+@pytest.mark.parametrize("name", COLOSSALAI_OLDER)
+def test_an_older_colossalai_checkpoint_merges_bit_for_bit_loads_strictly_and_audits(name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = fixture_dir(name) / "checkpoint"
+    before = tree_digest(src)
+    result = ckpttool.merge(src, tmp_path / "hf")
+    assert tree_digest(src) == before
+    if "mixtral" in name:
+        # transformers 4.39.3 kept rotary buffers in every attention layer; ColossalAI 0.4.9's MoE IO saved them
+        assert ("not read: 6 rotary buffers of the attention layers (model.layers.0.self_attn.rotary_emb.cos_cached, "
+                "...), which transformers 4.39 and older kept there: non-persistent, never weights") in result.plan.notes
+    got, want = load_output(tmp_path / "hf"), load_output(fixture_dir(name) / "reference")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+    ours, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+    reference = AutoModelForCausalLM.from_pretrained(fixture_dir(name) / "reference")
+    with torch.no_grad():
+        assert torch.equal(ours.eval()(INPUT_IDS).logits, reference.eval()(INPUT_IDS).logits)
+    assert ckpttool.audit(src, data=False).ok

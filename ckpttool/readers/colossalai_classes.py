@@ -28,7 +28,7 @@ from ckpttool.io.torch_save import accepted_classes
 from ckpttool.fast.deferred import torch
 
 #: the ColossalAI releases whose checkpoints the fixtures hold (``colossalai_real_*``, ``colossalai_v0_4_*``)
-RELEASES = ("0.5.0",)
+RELEASES = ("0.4.9", "0.5.0")
 #: the transformers release each ColossalAI release of the matrix pins (its requirements.txt): ``config.json``
 #: records the transformers that saved it, the one trace of the ColossalAI release a checkpoint keeps
 TRANSFORMERS_PINS = {"4.39.3": "0.4.9", "4.51.3": "0.5.0"}
