@@ -16,6 +16,7 @@ from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, load_output, 
 import ckpttool
 from ckpttool.io.torch_save import accepted_classes
 from ckpttool.readers import colossalai_classes
+from ckpttool.readers.verl import classes as verl_classes
 
 INPUT_IDS = torch.tensor([[1, 5, 9, 42, 100, 999, 1000, 7]])
 
@@ -157,3 +158,136 @@ def test_an_older_colossalai_checkpoint_merges_bit_for_bit_loads_strictly_and_au
     with torch.no_grad():
         assert torch.equal(ours.eval()(INPUT_IDS).logits, reference.eval()(INPUT_IDS).logits)
     assert ckpttool.audit(src, data=False).ok
+
+
+# ------------------------------------------------------------------------------------------------------ verl
+
+VERL = sorted(p.name for p in FIXTURES.glob("verl_*") if (p / "producer.json").is_file())
+#: the verl fixtures written under an older torch (make_verl.py run by that torch: verl_torch2_<minor>_*)
+VERL_OLDER_MODELS = sorted(n for n in VERL if n.startswith("verl_torch") and n.endswith("_llama_fsdp4"))
+
+
+def _torch_release(folder: Path) -> str:
+    return ".".join(_versions(folder)["torch"].split("+")[0].split(".")[:2])
+
+
+def _pickled_classes(folder: Path) -> set[str]:
+    """What a verl fixture's rank files name beyond what scan reads for any torch.save file (tensors, dtypes)."""
+    found = set().union(*(_globals(p) for p in (folder / "checkpoint").glob("model_world_size_*.pt")))
+    return {q for q in found if q not in accepted_classes()
+            and not (q.startswith("torch.") and isinstance(getattr(torch, q[6:], None), torch.dtype))}
+
+
+def test_the_verl_table_names_the_torch_releases_of_the_matrix():
+    assert sorted({_torch_release(fixture_dir(n)) for n in VERL}, key=lambda v: tuple(map(int, v.split(".")))) == \
+        list(verl_classes.TORCH)
+    for key, entry in verl_classes.TABLE.items():
+        assert set(entry.torch) <= set(verl_classes.TORCH) and entry.where, key
+    assert verl_classes.ALLOW == {key: entry.stand_in for key, entry in verl_classes.TABLE.items()}
+
+
+@pytest.mark.parametrize("name", VERL)
+def test_the_verl_table_lists_each_class_with_the_torch_that_pickled_it(name):
+    release = _torch_release(fixture_dir(name))
+    for qualified in _pickled_classes(fixture_dir(name)):
+        module, _, cls = qualified.rpartition(".")
+        assert (module, cls) in verl_classes.TABLE, f"{name}: {qualified}"
+        assert release in verl_classes.TABLE[(module, cls)].torch, f"{qualified} is pickled under torch {release}"
+
+
+def test_every_torch_release_the_verl_table_names_is_proven_by_a_fixture():
+    seen: dict[str, set[str]] = {}
+    for name in VERL:
+        for qualified in _pickled_classes(fixture_dir(name)):
+            seen.setdefault(qualified, set()).add(_torch_release(fixture_dir(name)))
+    for (module, cls), entry in verl_classes.TABLE.items():
+        assert set(entry.torch) <= seen.get(f"{module}.{cls}", set()), (module, cls, entry.torch)
+
+
+@pytest.mark.parametrize("name", VERL_OLDER_MODELS)
+def test_an_older_torchs_verl_checkpoint_merges_bit_for_bit_loads_strictly_and_audits(name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = fixture_dir(name) / "checkpoint"
+    before = tree_digest(src)
+    ckpttool.merge(src, tmp_path / "hf")
+    assert tree_digest(src) == before
+    got, want = load_output(tmp_path / "hf"), load_output(fixture_dir(name) / "reference")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+    ours, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+    reference = AutoModelForCausalLM.from_pretrained(fixture_dir(name) / "reference")
+    with torch.no_grad():
+        assert torch.equal(ours.eval()(INPUT_IDS).logits, reference.eval()(INPUT_IDS).logits)
+    assert ckpttool.audit(src, data=False).ok
+
+
+def _rank_map(ranks: list[int]):
+    import io
+
+    from ckpttool.io.torch_save import StoredTensor
+
+    data = b"".join(r.to_bytes(4, "little", signed=True) for r in ranks)
+    return io.BytesIO(data), StoredTensor("I32", (len(ranks),), (1,), "0", 0, 0, len(ranks))
+
+
+def test_torch_2_10s_mesh_layout_keeps_shape_and_stride_per_dim_itself():
+    # torch 2.10 pickles _MeshLayout(shape, stride) for the whole mesh; 2.13 one layout per dim under 'axes'
+    from ckpttool.io.safe_pickle import Record
+    from ckpttool.readers.verl.entries import _mesh
+
+    f, ranks = _rank_map([0, 1, 2, 3])
+    mesh = _mesh(Record(_rank_map=ranks, _layout=Record(shape=(2, 2), stride=(2, 1)), _mesh_dim_names=("dp", "tp")),
+                 2, f, "x.pt")
+    assert (mesh.shape, mesh.ranks, mesh.coordinate(2)) == ((2, 2), (0, 1, 2, 3), (1, 0))
+    sub = _mesh(Record(_rank_map=ranks, _layout=Record(shape=(2,), stride=(2,)), _mesh_dim_names=("dp",)), 3, f, "x.pt")
+    assert (sub.shape, sub.ranks) == ((2,), (1, 3))
+
+
+def test_torch_2_10s_mesh_layout_with_a_stride_missing_is_malformed():
+    from ckpttool.errors import SourceError
+    from ckpttool.io.safe_pickle import Record
+    from ckpttool.readers.verl.entries import _mesh
+
+    f, ranks = _rank_map([0, 1, 2, 3])
+    with pytest.raises(SourceError) as e:
+        _mesh(Record(_rank_map=ranks, _layout=Record(shape=(2, 2), stride=(2,)), _mesh_dim_names=("dp", "tp")),
+              0, f, "model_world_size_4_rank_0.pt")
+    assert str(e.value) == ("'model_world_size_4_rank_0.pt': malformed device mesh layout: expected a stride per dim "
+                            "of its shape, found ((2, 2), (2,)) (a tuple)")
+
+
+def test_an_older_torchs_strided_dtensors_merge_to_their_full_tensors(tmp_path):
+    for name in (n for n in VERL if n.startswith("verl_torch") and n.endswith("_dtensor_strided")):
+        ckpttool.merge(fixture_dir(name) / "checkpoint", tmp_path / name)
+        got, want = load_output(tmp_path / name), load_output(fixture_dir(name) / "reference")
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), name
+
+
+def test_an_unknown_class_in_a_verl_rank_file_is_refused_naming_it_and_what_is_recorded(cli, copy_fixture, tmp_path):
+    root = copy_fixture("verl_llama_fsdp4")
+    _repickle(root / "model_world_size_4_rank_2.pt", b"placement_types\nShard\n", b"placement_types\nShaxd\n")
+    before = tree_digest(root)
+    result = cli("merge", root, tmp_path / "hf")
+    transformers = json.loads((root / "huggingface" / "config.json").read_text())["transformers_version"]
+    assert_failed_cleanly(
+        result, tmp_path / "hf", "'model_world_size_4_rank_2.pt': refused to unpickle: it asks for "
+        "'torch.distributed.tensor.placement_types.Shaxd', which no verl rank file ckpttool knows pickles (nothing "
+        "was executed); the checkpoint records no verl or torch version (verl writes neither); it records "
+        f"FSDP_version 2 in 'fsdp_config.json' and transformers_version {transformers} in 'huggingface/config.json'",
+        f"the DTensor classes that torch {', '.join(verl_classes.TORCH[:-1])} and {verl_classes.TORCH[-1]} pickle")
+    assert tree_digest(root) == before
+
+
+def test_an_unknown_class_in_a_bare_rank_file_says_nothing_is_recorded(cli, tmp_path):
+    root = tmp_path / "step"
+    root.mkdir()
+    for p in (fixture_dir("verl_dtensor_strided") / "checkpoint").glob("model_world_size_*.pt"):
+        (root / p.name).write_bytes(p.read_bytes())
+    _repickle(root / "model_world_size_4_rank_0.pt", b"torch._utils\n_rebuild_wrapper_subclass",
+              b"torch._utils\n_rebuild_wrapper_subclasz")
+    result = cli("merge", root, tmp_path / "hf")
+    assert_failed_cleanly(result, tmp_path / "hf", "'torch._utils._rebuild_wrapper_subclasz'",
+                          "the checkpoint records no verl or torch version (verl writes neither). ")
