@@ -291,3 +291,39 @@ def test_an_unknown_class_in_a_bare_rank_file_says_nothing_is_recorded(cli, tmp_
     result = cli("merge", root, tmp_path / "hf")
     assert_failed_cleanly(result, tmp_path / "hf", "'torch._utils._rebuild_wrapper_subclasz'",
                           "the checkpoint records no verl or torch version (verl writes neither). ")
+
+
+# ---------------------------------------------------- diff: two layouts of one training run, and one that differs
+
+#: (A, B) folders holding one run's weights in two layouts (same seed, same data, same steps)
+ONE_RUN = {
+    "ColossalAI 0.4.9 against 0.5.0: TP=2 .bin, the same seed (the release is no layout)": (
+        "colossalai_v0_4_llama_tp2_bin/checkpoint", "colossalai_real_llama_tp2_bin/checkpoint"),
+    "ColossalAI 0.5.0: TP=2 .bin against TP=2 x PP=2 safetensors": (
+        "colossalai_real_llama_tp2_bin/checkpoint", "colossalai_real_llama_tp2_pp2_st/checkpoint"),
+    "ColossalAI 0.5.0 MoE: EP=2 against PP=2 x EP=2": (
+        "colossalai_real_mixtral_ep2_bin/checkpoint", "colossalai_real_mixtral_pp2_ep2_bin/checkpoint"),
+    "megatron-core 0.16.1: torch_dist against legacy (TP=2 x PP=2)": (
+        "megatron_v0_16_tp2_pp2/torch_dist", "megatron_v0_16_tp2_pp2/legacy"),
+    "DeepSpeed 0.19.8 MoE bf16: ZeRO-1 against ZeRO-2 (EP=2)": (
+        "deepspeed_moe_bf16_zero1_ep2/checkpoint", "deepspeed_moe_bf16_zero2_ep2/checkpoint"),
+}
+
+
+@pytest.mark.parametrize("pair", list(ONE_RUN))
+def test_diff_finds_two_layouts_of_one_run_equal(pair, cli):
+    a, b = (FIXTURES / rel for rel in ONE_RUN[pair])
+    result = cli("diff", a, b)
+    assert result.exit_code == 0, result.output
+    assert "equal: " in result.stdout and "tensors identical" in result.stdout
+
+
+def test_diff_names_what_zero3_changed_against_zero2_of_one_release(cli):
+    # one seed, one batch, the same steps: ZeRO-3 reduces its partitioned gradients in another order, so the
+    # weights differ in their last bits; diff names each tensor, how many elements and by how much
+    a, b = FIXTURES / "deepspeed_v0_16_zero2/checkpoint", FIXTURES / "deepspeed_v0_16_zero3/checkpoint"
+    result = cli("diff", a, b)
+    assert result.exit_code == 3, result.output
+    assert "model.layers.1.self_attn.q_proj.weight: 679 of 1024 elements differ, max |A-B| = 4.692e-06" in result.stdout
+    assert ("different: 0 tensors only in A, 0 only in B, 2 in both and equal, 19 in both and different (A has 21 "
+            "tensors, B 21)") in result.stdout
