@@ -62,8 +62,8 @@ TABLE: tuple[Allowed, ...] = (
     Allowed("torch._utils", "_rebuild_tensor_v2", RELEASES, "every tensor of a shard"),
     Allowed("torch", "FloatStorage", RELEASES, "the tensors of an fp32 model (precision='fp32')"),
     Allowed("torch", "BFloat16Storage", RELEASES, "the tensors of a bf16 model (precision='bf16')"),
-    Allowed("torch", "HalfStorage", (), "the tensors of an fp16 model (precision='fp16': its AMP needs CUDA, so no "
-                                        "CPU fixture has it)"),
+    Allowed("torch", "HalfStorage", (), "the tensors of an fp16 model (precision='fp16'; the matrix's cases are fp32 "
+                                        "and bf16)"),
     *(Allowed("torch", storage, (), "a buffer of that dtype (no fixture's model has one)")
       for storage in ("DoubleStorage", "LongStorage", "IntStorage", "ShortStorage", "CharStorage", "ByteStorage",
                       "BoolStorage")),

@@ -157,7 +157,7 @@ for _module, _torch in (("torch.distributed.tensor.placement_types", TORCH),
     _TABLE[(_module, "_StridedShard")] = Allowed(_Strided, _except_2_10(_torch), "a placement: FSDP2 over TP (2-D "
                                                                                  "mesh)")
     _TABLE[(_module, "Partial")] = Allowed(_Partial, (), "a placement no saved state dict holds (refused later)")
-    _TABLE[(_module, "_Partial")] = Allowed(_Partial, (), "Partial's name before torch 2.4")
+    _TABLE[(_module, "_Partial")] = Allowed(_Partial, (), "Partial's older, private name")
 
 #: every class a verl rank file may name, with the torch releases that write it
 TABLE: Mapping[tuple[str, str], Allowed] = _TABLE
