@@ -108,7 +108,8 @@ def test_an_unknown_class_in_a_colossalai_shard_is_refused_naming_it_and_the_rel
         "no ColossalAI model shard ckpttool knows pickles (nothing was executed)",
         "the checkpoint records no ColossalAI version (ColossalAI writes none: its index holds only "
         f"metadata.total_size); its config.json records transformers {transformers}, the release ColossalAI "
-        f"{release} pins", f"ckpttool reads the classes that ColossalAI {' and '.join(colossalai_classes.RELEASES)} write")
+        f"{release} pins",
+        f"ckpttool reads the classes that ColossalAI {' and '.join(colossalai_classes.RELEASES)} write")
     assert tree_digest(root) == before
 
 
@@ -147,7 +148,8 @@ def test_an_older_colossalai_checkpoint_merges_bit_for_bit_loads_strictly_and_au
     if "mixtral" in name:
         # transformers 4.39.3 kept rotary buffers in every attention layer; ColossalAI 0.4.9's MoE IO saved them
         assert ("not read: 6 rotary buffers of the attention layers (model.layers.0.self_attn.rotary_emb.cos_cached, "
-                "...), which transformers 4.39 and older kept there: non-persistent, never weights") in result.plan.notes
+                "...), which transformers 4.39 and older kept there: non-persistent, never weights"
+                ) in result.plan.notes
     got, want = load_output(tmp_path / "hf"), load_output(fixture_dir(name) / "reference")
     assert sorted(got) == sorted(want)
     for key in want:

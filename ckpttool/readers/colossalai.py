@@ -18,9 +18,9 @@ sharded is the set of tensors, over files:
   read, after checking the copies agree on shape and dtype).
 
 ``.bin`` shards are walked with :func:`ckpttool.io.torch_save.scan` (no code runs; the classes a shard may name,
-with the releases that write them: ``readers/colossalai_classes.py``), safetensors shards through their headers. Detection looks only at ColossalAI's own names (stage shard names, ``tmp_index_files/``, an
-index whose shards are numbered ``-00001`` without HuggingFace's ``-of-``), so HuggingFace directories stay
-with the ``hf`` reader.
+with the releases that write them: ``readers/colossalai_classes.py``), safetensors shards through their headers.
+Detection looks only at ColossalAI's own names (stage shard names, ``tmp_index_files/``, an index whose shards are
+numbered ``-00001`` without HuggingFace's ``-of-``), so HuggingFace directories stay with the ``hf`` reader.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ TABLE: tuple[Allowed, ...] = (
     *(Allowed(module, name, (), "torch.save's own, for a tensor subclass or a parameter saved as such; ColossalAI "
                                 "saves detached tensors")
       for module, name in (("torch._utils", "_rebuild_tensor_v3"), ("torch._utils", "_rebuild_parameter"),
-                           ("torch._utils", "_rebuild_parameter_with_state"), ("torch._tensor", "_rebuild_from_type_v2"),
+                           ("torch._utils", "_rebuild_parameter_with_state"),
+                           ("torch._tensor", "_rebuild_from_type_v2"),
                            ("torch._utils", "_rebuild_from_type_v2"), ("torch", "Tensor"),
                            ("torch.nn.parameter", "Parameter"), ("torch", "Size"))),
 )
@@ -91,7 +92,8 @@ def recorded(root: Path) -> str:
         return clause
     pinned = TRANSFORMERS_PINS.get(version)
     return (f"{clause}; its config.json records transformers {escaped(version)}, "
-            + (f"the release ColossalAI {pinned} pins" if pinned else "which no ColossalAI release ckpttool knows pins"))
+            + (f"the release ColossalAI {pinned} pins" if pinned else
+               "which no ColossalAI release ckpttool knows pins"))
 
 
 def refusal(label: str, qualified: str, root: Path) -> str:
