@@ -108,7 +108,7 @@ def scan(f: BinaryIO, start: int = 0, length: int | None = None, *, label: str, 
         base = pickles[0][: -len("data.pkl")]
         little = base + "byteorder" not in names or archive.read(base + "byteorder") == b"little"
         data = archive.read(pickles[0])
-        unpickler = _Unpickler(io.BytesIO(data), label, allow or {})
+        unpickler = _Unpickler(io.BytesIO(data), label, {} if allow is None else allow)
         with budget(label, len(data)):
             obj = unpickler.load()
         bound_graph(obj, label)
@@ -220,6 +220,18 @@ _BUILTIN: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): _StateDict,
     ("torch", "Size"): lambda dims=(): ints(dims),
 }
+
+
+def accepted_classes() -> list[str]:
+    """Every class :func:`scan` accepts for any format, as ``module.name``: the tensor rebuilders, the state dict's
+    ``collections.OrderedDict``, ``torch.Size`` and the storage classes (a dtype, ``torch.<dtype>``, is data).
+    A format's table of the classes its producers write lists these too (``readers/colossalai_classes.py``).
+
+    Example:
+        >>> "torch._utils._rebuild_tensor_v2" in accepted_classes()
+        True
+    """
+    return [f"{module}.{name}" for module, name in _BUILTIN] + [f"torch.{name}" for name in _STORAGES]
 
 
 class _Unpickler(pickle.Unpickler):

@@ -17,10 +17,10 @@ sharded is the set of tensors, over files:
   so those appear once per EP rank (the final index names one copy; without it the lowest EP rank's copy is
   read, after checking the copies agree on shape and dtype).
 
-``.bin`` shards are walked with :func:`ckpttool.io.torch_save.scan` (no code runs), safetensors shards through
-their headers. Detection looks only at ColossalAI's own names (stage shard names, ``tmp_index_files/``, an
-index whose shards are numbered ``-00001`` without HuggingFace's ``-of-``), so HuggingFace directories stay
-with the ``hf`` reader.
+``.bin`` shards are walked with :func:`ckpttool.io.torch_save.scan` (no code runs; the classes a shard may name,
+with the releases that write them: ``readers/colossalai_classes.py``), safetensors shards through their headers.
+Detection looks only at ColossalAI's own names (stage shard names, ``tmp_index_files/``, an index whose shards are
+numbered ``-00001`` without HuggingFace's ``-of-``), so HuggingFace directories stay with the ``hf`` reader.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from ckpttool.io.paths import JSON_LIMIT, contained, inside, list_inside, open_i
 from ckpttool.io.safetensors_format import read_header
 from ckpttool.io.torch_save import StoredTensor, scan
 from ckpttool.readers.base import FormatReader
+from ckpttool.readers.colossalai_classes import ShardAllow
 
 NAME = "colossalai"
 LOOKS_FOR = ("ColossalAI sharded model files (*-stage-XXXXX[-XXXXX]-shard-XXXXX.bin/.safetensors, "
@@ -54,6 +55,7 @@ _STAGE_SHARD = re.compile(
     r"^((?:pytorch_model|model)(?:\.[^/]+)?)-stage-(\d{5})(?:-(\d{5}))?-shard-(\d{5})\.(bin|safetensors)$")
 _PLAIN_SHARD = re.compile(r"^(?:pytorch_model|model)(?:\.[^/]+)?-(\d{5})\.(bin|safetensors)$")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_OLDER_ROTARY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.(?:inv_freq|cos_cached|sin_cached)")
 #: a shard's tensors: name -> (shape, dtype, byte offset, byte length)
 _Found = dict[str, tuple[tuple[int, ...], str, int, int]]
 #: ColossalAI's total_size is a float sum of MiB; allow for the order of summation
@@ -120,6 +122,11 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
         raise SourceNotFoundError(f"'{root}': no ColossalAI index (pytorch_model.bin.index.json, "
                                   f"model.safetensors.index.json or {TMP}/*-stage-*.json)")
     notes.extend(_check_orphans(root, sources, cache))
+    older = sorted(name for name in sources if _OLDER_ROTARY.fullmatch(name))
+    if older:  # 0.4.9's MoE IO saves every buffer; transformers <= 4.39 kept these in each attention layer
+        sources = {name: holders for name, holders in sources.items() if name not in set(older)}
+        notes.append(f"not read: {len(older)} rotary buffers of the attention layers ({older[0]}, ...), which "
+                     "transformers 4.39 and older kept there: non-persistent, never weights")
     tensors = _read_shards(root, sources, index_label, cache)
     stages, eps = set(), set()
     for name, holders in sources.items():
@@ -275,7 +282,7 @@ def _scan_shard(root: Path, rel: str) -> _Found:
         header = read_header(path, rel)
         return {k: (e.shape, e.dtype, e.begin, e.end - e.begin) for k, e in header.entries.items()}
     with open_inside(root, rel) as f:
-        state = scan(f, label=rel)
+        state = scan(f, label=rel, allow=ShardAllow(rel, root))
     if not isinstance(state, dict):
         raise SourceError(f"'{rel}': not a dict of tensors (a {type(state).__name__})")
     out = {}

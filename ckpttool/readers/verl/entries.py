@@ -54,6 +54,17 @@ def _read_ints(f: BinaryIO, t: StoredTensor, label: str) -> list[int]:
     return [int.from_bytes(data[i:i + size], "little", signed=True) for i in range(0, len(data), size)]
 
 
+def _axes_of(layout: Record, label: str) -> list[Record]:
+    """The axes of torch 2.10's ``_MeshLayout``, which keeps a shape and a stride per mesh dim itself (torch 2.13
+    keeps one layout per dim in ``axes``); a dim flattened from several has nested tuples."""
+    shape = expect(layout.get("shape"), (tuple, list), "device mesh layout shape", label)
+    stride = expect(layout.get("stride"), (tuple, list), "device mesh layout stride", label)
+    if len(shape) != len(stride):
+        raise malformed(label, "device mesh layout", "a stride per dim of its shape", (shape, stride))
+    return [Record(shape=tuple(s) if isinstance(s, (tuple, list)) else (s,),
+                   stride=tuple(t) if isinstance(t, (tuple, list)) else (t,)) for s, t in zip(shape, stride)]
+
+
 def _mesh(raw: Any, rank: int, f: BinaryIO, label: str) -> Mesh:
     """The mesh of a DTensor spec: its shape, names and the ranks at its positions, for the cell holding
     ``rank`` (a sub-mesh of a larger mesh is one of several cells of the root's rank map)."""
@@ -67,6 +78,8 @@ def _mesh(raw: Any, rank: int, f: BinaryIO, label: str) -> Mesh:
         return Mesh(old.shape, tuple(_read_ints(f, old, label)), names)
     rank_map, layout = raw.get("_rank_map"), raw.get("_layout")
     axes = layout.get("axes") if isinstance(layout, Record) else None
+    if not axes and isinstance(layout, Record) and layout.get("shape") is not None:
+        axes = _axes_of(layout, label)  # torch 2.10
     if not isinstance(rank_map, StoredTensor) or not axes:
         raise SourceError(f"'{label}': a DTensor's device mesh records no rank tensor")
     expect(axes, (tuple, list), "device mesh layout axes", label)

@@ -48,7 +48,7 @@ from ckpttool.readers.verl.entries import (
     Entry,
     read_entry,
 )
-from ckpttool.readers.verl.classes import ALLOW
+from ckpttool.readers.verl.classes import ALLOW, RankAllow
 from ckpttool.readers.verl.pieces import add_pieces
 
 __all__ = ["ALLOW", "FSDP_CONFIG", "LOOKS_FOR", "NAME", "RANK_FILE", "READER", "matches", "rank_files", "read"]
@@ -97,7 +97,7 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     plain = 0
     for rank, name in sorted(files.items()):
         with open_inside(root, name) as f:
-            state = scan(f, label=name, allow=ALLOW)
+            state = scan(f, label=name, allow=RankAllow(name, root))
             if not isinstance(state, dict):
                 raise SourceError(f"'{name}': not a state dict (a {type(state).__name__})")
             meshes: dict[int, Mesh] = {}
