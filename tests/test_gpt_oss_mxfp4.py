@@ -8,7 +8,9 @@ layout's decoder is transformers' ``convert_moe_packed_tensors``.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +80,192 @@ def test_the_round_trip_is_measured_against_the_values_encoded():
     # 7/6 rounds up to the scale 2 (byte 128); 7/2 = 3.5 is a tie that goes to the even code, 4: read back as 8
     assert int(scales) == 128 and int(blocks[0, 0, 0, 0]) == 0x06
     assert trip is not None and trip.max_abs_error == 1.0 and math.isclose(trip.relative_error, 1 / 7)
+
+
+# ------------------------------------------------------------------------------------------------
+# merge --quantize mxfp4: the release layout
+# ------------------------------------------------------------------------------------------------
+DCP = FIXTURES / "gpt_oss_fsdp2_dcp"
+MEGATRON = FIXTURES / "megatron_gpt_oss_tp2_ep2"
+EXPERTS = [f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")]
+TOKENS = [[5, 17, 199, 3, 250, 42, 7, 100, 11, 128, 64, 2]]
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """Each source merged once through the CLI with --quantize mxfp4 (the source checked unchanged)."""
+    from click.testing import CliRunner
+    from conftest import tree_digest
+
+    from ckpttool.cli import main
+
+    done: dict[Path, Path] = {}
+
+    def get(src: Path, *options: str) -> Path:
+        if src not in done:
+            out = tmp_path_factory.mktemp(src.parent.name) / "out"
+            before = tree_digest(src)
+            result = CliRunner().invoke(main, ["merge", str(src), str(out), "--quantize", "mxfp4", *options])
+            assert result.exit_code == 0, result.output
+            assert "mxfp4:    4 weights quantized" in result.output
+            assert tree_digest(src) == before
+            done[src] = out
+        return done[src]
+
+    return get
+
+
+def on_the_grid(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``reference`` in bfloat16 (router bias as ckpttool keeps it), each expert tensor put on the MXFP4 grid:
+    encoded, then decoded by transformers' own loader."""
+    from ckpttool.families import keeps_dtype
+
+    out = {n: t if keeps_dtype(n) else t.to(torch.bfloat16) for n, t in reference.items()}
+    for name in EXPERTS:
+        out[name] = decode(*encode(out[name]))
+    return out
+
+
+def logits_of(directory: Path) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """transformers' logits (float32) and weights after a load with no missing or unexpected key."""
+    from transformers import GptOssForCausalLM
+
+    model, info = GptOssForCausalLM.from_pretrained(str(directory), output_loading_info=True, dtype=torch.float32)
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        assert not info.get(key), (key, info[key])
+    with torch.no_grad():
+        return model.eval()(torch.tensor(TOKENS)).logits, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_the_release_layout_is_written(quantized):
+    out = quantized(DCP / "checkpoint")
+    written = load_output(out)
+    release = load_output(RELEASE)
+    for name in EXPERTS:  # the release's names, dtypes and [E, out, in/32, 16] shapes
+        blocks, scales = written.pop(name + "_blocks"), written.pop(name + "_scales")
+        assert blocks.dtype == scales.dtype == torch.uint8
+        assert blocks.shape[:-1] == scales.shape and blocks.shape[-1] == 16
+    assert {t.dtype for n, t in written.items() if "router.bias" not in n} == {torch.bfloat16}
+    assert sorted(n for n in release if n.endswith(("_blocks", "_scales"))) == sorted(
+        n for n in load_output(out) if n.endswith(("_blocks", "_scales")))
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == json.loads((RELEASE / "config.json").read_text())["quantization_config"]
+    summary = json.loads((out / "ckpttool-audit.json").read_text())["summary"]
+    assert (summary["verdict"], summary["errors"], summary["warnings"]) == ("pass", 0, 0), summary
+
+
+def test_the_experts_are_the_encoders_bytes(quantized):
+    written = load_output(quantized(DCP / "checkpoint"))
+    reference = load_output(DCP / "reference")
+    for name in EXPERTS:
+        blocks, scales = encode(reference[name])
+        assert torch.equal(written[name + "_blocks"], blocks), name
+        assert torch.equal(written[name + "_scales"], scales), name
+
+
+def test_transformers_loads_it_with_the_logits_of_the_bf16_merge_put_on_the_grid(quantized, tmp_path):
+    """transformers dequantizes the MXFP4 experts on load on CPU: the same weights and logits as a plain bfloat16
+    checkpoint of the reference with its experts put on the grid."""
+    from safetensors.torch import save_file
+
+    reference = tmp_path / "on-grid"
+    reference.mkdir()
+    config = json.loads((DCP / "reference" / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    save_file(on_the_grid(load_output(DCP / "reference")), reference / "model.safetensors", metadata={"format": "pt"})
+    expected, expected_state = logits_of(reference)
+    logits, state = logits_of(quantized(DCP / "checkpoint"))
+    assert sorted(state) == sorted(expected_state)
+    for name, tensor in expected_state.items():
+        assert torch.equal(state[name], tensor), name
+    assert torch.equal(logits, expected)
+
+
+def test_merged_back_to_bf16_it_equals_the_decoded_experts_bit_for_bit(quantized, tmp_path):
+    import ckpttool
+
+    ckpttool.merge(quantized(DCP / "checkpoint"), tmp_path / "bf16", dtype="bfloat16")
+    back = load_output(tmp_path / "bf16")
+    expected = on_the_grid(load_output(DCP / "reference"))
+    assert sorted(back) == sorted(expected)
+    for name, tensor in expected.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+def test_a_megatron_source_is_quantized_after_its_interleave_and_transpose(quantized):
+    """fc1 ``[gate; up]`` per expert, interleaved and transposed chunk by chunk, then encoded: the bytes of the
+    reference's experts encoded."""
+    written = load_output(quantized(MEGATRON / "torch_dist", "--config", str(MEGATRON / "config.json")))
+    reference = load_output(MEGATRON / "reference")
+    for name in EXPERTS:
+        blocks, scales = encode(reference[name])
+        assert torch.equal(written[name + "_blocks"], blocks), name
+        assert torch.equal(written[name + "_scales"], scales), name
+
+
+def test_quantizing_after_a_transform_streams_expert_by_expert_within_the_predicted_buffers():
+    """One expert a chunk: the pre rows gathered, interleaved and transposed, encoded; every per-thread buffer is
+    allocated once at the size buffer_sizes predicts (what --dry-run's peak sums); the bytes are the reference
+    executor's (whole tensors)."""
+    from ckpttool.commands.merge import prepare
+    from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+    from ckpttool.execute.reference import PieceLoader, assemble
+
+    plan = prepare(MEGATRON / "torch_dist", config=MEGATRON / "config.json", dtype="bfloat16", quantize="mxfp4").plan
+    computed = [t for t in plan.targets if t.dequant is not None]
+    assert len(computed) == 8 and all(t.transform is not None for t in computed if "gate_up_proj" in t.name)
+    small = [c for t in computed for c in chunks(t, 0, rows=1)]
+    sizes = buffer_sizes(small)
+    assert {"chunk", "transform", "work", "abs", "amax", "bf16", "mxfp4-temporaries"} <= set(sizes)
+    reader, loader = Reader(plan.root, piece_uses(small), sizes), PieceLoader(plan.root)
+    try:
+        parts: dict[str, list[torch.Tensor]] = {t.name: [] for t in computed}
+        for chunk in small:
+            parts[chunk.target.name].append(build(chunk, reader).clone())
+        allocated = {name: len(buffer) for name, buffer in reader._local.buffers.items()}
+        for target in computed:
+            assert len(parts[target.name]) == target.shape[0] == 4  # one chunk per expert
+            assert torch.equal(torch.cat(parts[target.name]), assemble(target, loader)), target.name
+    finally:
+        reader.close()
+    assert allocated == {name: max(n, 1) for name, n in sizes.items() if name in allocated}
+
+
+def test_the_dry_run_names_the_transform_and_counts_the_encoder_in_its_peak():
+    import ckpttool
+
+    config = str(MEGATRON / "config.json")
+    plain = ckpttool.merge(MEGATRON / "torch_dist", config=config, dry_run=True, dtype="bfloat16").to_json()
+    doc = ckpttool.merge(MEGATRON / "torch_dist", config=config, dry_run=True, quantize="mxfp4").to_json()
+    names = {t["name"]: t for t in doc["targets"]}
+    blocks = names["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    assert blocks["dtype"] == "U8" and blocks["shape"] == [4, 64, 2, 16] and "interleave" in blocks["transform"]
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in names
+    assert doc["predicted_peak_bytes"] > plain["predicted_peak_bytes"]  # the encoder's float32 work buffers
+
+
+@pytest.mark.parametrize("options, code, message", [
+    (["--quantize", "mxfp4", "--block", "128"], 2, "MXFP4 scales groups of 32 values"),
+    (["--quantize", "fp8", "--dtype", "bfloat16"], 2, "--quantize and --dtype are exclusive"),
+], ids=["block", "fp8-dtype"])
+def test_usage_errors(cli, tmp_path, options, code, message):
+    result = cli("merge", DCP / "checkpoint", tmp_path / "out", *options)
+    assert result.exit_code == code and message in result.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("source, message", [
+    (FIXTURES / "llama_fsdp2_dcp" / "checkpoint", "quantize='mxfp4' writes gpt-oss's MXFP4 release layout (its "
+     "experts' _blocks and _scales); '{src}' is a 'llama' model, whose MXFP4 layout transformers does not load. "
+     "Use --quantize fp8"),
+    (RELEASE, "quantize='mxfp4': '{src}' is quantized already (mxfp4 (groups of 32 values, E8M0 scales)); "
+     "quantizing quantized values again would compound their rounding"),
+], ids=["not-gpt-oss", "quantized-already"])
+def test_what_cannot_be_quantized_to_mxfp4_is_refused_and_nothing_written(cli, tmp_path, source, message):
+    from conftest import tree_digest
+
+    before = tree_digest(source)
+    result = cli("merge", source, tmp_path / "out", "--quantize", "mxfp4")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert message.format(src=source) in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists() and tree_digest(source) == before

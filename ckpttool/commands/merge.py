@@ -13,7 +13,8 @@ from ckpttool.io.dtypes import cast_dtype, dtype_name, prevailing_float
 from ckpttool.plan.plan import Plan
 from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError, Interrupted, SourceError
 from ckpttool.families.quantize import output_config as quantized_config
-from ckpttool.families.quantize import quantize_block
+from ckpttool.families.quantize import MXFP4_DTYPE, quantize_block
+from ckpttool.quant.formats import MXFP4
 from ckpttool.families.quantized import output_config, scale_names
 from ckpttool.findings import Report
 from ckpttool.fast.jsontext import dumps as json_text
@@ -113,7 +114,7 @@ class MergeResult:
 
 def prepare(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None, quantize: tuple[int, int] | None = None, drop: Sequence[str] = (),
+    weights: str | None = None, quantize: tuple[int, int] | str | None = None, drop: Sequence[str] = (),
 ) -> Planned:
     """Read the source's layout and the config, and build the coverage-checked plan. Reads no tensor data.
 
@@ -219,7 +220,9 @@ def merge(
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)
     quantizing = quantize_block(quantize, block)
-    if quantizing is not None and dtype is not None:
+    if quantizing == MXFP4:  # the release's layout: everything but the experts in bfloat16, unless told otherwise
+        dtype = dtype or MXFP4_DTYPE
+    elif quantizing is not None and dtype is not None:
         raise ArgumentError(f"quantize='fp8' and dtype={dtype!r} together: quantize writes FP8 weights and keeps every "
                             "other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
     round_trips: dict[str, RoundTrip] = {}

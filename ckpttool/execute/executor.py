@@ -48,7 +48,7 @@ from ckpttool.errors import SourceError
 from ckpttool.quant.codecs import codec
 from ckpttool.quant.decode import BadScale
 from ckpttool.execute.buffers import (Chunk, buffer_sizes, chunk_inputs, chunk_rows, chunk_targets, predict_peak_bytes,
-                                      row_box, transformed_rows)
+                                      row_box, transformed_rows, transformed_shape)
 from ckpttool.execute import copies as file_copies
 from ckpttool.execute.copies import copied, copy_chunk, write_all
 from ckpttool.execute.digest import COPIED, FromSource, crc_token, recheck, running
@@ -81,7 +81,7 @@ def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: in
     if target.dequant is not None:  # a computed target: chunks of whole rows of blocks where it needs them
         per = codec(target.dequant.method, target.dequant.params).align(per)
     if target.transform is not None:  # whole blocks of a row permutation; everything when dim 0 is transposed
-        per = max(1, target.transform.align(target.shape, per))  # (0 for a target of no rows: a step of 1)
+        per = max(1, target.transform.align(transformed_shape(target), per))  # (0 for no rows: a step of 1)
     return [
         Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
         for a in range(0, shape[0], per)
@@ -211,10 +211,15 @@ def _dequantize(chunk: Chunk, reader: Reader, check_scales: bool = True) -> torc
             scales = _gather(scale.copies, rows, scale.source_dtype, reader, "scale", view=False)
         if check_scales:
             _refuse_bad_scale(chunk, rows, compute.bad_scale(scales, chunk.start, dq.stored))  # type: ignore[union-attr]
-    rows = row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop))
-    stored = _read_rows(target.copies, rows, target.source_dtype, reader, "chunk")
-    if stored is None:
-        stored = _gather(target.copies, rows, target.source_dtype, reader, "chunk")
+    a, b = compute.stored_rows(chunk.start, chunk.stop)
+    if target.transform is not None:  # quantized after its transform: the pre rows, then the map, then the encoder
+        pre = _gather(target.copies, transformed_rows(chunk, (a, b)), target.source_dtype, reader, "chunk")
+        stored = target.transform.apply(pre, dq.stored, a, b, target.source_dtype, reader.scratch)
+    else:
+        rows = row_box(dq.stored, a, b)
+        stored = _read_rows(target.copies, rows, target.source_dtype, reader, "chunk")
+        if stored is None:
+            stored = _gather(target.copies, rows, target.source_dtype, reader, "chunk")
     out = reader.scratch("cast", chunk_rows(chunk).sizes, target.dtype)
     measured = compute.decode(stored, scales, chunk.start, out, reader.scratch)  # type: ignore[arg-type]
     if measured is not None:
