@@ -269,3 +269,64 @@ def test_what_cannot_be_quantized_to_mxfp4_is_refused_and_nothing_written(cli, t
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert message.format(src=source) in " ".join(result.output.split())
     assert not (tmp_path / "out").exists() and tree_digest(source) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# split --to dcp --ep: gpt-oss's experts, stacked on disk, sharded on dim 0 as transformers' EP plan does
+# ------------------------------------------------------------------------------------------------
+EP_FIXTURE = FIXTURES / "gpt_oss_hf_ep2" / "checkpoint"
+STACKED = [f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
+           for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")]
+
+
+def transformers_ep_boxes() -> dict[str, list[tuple[int, list[int], list[int]]]]:
+    """Per expert tensor, each rank's (rank, offsets, sizes) as transformers' distributed save recorded them."""
+    import struct
+
+    found: dict[str, list[tuple[int, list[int], list[int]]]] = {}
+    for rank, path in enumerate(sorted(EP_FIXTURE.glob("shard-*.safetensors"))):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+        for name in STACKED:
+            found.setdefault(name, []).append((rank, info[name]["saved_offsets"], header[name]["shape"]))
+    return found
+
+
+def dcp_boxes(directory: Path) -> dict[str, list[tuple[int, list[int], list[int]]]]:
+    """Per expert tensor, each chunk's (rank of its file, offsets, sizes) in a DCP checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    found: dict[str, list[tuple[int, list[int], list[int]]]] = {}
+    for index, storage in metadata.storage_data.items():
+        if index.fqn in STACKED:
+            rank = int(storage.relative_path.removeprefix("__").split("_")[0])
+            found.setdefault(index.fqn, []).append((rank, list(index.offset), list(metadata.state_dict_metadata[
+                index.fqn].chunks[index.index].sizes)))
+    return {name: sorted(boxes) for name, boxes in found.items()}
+
+
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, ep=2), dict(tp=2, ep=2)], ids=["fsdp2-ep2", "tp2-ep2"])
+def test_split_ep_places_the_experts_as_transformers_ep_plan_and_merges_back_bit_for_bit(mesh, tmp_path):
+    import ckpttool
+
+    source = DCP / "reference"
+    ckpttool.split(source, tmp_path / "dcp", **mesh)
+    assert dcp_boxes(tmp_path / "dcp") == transformers_ep_boxes()  # experts 0-1 on rank 0, 2-3 on rank 1
+    ckpttool.merge(tmp_path / "dcp", tmp_path / "hf")
+    back, reference = load_output(tmp_path / "hf"), load_output(source)
+    assert sorted(back) == sorted(reference)
+    for name, tensor in reference.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+def test_split_ep_that_does_not_divide_the_experts_is_refused(cli, tmp_path):
+    source = DCP / "reference"
+    result = cli("split", source, tmp_path / "dcp", "--to", "dcp", "--fsdp", "3", "--ep", "3")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    text = " ".join(result.output.split())
+    assert ("'model.layers.0.mlp.experts.gate_up_proj': its 4 experts (dim 0) cannot be split evenly over ep=3 "
+            "ranks; choose an ep that divides 4") in text
+    assert "no stacked expert tensors" not in text
+    assert not (tmp_path / "dcp").exists()
