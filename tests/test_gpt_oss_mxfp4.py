@@ -330,3 +330,21 @@ def test_split_ep_that_does_not_divide_the_experts_is_refused(cli, tmp_path):
             "ranks; choose an ep that divides 4") in text
     assert "no stacked expert tensors" not in text
     assert not (tmp_path / "dcp").exists()
+
+
+def test_fp8_after_a_row_permutation_equals_fp8_of_the_merged_output(tmp_path):
+    """An encoder after a transform is not gpt-oss's alone: torchtitan's q/k rows (Meta's RoPE order, a dim-0
+    permutation per head) quantized to FP8 in 8-row blocks give the bytes of the plain merge quantized, chunks
+    aligned to whole blocks of both."""
+    import ckpttool
+
+    fixture = FIXTURES / "torchtitan_llama3_fsdp2"
+    config = fixture / "reference" / "config.json"
+    ckpttool.merge(fixture / "checkpoint", tmp_path / "plain", config=config)
+    ckpttool.merge(tmp_path / "plain", tmp_path / "then-fp8", quantize="fp8", block=8)
+    result = ckpttool.merge(fixture / "checkpoint", tmp_path / "fp8", config=config, quantize="fp8", block=8)
+    assert any(t.transform is not None and t.dequant is not None for t in result.plan.targets)
+    direct, after = load_output(tmp_path / "fp8"), load_output(tmp_path / "then-fp8")
+    assert sorted(direct) == sorted(after)
+    for name, tensor in after.items():
+        assert torch.equal(direct[name].view(torch.uint8), tensor.view(torch.uint8)), name

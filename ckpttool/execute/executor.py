@@ -48,7 +48,7 @@ from ckpttool.errors import SourceError
 from ckpttool.quant.codecs import codec
 from ckpttool.quant.decode import BadScale
 from ckpttool.execute.buffers import (Chunk, buffer_sizes, chunk_inputs, chunk_rows, chunk_targets, predict_peak_bytes,
-                                      row_box, transformed_rows, transformed_shape)
+                                      row_box, transformed_rows)
 from ckpttool.execute import copies as file_copies
 from ckpttool.execute.copies import copied, copy_chunk, write_all
 from ckpttool.execute.digest import COPIED, FromSource, crc_token, recheck, running
@@ -80,12 +80,29 @@ def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: in
     per = rows or (max(1, chunk_bytes // _compute_row_bytes(target, row)) if row else max(1, shape[0]))
     if target.dequant is not None:  # a computed target: chunks of whole rows of blocks where it needs them
         per = codec(target.dequant.method, target.dequant.params).align(per)
-    if target.transform is not None:  # whole blocks of a row permutation; everything when dim 0 is transposed
-        per = max(1, target.transform.align(transformed_shape(target), per))  # (0 for no rows: a step of 1)
+    if target.transform is not None and target.dequant is not None:  # quantized after it (rows of its encoder's)
+        per = target.shape[0] if target.transform.moves_rows() else -(-per // (g := _granule(target))) * g
+    elif target.transform is not None:  # whole blocks of a row permutation; everything when dim 0 is transposed
+        per = max(1, target.transform.align(target.shape, per))  # (0 for a target of no rows: a step of 1)
     return [
         Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
         for a in range(0, shape[0], per)
     ]
+
+
+def _granule(target: Target) -> int:
+    """The fewest rows of a target quantized after its transform that a chunk may hold: whole rows of its encoder
+    (FP8 block rows) whose stored rows are whole blocks of the transform (a permutation's period)."""
+    assert target.dequant is not None and target.transform is not None
+    compute = codec(target.dequant.method, target.dequant.params)
+    period, step = max(1, target.transform.align(target.dequant.stored, 1)), max(1, compute.align(1))
+    rows = step
+    while rows < target.shape[0]:
+        first, last = compute.stored_rows(0, rows)
+        if (last - first) % period == 0:
+            break
+        rows += step
+    return rows
 
 
 def _compute_row_bytes(target: Target, row: int) -> int:

@@ -126,8 +126,10 @@ def quantized_specs(specs: Sequence[TargetSpec], layout: Layout, block: tuple[in
         rows = spec.shape[0]
         values = Dequantize(FP8_VALUES, (("block", block),), spec.shape, None, "F8_E4M3")
         scales = Dequantize(FP8_SCALES, (("block", block), ("rows", rows)), spec.shape, None, "F32")
-        out.append(TargetSpec(spec.name, spec.shape, spec.slices, values))
-        out.append(TargetSpec(fp8_scale_name(spec.name), fp8_scale_shape(spec.shape, block), spec.slices, scales))
+        # after the family's transform, if any (torchtitan's q/k rows): it makes the weight the encoder reads
+        out.append(TargetSpec(spec.name, spec.shape, spec.slices, values, spec.transform))
+        out.append(TargetSpec(fp8_scale_name(spec.name), fp8_scale_shape(spec.shape, block), spec.slices, scales,
+                              spec.transform))
     if len(out) == len(specs):
         raise ConfigError(f"quantize='fp8': '{source}' holds no Linear weight of a decoder layer in a floating-point "
                           f"dtype ({len(specs)} tensors): nothing to quantize")
