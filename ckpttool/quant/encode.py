@@ -43,10 +43,6 @@ MXFP4_BLOCKS = "mxfp4-quantize"
 MXFP4_SCALES = "mxfp4-scales"
 #: the largest E2M1 value
 E2M1_MAX = 6.0
-#: E2M1 magnitudes ``m`` is rounded between: code ``k`` for ``bounds[k-1] < m <= bounds[k]`` (torch.bucketize), and
-#: code ``k + 1`` at a tie whose lower code ``k`` is odd (ties go to the even code: 0.75 -> 1.0, 1.75 -> 2, 3.5 -> 4)
-E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-E2M1_ODD_TIES = (0.75, 1.75, 3.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,15 +201,28 @@ def mxfp4_encode(stored: torch.Tensor, blocks: torch.Tensor | None, scales: torc
     scale = bits.view(torch.float32)
     inverse = torch.where(scale == 0, 0.0, torch.reciprocal(scale))
     q = torch.mul(work, inverse.unsqueeze(-1), out=size)
-    codes = torch.bucketize(torch.abs(q), _bounds(), out_int32=True)
-    codes.add_(torch.isin(torch.abs(q), _odd_ties()).to(torch.int32))
-    codes.bitwise_or_(torch.signbit(q).to(torch.int32).mul_(8))
+    codes = e2m1_codes(q, scratch)
     pairs = codes.view(experts, rows, groups, MXFP4_GROUP_BYTES, 2)
-    packed = pairs[..., 0].bitwise_or(pairs[..., 1].bitwise_left_shift(4))
-    blocks.copy_(packed)
+    blocks.copy_(pairs[..., 0].bitwise_or(pairs[..., 1].bitwise_left_shift(4)))
     # the round trip: each code's value times its scale (exact), against the values encoded
-    values = _fp4_values()[codes]
+    values = torch.index_select(_fp4_values(), 0, codes.view(-1), out=q.view(-1)).view(shape)
     return _round_trip(work, values.mul_(scale.unsqueeze(-1)))
+
+
+def e2m1_codes(q: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """The E2M1 code (int32, sign bit 8) of each float32 ``q``: the nearest E2M1 value, ties to the even code,
+    saturated at 6; NaN gives the largest code, as the reference's bit arithmetic does.
+
+    E2M1 steps by 0.5 below 2, by 1 below 4 and by 2 above, and a code's parity is that of its value's whole number
+    of steps, so rounding ``|q| / step`` half to even (``torch.round``) is rounding to the even code, across the
+    steps' borders too (1.75 -> 2, 3.5 -> 4, 5 -> 4): a handful of element-wise passes, no table search."""
+    magnitude = torch.abs(q, out=scratch("e2m1", tuple(q.shape), "F32"))
+    wide, wider = magnitude >= 2.0, magnitude >= 4.0
+    steps = torch.where(wider, 0.5, torch.where(wide, 1.0, 2.0))  # 1 / step
+    whole = magnitude.mul_(steps).round_()
+    whole.add_(wide.to(torch.float32).add_(wider.to(torch.float32)).mul_(2)).clamp_(max=7.0).nan_to_num_(nan=7.0)
+    codes = whole.to(torch.int32)
+    return codes.bitwise_or_(q.view(torch.int32).bitwise_right_shift(28).bitwise_and_(8))
 
 
 def _round_trip(source: torch.Tensor, decoded: torch.Tensor) -> RoundTrip:
@@ -225,16 +234,6 @@ def _round_trip(source: torch.Tensor, decoded: torch.Tensor) -> RoundTrip:
 @cache
 def _fp4_values() -> torch.Tensor:
     return torch.tensor(FP4_VALUES, dtype=torch.float32)
-
-
-@cache
-def _bounds() -> torch.Tensor:
-    return torch.tensor(E2M1_BOUNDS, dtype=torch.float32)
-
-
-@cache
-def _odd_ties() -> torch.Tensor:
-    return torch.tensor(E2M1_ODD_TIES, dtype=torch.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,12 +278,15 @@ class Mxfp4Scales:
 
 def _mxfp4_scratch(stored: tuple[int, ...], blocks: bool) -> dict[str, int]:
     """The named temporaries of :func:`mxfp4_encode` (bfloat16 copy, float32 values and their magnitudes, the
-    group maxima), and for the blocks what torch allocates besides (codes, their packing, the round trip: counted
-    on a buffer of their own)."""
+    group maxima; for the blocks :func:`e2m1_codes`' buffer), and for the blocks what torch allocates besides
+    (counted on a buffer of their own: the prediction stays an upper bound)."""
     n = math.prod(stored)
     sizes = {"bf16": n * 2, "work": n * 4, "abs": n * 4, "amax": n // MXFP4_GROUP * 4}
     if blocks:
-        sizes["mxfp4-temporaries"] = n * (4 + 4 + 4 + 1 + 4)  # inverse-scaled |q|, codes, tie mask, packed, values
+        sizes["e2m1"] = n * 4  # |q|, then its whole steps (e2m1_codes)
+        # what torch allocates besides: two masks (1 byte each), 1/step and its inner where, the masks as floats,
+        # the codes, the sign bits, the packed pairs
+        sizes["mxfp4-temporaries"] = n * (1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 2)
     return sizes
 
 
