@@ -64,7 +64,7 @@ class MergeResult:
     #: a generic merge of a source named in a convention of its own: that convention (``"Megatron-Core"``), whose
     #: names were written as they are (transformers loads none of them); None otherwise (see merge's raw_names)
     raw_names: str | None = None
-    #: quantize="fp8": per quantized weight this process wrote, its round trip against the source
+    #: quantize="fp8" or "mxfp4": per quantized weight this process wrote, its round trip against the source
     round_trips: dict[str, RoundTrip] = field(default_factory=dict)
 
     def worst_round_trip(self) -> tuple[str, RoundTrip] | None:
@@ -185,6 +185,8 @@ def merge(
         quantize: ``"fp8"``: write the Linear weights of the decoder layers as FP8 E4M3 with float32
             ``weight_scale_inv`` per ``block`` (see :mod:`ckpttool.families.quantize`), and a
             ``quantization_config``; the round trip of each is in :attr:`MergeResult.round_trips`.
+            ``"mxfp4"`` (gpt-oss): its experts as the release's MXFP4 ``_blocks`` and ``_scales``, everything
+            else in ``dtype`` (bfloat16 when None, the release's), and the release's ``quantization_config``.
         block: the FP8 block size, rows and columns (an int for both; default 128x128).
         verify_forward: before publishing, load the output with transformers strictly and run a forward
             (:func:`ckpttool.verify.forward.check_output`); a problem stops the publish. Needs a config.
@@ -211,7 +213,7 @@ def merge(
             ConfigError too, without ``raw_names``, for a source whose names are not HuggingFace's and that no
             config maps.
         ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``; ``quantize``
-            unknown or given with ``dtype``.
+            unknown, ``"fp8"`` given with ``dtype``, or ``"mxfp4"`` with ``block``.
 
     Example:
         >>> merge("fixtures/llama_fsdp2_dcp/checkpoint", "out/llama")  # doctest: +SKIP
