@@ -164,9 +164,10 @@ def main() -> None:
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
 @click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast); config.json follows. "
               "On an FP8 or MXFP4 checkpoint: dequantize its weights (without --dtype they stay quantized).")
-@click.option("--quantize", type=click.Choice(["fp8"]), help="Write the Linear weights of the decoder layers as FP8 E4M3 "
-              "with a float32 weight_scale_inv per block, and a quantization_config; norms, embeddings, lm_head, routers "
-              "and biases are kept. Reports each weight's round-trip error.")
+@click.option("--quantize", type=click.Choice(["fp8", "mxfp4"]), help="fp8: write the Linear weights of the decoder layers "
+              "as FP8 E4M3 with a float32 weight_scale_inv per block, and a quantization_config; norms, embeddings, "
+              "lm_head, routers and biases are kept. mxfp4 (gpt-oss): its experts as the release's _blocks and "
+              "_scales, everything else in bfloat16 (or --dtype). Reports each weight's round-trip error.")
 @click.option("--block", callback=_check_block, help="FP8 block size for --quantize: 128 (the default, 128x128) or ROWSxCOLS.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size, help="Largest output file: 5GB, 500MB (decimal), 5GiB, 500MiB (binary), or bytes.")
 @click.option("--weights", type=click.Choice(["master", "module"]), help="Where both are saved (DeepSpeed): fp32 master weights (default) or the module's weights.")
@@ -200,7 +201,9 @@ def merge_command(
         raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
     if block is not None and quantize is None:
         raise click.UsageError("--block is the FP8 block size of --quantize fp8; give --quantize fp8 too.")
-    if quantize is not None and dtype is not None:
+    if block is not None and quantize == "mxfp4":
+        raise click.UsageError("--block is the FP8 block size of --quantize fp8; MXFP4 scales groups of 32 values.")
+    if quantize == "fp8" and dtype is not None:
         raise click.UsageError("--quantize and --dtype are exclusive: --quantize writes FP8 weights and keeps every other "
                                "tensor's dtype (cast first with a merge given --dtype, then quantize).")
     quiet = quiet or not _speaks()

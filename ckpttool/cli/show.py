@@ -39,7 +39,8 @@ def print_result(result: MergeResult, verbose: int) -> None:
     worst = result.worst_round_trip()
     if worst is not None:
         name, trip = worst
-        click.echo(f"fp8:      {counted(len(result.round_trips), 'weight')} quantized; worst round trip {shown(name)}: max |error| "
+        method = "mxfp4" if name.endswith("_blocks") else "fp8"
+        click.echo(f"{method + ':':<10}{counted(len(result.round_trips), 'weight')} quantized; worst round trip {shown(name)}: max |error| "
                    f"{trip.max_abs_error:.3g} (|weight| up to {trip.source_max:.3g}), relative RMS error "
                    f"{trip.relative_error:.3g}")
     if result.dry_run:

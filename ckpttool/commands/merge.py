@@ -13,7 +13,8 @@ from ckpttool.io.dtypes import cast_dtype, dtype_name, prevailing_float
 from ckpttool.plan.plan import Plan
 from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError, Interrupted, SourceError
 from ckpttool.families.quantize import output_config as quantized_config
-from ckpttool.families.quantize import quantize_block
+from ckpttool.families.quantize import MXFP4_DTYPE, quantize_block
+from ckpttool.quant.formats import MXFP4
 from ckpttool.families.quantized import output_config, scale_names
 from ckpttool.findings import Report
 from ckpttool.fast.jsontext import dumps as json_text
@@ -63,7 +64,7 @@ class MergeResult:
     #: a generic merge of a source named in a convention of its own: that convention (``"Megatron-Core"``), whose
     #: names were written as they are (transformers loads none of them); None otherwise (see merge's raw_names)
     raw_names: str | None = None
-    #: quantize="fp8": per quantized weight this process wrote, its round trip against the source
+    #: quantize="fp8" or "mxfp4": per quantized weight this process wrote, its round trip against the source
     round_trips: dict[str, RoundTrip] = field(default_factory=dict)
 
     def worst_round_trip(self) -> tuple[str, RoundTrip] | None:
@@ -113,7 +114,7 @@ class MergeResult:
 
 def prepare(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None, quantize: tuple[int, int] | None = None, drop: Sequence[str] = (),
+    weights: str | None = None, quantize: tuple[int, int] | str | None = None, drop: Sequence[str] = (),
 ) -> Planned:
     """Read the source's layout and the config, and build the coverage-checked plan. Reads no tensor data.
 
@@ -184,6 +185,8 @@ def merge(
         quantize: ``"fp8"``: write the Linear weights of the decoder layers as FP8 E4M3 with float32
             ``weight_scale_inv`` per ``block`` (see :mod:`ckpttool.families.quantize`), and a
             ``quantization_config``; the round trip of each is in :attr:`MergeResult.round_trips`.
+            ``"mxfp4"`` (gpt-oss): its experts as the release's MXFP4 ``_blocks`` and ``_scales``, everything
+            else in ``dtype`` (bfloat16 when None, the release's), and the release's ``quantization_config``.
         block: the FP8 block size, rows and columns (an int for both; default 128x128).
         verify_forward: before publishing, load the output with transformers strictly and run a forward
             (:func:`ckpttool.verify.forward.check_output`); a problem stops the publish. Needs a config.
@@ -210,7 +213,7 @@ def merge(
             ConfigError too, without ``raw_names``, for a source whose names are not HuggingFace's and that no
             config maps.
         ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``; ``quantize``
-            unknown or given with ``dtype``.
+            unknown, ``"fp8"`` given with ``dtype``, or ``"mxfp4"`` with ``block``.
 
     Example:
         >>> merge("fixtures/llama_fsdp2_dcp/checkpoint", "out/llama")  # doctest: +SKIP
@@ -219,7 +222,9 @@ def merge(
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)
     quantizing = quantize_block(quantize, block)
-    if quantizing is not None and dtype is not None:
+    if quantizing == MXFP4:  # the release's layout: everything but the experts in bfloat16, unless told otherwise
+        dtype = dtype or MXFP4_DTYPE
+    elif quantizing is not None and dtype is not None:
         raise ArgumentError(f"quantize='fp8' and dtype={dtype!r} together: quantize writes FP8 weights and keeps every "
                             "other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
     round_trips: dict[str, RoundTrip] = {}

@@ -47,7 +47,7 @@ def read_layout(
 
 def plan_source(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None, quantize: tuple[int, int] | None = None, drop: Sequence[str] = (),
+    weights: str | None = None, quantize: tuple[int, int] | str | None = None, drop: Sequence[str] = (),
 ) -> Planned:
     """Find and read the config, read the source's layout, and plan it (see :func:`plan_layout`).
 

@@ -50,25 +50,33 @@ def chunk_inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
     target the rows of its pre tensor the transform names, or for a dequantized target the stored rows and the
     scale rows."""
     target, dq, scale = chunk.target, chunk.target.dequant, chunk.target.scale
-    if target.transform is not None:
+    if target.transform is not None and dq is None:
         return [(target.copies, transformed_rows(chunk))]
     if dq is None:
         return [(target.copies, chunk_rows(chunk))]
     compute = codec(dq.method, dq.params)
-    stored = [(target.copies, row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop)))]
+    a, b = compute.stored_rows(chunk.start, chunk.stop)
+    stored = [(target.copies, row_box(dq.stored, a, b) if target.transform is None else transformed_rows(chunk, (a, b)))]
     if scale is None:
         return stored
     lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
     return [*stored, (scale.copies, row_box(scale.shape, lo, hi))]
 
 
-def transformed_rows(chunk: Chunk) -> Box:
+def transformed_rows(chunk: Chunk, stored: tuple[int, int] | None = None) -> Box:
     """The rows of a transformed target's pre tensor its chunk is made of (see
-    :meth:`~ckpttool.plan.transforms.Permute.pre_rows`)."""
+    :meth:`~ckpttool.plan.transforms.Permute.pre_rows`); of a target quantized after its transform, those of the
+    ``stored`` rows its encoder reads."""
     target = chunk.target
     transform = target.transform
     assert transform is not None
-    return row_box(target.filled_shape, *transform.pre_rows(target.shape, chunk.start, chunk.stop))
+    shape, (a, b) = transformed_shape(target), stored or (chunk.start, chunk.stop)
+    return row_box(target.filled_shape, *transform.pre_rows(shape, a, b))
+
+
+def transformed_shape(target: Target) -> tuple[int, ...]:
+    """What a transformed target's transform makes: the target, or the elements its encoder reads."""
+    return target.dequant.stored if target.dequant is not None else target.shape
 
 
 def buffer_sizes(chunk_list: Sequence[Chunk], cache: bool = True) -> dict[str, int]:
@@ -132,8 +140,10 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
             strides = c_strides(copy.piece.box.sizes)
             span = sum((s - 1) * st for s, st in zip(box.sizes, strides)) + 1
             sizes["read"] = max(sizes.get("read", 0), span * itemsize(copy.piece.dtype))
-    if target.transform is not None:
-        extra = target.transform.scratch_bytes(target.shape, chunk.start, chunk.stop, itemsize(target.source_dtype))
+    if target.transform is not None:  # (quantized after it: the rows its encoder reads, as chunk_inputs)
+        a, b = (chunk.start, chunk.stop) if target.dequant is None else codec(
+            target.dequant.method, target.dequant.params).stored_rows(chunk.start, chunk.stop)
+        extra = target.transform.scratch_bytes(transformed_shape(target), a, b, itemsize(target.source_dtype))
         for name, n in extra.items():
             sizes[name] = max(sizes.get(name, 0), n)
     if target.dequant is not None:

@@ -80,12 +80,29 @@ def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: in
     per = rows or (max(1, chunk_bytes // _compute_row_bytes(target, row)) if row else max(1, shape[0]))
     if target.dequant is not None:  # a computed target: chunks of whole rows of blocks where it needs them
         per = codec(target.dequant.method, target.dequant.params).align(per)
-    if target.transform is not None:  # whole blocks of a row permutation; everything when dim 0 is transposed
+    if target.transform is not None and target.dequant is not None:  # quantized after it (rows of its encoder's)
+        per = target.shape[0] if target.transform.moves_rows() else -(-per // (g := _granule(target))) * g
+    elif target.transform is not None:  # whole blocks of a row permutation; everything when dim 0 is transposed
         per = max(1, target.transform.align(target.shape, per))  # (0 for a target of no rows: a step of 1)
     return [
         Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
         for a in range(0, shape[0], per)
     ]
+
+
+def _granule(target: Target) -> int:
+    """The fewest rows of a target quantized after its transform that a chunk may hold: whole rows of its encoder
+    (FP8 block rows) whose stored rows are whole blocks of the transform (a permutation's period)."""
+    assert target.dequant is not None and target.transform is not None
+    compute = codec(target.dequant.method, target.dequant.params)
+    period, step = max(1, target.transform.align(target.dequant.stored, 1)), max(1, compute.align(1))
+    rows = step
+    while rows < target.shape[0]:
+        first, last = compute.stored_rows(0, rows)
+        if (last - first) % period == 0:
+            break
+        rows += step
+    return rows
 
 
 def _compute_row_bytes(target: Target, row: int) -> int:
@@ -211,10 +228,15 @@ def _dequantize(chunk: Chunk, reader: Reader, check_scales: bool = True) -> torc
             scales = _gather(scale.copies, rows, scale.source_dtype, reader, "scale", view=False)
         if check_scales:
             _refuse_bad_scale(chunk, rows, compute.bad_scale(scales, chunk.start, dq.stored))  # type: ignore[union-attr]
-    rows = row_box(dq.stored, *compute.stored_rows(chunk.start, chunk.stop))
-    stored = _read_rows(target.copies, rows, target.source_dtype, reader, "chunk")
-    if stored is None:
-        stored = _gather(target.copies, rows, target.source_dtype, reader, "chunk")
+    a, b = compute.stored_rows(chunk.start, chunk.stop)
+    if target.transform is not None:  # quantized after its transform: the pre rows, then the map, then the encoder
+        pre = _gather(target.copies, transformed_rows(chunk, (a, b)), target.source_dtype, reader, "chunk")
+        stored = target.transform.apply(pre, dq.stored, a, b, target.source_dtype, reader.scratch)
+    else:
+        rows = row_box(dq.stored, a, b)
+        stored = _read_rows(target.copies, rows, target.source_dtype, reader, "chunk")
+        if stored is None:
+            stored = _gather(target.copies, rows, target.source_dtype, reader, "chunk")
     out = reader.scratch("cast", chunk_rows(chunk).sizes, target.dtype)
     measured = compute.decode(stored, scales, chunk.start, out, reader.scratch)  # type: ignore[arg-type]
     if measured is not None:

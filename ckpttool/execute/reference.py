@@ -119,11 +119,11 @@ def assemble(target: Target, loader: PieceLoader) -> torch.Tensor:
     A computed target is its stored tensor and its scales (if any), whole, through its codec; a transformed target
     its pre tensor, whole, through its transform.
     """
-    if target.transform is not None:
+    if target.transform is not None and target.dequant is None:
         pre = assemble(replace(target, shape=target.filled_shape, dtype=target.source_dtype, transform=None), loader)
         out = transform_tensor(target.transform, pre, target.name)
         return out if target.dtype == target.source_dtype else out.to(torch_dtype(target.dtype))
-    if target.dequant is not None:
+    if target.dequant is not None:  # (quantized after a transform: its stored tensor is the transform's output)
         stored = assemble(replace(target, shape=target.dequant.stored, dtype=target.source_dtype, dequant=None,
                                   scale=None), loader)
         out = torch.empty(target.shape, dtype=torch_dtype(target.dtype))

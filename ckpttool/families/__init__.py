@@ -22,6 +22,7 @@ Adding a family is one adapter module here and one line in :data:`.registry.ADAP
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from ckpttool.model.architecture import ModelInfo
@@ -83,7 +84,8 @@ class MemoryTensor:
     """A tensor of the model's in-memory state dict (what FSDP, DTensor TP and DCP hold) and the on-disk
     HuggingFace tensors it is made of: each :attr:`Slice.source` is an on-disk name (a tied tensor names the
     one it shares, e.g. ``lm_head.weight`` is ``model.embed_tokens.weight``). ``stacked``: experts stacked on
-    dim 0 (an ``Unstack`` rule of the family cuts it per expert). ``transform``: the tensor is that transform
+    dim 0 (an ``Unstack`` rule of the family cuts it per expert, or the family declares it stacked on disk too:
+    :attr:`FamilyAdapter.stacked_experts`). ``transform``: the tensor is that transform
     (:mod:`ckpttool.plan.transforms`) of what its slices make (e.g. HF's RoPE halves back to Meta's pairs)."""
 
     name: str
@@ -100,11 +102,13 @@ def map_from_hf(info: ModelInfo) -> list[MemoryTensor]:
     Raises:
         ConfigError: a stacked tensor the family's rules cannot cut (its shape does not split into the parts).
     """
-    rules = adapter_for(info).rules
+    adapter = adapter_for(info)
+    rules = adapter.rules
     tensors = []
     for name, shape in info.memory_shapes.items():
         slices = [replace(sl, source=info.tied.get(sl.source, sl.source)) for sl in memory_slices(name, shape, rules)]
-        tensors.append(MemoryTensor(name, tuple(shape), tuple(slices), stacks_experts(name, rules)))
+        stacked = stacks_experts(name, rules) or any(re.search(p, name) for p in adapter.stacked_experts)
+        tensors.append(MemoryTensor(name, tuple(shape), tuple(slices), stacked))
     return tensors
 
 

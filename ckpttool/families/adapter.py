@@ -78,6 +78,9 @@ class FamilyAdapter:
       transformers' in-memory names (DCP, FSDP, DTensor TP) to the on-disk ones ``save_pretrained`` writes; run
       forwards by merge and backwards by split (:func:`~.rules.memory_slices`), so the directions cannot disagree;
     - ``tp_rules``: tensor-parallel placements of the in-memory names (``split --to dcp``), first match applies;
+    - ``stacked_experts``: patterns of in-memory names that hold experts stacked on dim 0 with no
+      :class:`~.rules.Unstack` (stacked on disk too, e.g. gpt-oss's ``mlp.experts.gate_up_proj``): ``split --ep``
+      shards their dim 0 over the expert-parallel ranks;
     - ``cuts``: ``(convention name, cut)`` for a convention whose generic cut does not fit this family (e.g. a
       Megatron-Core cut of its own); the convention's cut is used otherwise;
     - ``args_checks``: checks of a source's training args against the config, each returning problem lines (run
@@ -93,6 +96,7 @@ class FamilyAdapter:
     model_types: tuple[str, ...] = ()
     rules: Rules = ()
     tp_rules: PlacementRules = HF_TP_RULES
+    stacked_experts: tuple[str, ...] = ()
     cuts: tuple[tuple[str, Cut], ...] = ()
     args_checks: tuple[ArgsCheck, ...] = ()
 

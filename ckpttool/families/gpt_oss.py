@@ -188,6 +188,8 @@ ADAPTER = FamilyAdapter(
         (r"\.self_attn\.o_proj\.bias$", REPLICATE),
         *HF_TP_RULES,
     ),
+    # experts stay stacked on disk ([E, ...]): split --ep shards dim 0, as transformers' EP plan does (the biases too)
+    stacked_experts=(r"\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$",),
     cuts=((megatron_core.NAME, megatron_core_cut),),
     args_checks=(megatron_args,),
 )

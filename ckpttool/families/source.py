@@ -35,7 +35,7 @@ from ckpttool.families.quantized import dequantized, with_quantized
 from ckpttool.families.quantized import problems as quantization_problems
 from ckpttool.families.quantized import refusal as quantization_refusal
 from ckpttool.quant.checks import Problem
-from ckpttool.quant.formats import read_quantization
+from ckpttool.quant.formats import MXFP4, read_quantization
 from ckpttool.console.startup import planned
 
 
@@ -125,14 +125,15 @@ class Planned:
 def plan_layout(
     layout: Layout, *, config_path: Path | None, config: dict[str, object] | None, model: ModelInfo | None,
     dtype: str | None = None, notes: Iterable[str] = (), no_config: str = "no config.json found",
-    quantize: tuple[int, int] | None = None, keep_specs: bool = False, drop: Sequence[str] = (),
+    quantize: tuple[int, int] | str | None = None, keep_specs: bool = False, drop: Sequence[str] = (),
 ) -> Planned:
     """Map ``layout`` to HuggingFace names with its family's adapter (``model`` given) or keep its names
     (generic), and plan every target; ``dtype`` is a safetensors name to cast floating tensors to (except the
     tensors the families keep, :func:`~ckpttool.families.keeps_dtype`); ``notes`` follow the plan's own;
     ``no_config`` says why there is no config, for the generic note. A quantized source is kept quantized, or
     dequantized to ``dtype`` when one is given (:mod:`ckpttool.families.quantized`); a plain one is quantized to
-    FP8 in ``quantize`` blocks when given (:mod:`ckpttool.families.quantize`). ``keep_specs`` keeps the mapped
+    FP8 in ``quantize`` blocks when given, or to MXFP4 when ``quantize`` is ``"mxfp4"``
+    (:mod:`ckpttool.families.quantize`). ``keep_specs`` keeps the mapped
     targets on the result (:attr:`Planned.specs`). The model's non-persistent buffers, which ``save_pretrained``
     never writes but some savers do, are dropped with a note; so are the tensors whose (mapped) names match a
     ``drop`` pattern (a name or a regular expression, matched whole), each pattern matching at least one.
@@ -178,9 +179,14 @@ def plan_layout(
         own.append(f"dequantized the {quant.describe()} weights to {dtype}; no scale and no quantization_config "
                    "are written")
     if quantize is not None:
-        specs = quantized_specs(specs, layout, quantize, source=layout.root, quant=quant, has_model=model is not None)
-        own.append(f"quantized the Linear weights of the decoder layers to FP8 E4M3 in {quantize[0]}x{quantize[1]} "
-                   "blocks with float32 weight_scale_inv; norms, embeddings, lm_head, routers and biases kept")
+        specs = quantized_specs(specs, layout, quantize, source=layout.root, quant=quant, has_model=model is not None,
+                                model_type=model.model_type if model is not None else None)
+        if quantize == MXFP4:
+            own.append("quantized the experts to MXFP4 (gpt-oss's release layout: _blocks and E8M0 _scales per 32 "
+                       "inputs); every other tensor kept, in the merge's dtype")
+        else:
+            own.append(f"quantized the Linear weights of the decoder layers to FP8 E4M3 in {quantize[0]}x{quantize[1]} "
+                       "blocks with float32 weight_scale_inv; norms, embeddings, lm_head, routers and biases kept")
     specs = sorted(specs, key=_natural_name)
     keep = {s.name for s in specs if keeps_dtype(s.name)} if dtype is not None else set()
     plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes], keep_dtype=keep)

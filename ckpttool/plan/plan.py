@@ -81,11 +81,10 @@ class Target:
 
     @property
     def filled_shape(self) -> Shape:
-        """The shape the copies tile: the stored elements of a dequantized target, the pre tensor of a
-        transformed one, else the target's own."""
-        if self.transform is not None:
-            return self.transform.source_shape(self.shape)
-        return self.dequant.stored if self.dequant is not None else self.shape
+        """The shape the copies tile: the stored elements of a computed target, the pre tensor of a
+        transformed one (of a transformed and quantized one: of its stored elements), else the target's own."""
+        shape = self.dequant.stored if self.dequant is not None else self.shape
+        return shape if self.transform is None else self.transform.source_shape(shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +233,7 @@ def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[T
     if problems:
         return None, problems
     if spec.dequant is not None:
-        return _plan_dequantized(layout, spec, spec.dequant, copies, source_dtypes.pop(), dtype)
+        return _plan_dequantized(layout, spec, spec.dequant, copies, source_dtypes.pop(), dtype, transform)
     # a transform is a bijection: its pre tensor tiled exactly once is the target tiled exactly once
     filled = spec.shape if transform is None else transform.source_shape(spec.shape)
     problems = check_tiling(spec.name, filled, copies, layout, spec.slices)
@@ -249,17 +248,19 @@ def _bound_transform(spec: TargetSpec) -> Transform | None:
     """``spec``'s transform checked against its shape (see :meth:`~ckpttool.plan.transforms.Permute.bound`).
 
     Raises:
-        ConfigError: the transform does not fit the target, or the target is dequantized too (not supported yet).
+        ConfigError: the transform does not fit the target, or the target is dequantized too (not supported yet;
+            quantized, by an encoder, is: the transform makes what it encodes).
     """
     if spec.transform is None:
         return None
-    if spec.dequant is not None:
+    if spec.dequant is not None and spec.dequant.dtype is None:
         raise ConfigError(
             f"'{spec.name}': is both dequantized ({spec.dequant.method}) and transformed ({spec.transform.name}); "
             "a target does one or the other for now. Merge the quantized checkpoint without a dtype (or dequantize it "
             "first with a merge), then transform that output"
         )
-    return spec.transform.bound(spec.shape, spec.name)
+    # an encoder quantizes after the transform: it maps the pre tensor to the elements the encoder reads
+    return spec.transform.bound(spec.dequant.stored if spec.dequant is not None else spec.shape, spec.name)
 
 
 def _whole_copy(layout: Layout, spec: TargetSpec, dtype: str | None) -> Target | None:
@@ -284,16 +285,18 @@ def _whole_copy(layout: Layout, spec: TargetSpec, dtype: str | None) -> Target |
 
 
 def _plan_dequantized(layout: Layout, spec: TargetSpec, dq: Dequantize, copies: list[Copy], stored_dtype: str,
-                      dtype: str | None) -> tuple[Target | None, list[str]]:
-    """A computed target: its copies tile the stored elements, its scale (if it reads one) is a target of its own."""
+                      dtype: str | None, transform: Transform | None = None) -> tuple[Target | None, list[str]]:
+    """A computed target: its copies tile the stored elements (or, quantized after a ``transform``, the pre tensor
+    of those), its scale (if it reads one) is a target of its own."""
     scale, problems = _plan_target(layout, dq.scale, None) if dq.scale is not None else (None, [])
-    problems, dtype = check_tiling(spec.name, dq.stored, copies, layout, spec.slices) + problems, dq.dtype or dtype
+    filled = dq.stored if transform is None else transform.source_shape(dq.stored)
+    problems, dtype = check_tiling(spec.name, filled, copies, layout, spec.slices) + problems, dq.dtype or dtype
     if dtype is None:
         problems.append(f"'{spec.name}': a dequantized target needs an output dtype")
     if problems or dtype is None:
         return None, problems
     sources = tuple(dict.fromkeys([*(sl.source for sl in spec.slices), *(scale.sources if scale else ())]))
-    return Target(spec.name, spec.shape, dtype, stored_dtype, tuple(copies), sources, dq, scale), []
+    return Target(spec.name, spec.shape, dtype, stored_dtype, tuple(copies), sources, dq, scale, transform), []
 
 
 def _unique_pieces(tensor: TensorLayout) -> list[Piece]:

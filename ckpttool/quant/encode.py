@@ -1,4 +1,5 @@
-"""FP8 block quantization of a range of rows: the pure functions the streaming executor calls for ``quantize="fp8"``.
+"""Quantization of a range of rows: the pure functions the streaming executor calls for ``quantize="fp8"`` and
+``quantize="mxfp4"``.
 
 A quantized weight is two output tensors computed from the same source rows: the FP8 values (:class:`Fp8Values`)
 and one float32 scale per block (:class:`Fp8Scales`, ``weight_scale_inv``). A block row needs all of its ``B0``
@@ -11,6 +12,15 @@ are bit for bit the same: per block, ``scale = float32(amax) / 448`` (1 for an a
 ``fp8 = float8_e4m3fn(clamp(float32(w) / scale, -448, 448))`` (round to nearest even). transformers' own
 ``Fp8Quantize`` multiplies by ``448 / amax`` instead, which can differ in the last bit of a value.
 
+MXFP4 (gpt-oss's experts, :class:`Mxfp4Blocks` and :class:`Mxfp4Scales`) is the arithmetic of triton_kernels'
+``downcast_to_mxfp_torch`` (``numerics_details/mxfp.py``, the function transformers' ``quantize_to_mxfp4`` calls,
+with its default ``ROUND_UP`` scales and ``uint8`` scale bytes), after the values are rounded to bfloat16 as
+``quantize_to_mxfp4`` does: per group of 32 values along the input dim of the stored ``[E, out, in]`` matrix,
+``scale = 2 ** ceil(log2(float32(amax) / 6))`` (computed on the float's bits: exponent rounded up, mantissa dropped;
+0 for an all-zero group), ``q = value * (1 / scale)``, ``q`` rounded to the nearest E2M1 value with ties to the even
+code and saturated at 6, sign kept (``-0`` too); codes two per byte, low nibble first; the scale byte is the
+float's exponent field. A value of the grid encodes to itself; a release decoded and encoded again gives its bytes.
+
 While it writes the values, :class:`Fp8Values` dequantizes them again (``float32(fp8) * scale``, what every
 FP8 loader computes) and measures the round trip against the source: :class:`RoundTrip`.
 """
@@ -19,14 +29,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 from ckpttool.fast.deferred import torch
 from ckpttool.quant.decode import Scratch, scale_blocks, to_float32
+from ckpttool.quant.formats import FP4_VALUES, MXFP4_GROUP, MXFP4_GROUP_BYTES
 
 #: the largest finite float8_e4m3fn value
 E4M3_MAX = 448.0
 FP8_VALUES = "fp8-quantize"
 FP8_SCALES = "fp8-scales"
+MXFP4_BLOCKS = "mxfp4-quantize"
+MXFP4_SCALES = "mxfp4-scales"
+#: the largest E2M1 value
+E2M1_MAX = 6.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +176,121 @@ def _scratch_bytes(stored: tuple[int, ...], block: tuple[int, int]) -> dict[str,
             "index": n // 2 * 4}
 
 
-def encoder(method: str, params: tuple[tuple[str, object], ...]) -> Fp8Values | Fp8Scales | None:
+def mxfp4_encode(stored: torch.Tensor, blocks: torch.Tensor | None, scales: torch.Tensor | None,
+                 scratch: Scratch) -> RoundTrip | None:
+    """Encode experts ``stored`` (a named ``[n, A, B]`` tensor: transformers' ``[E, in, out]``; any float dtype)
+    as MXFP4: ``blocks`` (uint8 ``[n, B, A/32, 16]``) and ``scales`` (uint8 ``[n, B, A/32]``), either may be None.
+    Returns the round trip (values dequantized against the bfloat16-rounded source) when ``blocks`` is written.
+
+    Example: a group whose largest value is 7 gets the scale 2 (7/6 rounded up to a power of two, byte 128)
+    and 7 is written as 3.5 -> the code of 4 (a tie to the even code), read back as 8."""
+    experts, cols, rows = stored.shape
+    groups = cols // MXFP4_GROUP
+    shape = (experts, rows, groups, MXFP4_GROUP)
+    source = stored if stored.dtype == torch.bfloat16 else scratch("bf16", tuple(stored.shape), "BF16").copy_(stored)
+    work = scratch("work", shape, "F32")
+    work.view(experts, rows, cols).copy_(source.transpose(1, 2))  # the stored [E, out, in] orientation
+    size = torch.abs(work, out=scratch("abs", shape, "F32"))
+    amax = torch.amax(size, dim=-1, out=scratch("amax", shape[:3], "F32"))
+    bits = amax.div_(E2M1_MAX).view(torch.int32)  # amax / 6, its exponent rounded up and its mantissa dropped
+    bits.add_(0x007FFFFF).bitwise_and_(0x7F800000)
+    if scales is not None:
+        scales.copy_(bits.bitwise_right_shift(23))
+    if blocks is None:
+        return None
+    scale = bits.view(torch.float32)
+    inverse = torch.where(scale == 0, 0.0, torch.reciprocal(scale))
+    q = torch.mul(work, inverse.unsqueeze(-1), out=size)
+    codes = e2m1_codes(q, scratch)
+    pairs = codes.view(experts, rows, groups, MXFP4_GROUP_BYTES, 2)
+    blocks.copy_(pairs[..., 0].bitwise_or(pairs[..., 1].bitwise_left_shift(4)))
+    # the round trip: each code's value times its scale (exact), against the values encoded
+    values = torch.index_select(_fp4_values(), 0, codes.view(-1), out=q.view(-1)).view(shape)
+    return _round_trip(work, values.mul_(scale.unsqueeze(-1)))
+
+
+def e2m1_codes(q: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """The E2M1 code (int32, sign bit 8) of each float32 ``q``: the nearest E2M1 value, ties to the even code,
+    saturated at 6; NaN gives the largest code, as the reference's bit arithmetic does.
+
+    E2M1 steps by 0.5 below 2, by 1 below 4 and by 2 above, and a code's parity is that of its value's whole number
+    of steps, so rounding ``|q| / step`` half to even (``torch.round``) is rounding to the even code, across the
+    steps' borders too (1.75 -> 2, 3.5 -> 4, 5 -> 4): a handful of element-wise passes, no table search."""
+    magnitude = torch.abs(q, out=scratch("e2m1", tuple(q.shape), "F32"))
+    wide, wider = magnitude >= 2.0, magnitude >= 4.0
+    steps = torch.where(wider, 0.5, torch.where(wide, 1.0, 2.0))  # 1 / step
+    whole = magnitude.mul_(steps).round_()
+    whole.add_(wide.to(torch.float32).add_(wider.to(torch.float32)).mul_(2)).clamp_(max=7.0).nan_to_num_(nan=7.0)
+    codes = whole.to(torch.int32)
+    return codes.bitwise_or_(q.view(torch.int32).bitwise_right_shift(28).bitwise_and_(8))
+
+
+def _round_trip(source: torch.Tensor, decoded: torch.Tensor) -> RoundTrip:
+    flat, error = source.reshape(-1), decoded.sub_(source).reshape(-1)
+    return RoundTrip(float(error.abs().max()) if error.numel() else 0.0, float(torch.dot(error, error)),
+                     float(torch.dot(flat, flat)), float(flat.abs().max()) if flat.numel() else 0.0, flat.numel())
+
+
+@cache
+def _fp4_values() -> torch.Tensor:
+    return torch.tensor(FP4_VALUES, dtype=torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class Mxfp4Blocks:
+    """The ``_blocks`` (uint8 ``[E, B, A/32, 16]``) of a named ``[E, A, B]`` expert tensor: rows are experts."""
+
+    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
+        return start, stop
+
+    def align(self, rows: int) -> int:
+        return max(1, rows)
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
+               scratch: Scratch) -> RoundTrip | None:
+        del scales, start
+        return mxfp4_encode(stored, out, None, scratch)
+
+    def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
+        del scales, out_dtype
+        return _mxfp4_scratch(stored, blocks=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Mxfp4Scales:
+    """The ``_scales`` (uint8 ``[E, B, A/32]``, E8M0 bytes) of a named ``[E, A, B]`` expert tensor."""
+
+    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
+        return start, stop
+
+    def align(self, rows: int) -> int:
+        return max(1, rows)
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
+               scratch: Scratch) -> None:
+        del scales, start
+        mxfp4_encode(stored, None, out, scratch)
+
+    def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
+        del scales, out_dtype
+        return _mxfp4_scratch(stored, blocks=False)
+
+
+def _mxfp4_scratch(stored: tuple[int, ...], blocks: bool) -> dict[str, int]:
+    """The named temporaries of :func:`mxfp4_encode` (bfloat16 copy, float32 values and their magnitudes, the
+    group maxima; for the blocks :func:`e2m1_codes`' buffer), and for the blocks what torch allocates besides
+    (counted on a buffer of their own: the prediction stays an upper bound)."""
+    n = math.prod(stored)
+    sizes = {"bf16": n * 2, "work": n * 4, "abs": n * 4, "amax": n // MXFP4_GROUP * 4}
+    if blocks:
+        sizes["e2m1"] = n * 4  # |q|, then its whole steps (e2m1_codes)
+        # what torch allocates besides: two masks (1 byte each), 1/step and its inner where, the masks as floats,
+        # the codes, the sign bits, the packed pairs
+        sizes["mxfp4-temporaries"] = n * (1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 2)
+    return sizes
+
+
+def encoder(method: str, params: tuple[tuple[str, object], ...]) -> Fp8Values | Fp8Scales | Mxfp4Blocks | Mxfp4Scales | None:
     """The encoder a plan's computed target names, or None when ``method`` is not an encoder's."""
     options = dict(params)
     block = tuple(options.get("block", (0, 0)))  # type: ignore[call-overload]
@@ -168,4 +298,8 @@ def encoder(method: str, params: tuple[tuple[str, object], ...]) -> Fp8Values | 
         return Fp8Values(block)  # type: ignore[arg-type]
     if method == FP8_SCALES:
         return Fp8Scales(block, int(options["rows"]))  # type: ignore[arg-type, call-overload]
+    if method == MXFP4_BLOCKS:
+        return Mxfp4Blocks()
+    if method == MXFP4_SCALES:
+        return Mxfp4Scales()
     return None
