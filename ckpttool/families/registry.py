@@ -10,7 +10,7 @@ line in :data:`CONVENTIONS` (see ``docs/adding-a-family.md``).
 from __future__ import annotations
 
 from ckpttool.errors import ConfigError
-from ckpttool.families import gpt_oss, mixtral, qwen2_moe, qwen2_vl
+from ckpttool.families import gpt_oss, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_next
 from ckpttool.families.adapter import Convention, FamilyAdapter
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, torchtitan
 from ckpttool.layout.layout import Layout
@@ -19,9 +19,11 @@ from ckpttool.model.architecture import ModelInfo
 #: every model family with an adapter of its own; a model type none serves is cut as transformers names it
 ADAPTERS: list[FamilyAdapter] = [
     mixtral.ADAPTER,
+    qwen3_next.ADAPTER,  # before qwen2_moe, whose experts' rules transformers gives it (its family is qwen2_moe)
     qwen2_moe.ADAPTER,
     qwen2_vl.ADAPTER,
     gpt_oss.ADAPTER,
+    nemotron_h.ADAPTER,
 ]
 
 #: every source convention, in the order they are asked (:func:`convention_for`); the HuggingFace one last
