@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -262,3 +263,69 @@ def test_a_non_finite_float_as_transformers_writes_it_is_read_back():
     assert special_floats({"__float__": "other"}) == {"__float__": "other"}
     config = json.loads((fixture_dir("nemotron_h_fsdp2_dcp") / "checkpoint" / "config.json").read_text())
     assert config["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
+
+
+# ------------------------------------------------------------------------------------------------
+# Nemotron-H with MoE layers, Falcon-H1: tiny models built here, saved by torch DCP in one process
+# ------------------------------------------------------------------------------------------------
+def _tiny(kind: str):
+    from transformers import FalconH1Config, FalconH1ForCausalLM, NemotronHConfig, NemotronHForCausalLM
+
+    common = dict(vocab_size=251, hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if kind == "nemotron_h_moe":  # Mamba-2, attention, MoE (4 routed experts, stacked in memory, and a shared one)
+        config = NemotronHConfig(hybrid_override_pattern="M*E", num_hidden_layers=3, mamba_num_heads=4,
+                                 mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=8, mamba_d_conv=4,
+                                 expand=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                 moe_shared_expert_intermediate_size=16, **common)
+        return NemotronHForCausalLM(config).float().eval()
+    config = FalconH1Config(num_hidden_layers=2, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2,
+                            mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8, **common)
+    return FalconH1ForCausalLM(config).float().eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_saved(tmp_path_factory):
+    """``kind`` -> (a DCP of its in-memory state dict with its config, its ``save_pretrained``), made once."""
+    import torch.distributed.checkpoint as dcp
+
+    done: dict[str, tuple[Path, Path]] = {}
+
+    def get(kind: str) -> tuple[Path, Path]:
+        if kind not in done:
+            root = tmp_path_factory.mktemp(kind)
+            model = _tiny(kind)
+            model.save_pretrained(root / "reference")
+            with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is meant
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save(dict(model.state_dict()), checkpoint_id=root / "dcp", no_dist=True)
+            model.config.save_pretrained(root / "dcp")
+            done[kind] = (root / "dcp", root / "reference")
+        return done[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", ["nemotron_h_moe", "falcon_h1"])
+def test_a_dcp_of_the_model_merges_and_splits_back_bit_for_bit(kind, tiny_saved, tmp_path):
+    """Nemotron-H's experts stacked in memory are saved per expert under backbone.*; Falcon-H1 (every layer a Mamba-2
+    mixer and attention side by side) keeps its in-memory names on disk and needs no adapter."""
+    dcp_dir, reference = tiny_saved(kind)
+    ckpttool.merge(dcp_dir, tmp_path / "hf")
+    assert_bit_exact(load_output(tmp_path / "hf"), load_output(reference))
+    ckpttool.split(reference, tmp_path / "split", fsdp=2, **({"ep": 2} if kind == "nemotron_h_moe" else {}))
+    ckpttool.merge(tmp_path / "split", tmp_path / "back", config=reference)
+    assert_bit_exact(load_output(tmp_path / "back"), load_output(reference))
+
+
+def test_falcon_h1_split_over_tp_is_refused_naming_its_mamba_tensors(cli, tiny_saved, tmp_path):
+    """transformers has no tensor-parallel plan for Falcon-H1 (``base_model_tp_plan`` is None): no cut to follow."""
+    _, reference = tiny_saved("falcon_h1")
+    before = tree_digest(reference)
+    out = tmp_path / "out"
+    result = cli("split", reference, out, "--to", "dcp", "--tp", "2")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "Error: the mesh tp=2 (2 ranks) does not fit the model (14 problems):" in result.stderr
+    assert "  - 'model.layers.0.mamba.in_proj.weight': no tensor-parallel placement is known for it (tp=2)" in result.stderr
+    assert not out.exists() and tree_digest(reference) == before
