@@ -266,10 +266,11 @@ def test_a_non_finite_float_as_transformers_writes_it_is_read_back():
 
 
 # ------------------------------------------------------------------------------------------------
-# Nemotron-H with MoE layers, Falcon-H1: tiny models built here, saved by torch DCP in one process
+# Nemotron-H with MoE layers, Falcon-H1, Qwen3.5's language model: tiny models built here, saved by torch DCP in one process
 # ------------------------------------------------------------------------------------------------
 def _tiny(kind: str):
-    from transformers import FalconH1Config, FalconH1ForCausalLM, NemotronHConfig, NemotronHForCausalLM
+    from transformers import (FalconH1Config, FalconH1ForCausalLM, NemotronHConfig, NemotronHForCausalLM,
+                              Qwen3_5ForCausalLM, Qwen3_5TextConfig)
 
     common = dict(vocab_size=251, hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)
@@ -280,6 +281,11 @@ def _tiny(kind: str):
                                  expand=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                  moe_shared_expert_intermediate_size=16, **common)
         return NemotronHForCausalLM(config).float().eval()
+    if kind == "qwen3_5_text":  # Qwen3.5's language model: the gated DeltaNet with unfused projections
+        config = Qwen3_5TextConfig(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                   linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                   linear_num_key_heads=2, linear_num_value_heads=4, **common)
+        return Qwen3_5ForCausalLM(config).float().eval()
     config = FalconH1Config(num_hidden_layers=2, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2,
                             mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8, **common)
     return FalconH1ForCausalLM(config).float().eval()
@@ -307,14 +313,15 @@ def tiny_saved(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h_moe", "falcon_h1"])
-def test_a_dcp_of_the_model_merges_and_splits_back_bit_for_bit(kind, tiny_saved, tmp_path):
+@pytest.mark.parametrize("kind, mesh", [("nemotron_h_moe", dict(fsdp=2, tp=2, ep=2)), ("falcon_h1", dict(fsdp=2)),
+                                        ("qwen3_5_text", dict(fsdp=2, tp=2))])
+def test_a_dcp_of_the_model_merges_and_splits_back_bit_for_bit(kind, mesh, tiny_saved, tmp_path):
     """Nemotron-H's experts stacked in memory are saved per expert under backbone.*; Falcon-H1 (every layer a Mamba-2
-    mixer and attention side by side) keeps its in-memory names on disk and needs no adapter."""
+    mixer and attention side by side) and Qwen3.5's language model keep their in-memory names on disk."""
     dcp_dir, reference = tiny_saved(kind)
     ckpttool.merge(dcp_dir, tmp_path / "hf")
     assert_bit_exact(load_output(tmp_path / "hf"), load_output(reference))
-    ckpttool.split(reference, tmp_path / "split", fsdp=2, **({"ep": 2} if kind == "nemotron_h_moe" else {}))
+    ckpttool.split(reference, tmp_path / "split", **mesh)
     ckpttool.merge(tmp_path / "split", tmp_path / "back", config=reference)
     assert_bit_exact(load_output(tmp_path / "back"), load_output(reference))
 
@@ -329,3 +336,32 @@ def test_falcon_h1_split_over_tp_is_refused_naming_its_mamba_tensors(cli, tiny_s
     assert "Error: the mesh tp=2 (2 ranks) does not fit the model (14 problems):" in result.stderr
     assert "  - 'model.layers.0.mamba.in_proj.weight': no tensor-parallel placement is known for it (tp=2)" in result.stderr
     assert not out.exists() and tree_digest(reference) == before
+
+
+def test_qwen3_5_in_proj_qkv_is_cut_as_transformers_plan_cuts_it(tiny_saved, tmp_path):
+    """``colwise_gather_output``: a plain Shard(0) of ``[q; k; v]`` (rank 0 holds the queries and the keys, rank 1
+    the values: the output is gathered before the split); the conv1d, A_log, dt_bias and gated norm whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _, reference = tiny_saved("qwen3_5_text")
+    ckpttool.split(reference, tmp_path / "dcp", tp=2)
+    chunks = _chunks(FileSystemReader(str(tmp_path / "dcp")).read_metadata())
+    layer = "model.layers.0.linear_attn."
+    assert chunks[layer + "in_proj_qkv.weight"] == [((0, 0), (32, 32)), ((32, 0), (32, 32))]
+    assert chunks[layer + "in_proj_b.weight"] == [((0, 0), (2, 32)), ((2, 0), (2, 32))]
+    assert chunks[layer + "conv1d.weight"] == [((0, 0, 0), (64, 1, 4))]
+    assert chunks[layer + "A_log"] == [((0,), (4,))]
+
+
+def test_a_dropped_qwen3_5_linear_attention_mixer_is_one_cause(tiny_saved, tmp_path):
+    _, reference = tiny_saved("qwen3_5_text")
+    src = tmp_path / "seeded"
+    shutil.copytree(reference, src)
+    tensors = load_file(reference / "model.safetensors")
+    save_file({n: t for n, t in tensors.items() if ".linear_attn." not in n}, src / "model.safetensors",
+              metadata={"format": "pt"})
+    report = ckpttool.audit(src, data=False)
+    assert [(c.code, c.cause) for c in report.causes] == [(
+        "tensor-missing",
+        "the gated DeltaNet linear-attention mixer 'model.layers.{L}.linear_attn' is missing (config layer_types: "
+        "'linear_attention'): 9 tensors in layer 0")]

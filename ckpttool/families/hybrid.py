@@ -21,11 +21,13 @@ _LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
 #: the module holding a layer's mixer, per model type (Nemotron-H names every layer's mixer ``mixer``)
 MIXER_MODULES: Mapping[str, Mapping[str, str]] = {
     "qwen3_next": {"linear_attention": "linear_attn", "full_attention": "self_attn"},
+    "qwen3_5_text": {"linear_attention": "linear_attn", "full_attention": "self_attn"},
     "nemotron_h": {"linear_attention": "mixer", "full_attention": "mixer", "mlp": "mixer", "moe": "mixer"},
 }
 #: a layer kind in words, per model type
 _KIND_WORDS: Mapping[str, Mapping[str, str]] = {
     "qwen3_next": {"linear_attention": "gated DeltaNet linear-attention", "full_attention": "gated full-attention"},
+    "qwen3_5_text": {"linear_attention": "gated DeltaNet linear-attention", "full_attention": "gated full-attention"},
     "nemotron_h": {"linear_attention": "Mamba-2", "full_attention": "attention", "mlp": "MLP", "moe": "MoE"},
 }
 #: a layer tensor's name: prefix, layer, the module under the layer, the rest

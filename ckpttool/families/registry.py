@@ -10,7 +10,7 @@ line in :data:`CONVENTIONS` (see ``docs/adding-a-family.md``).
 from __future__ import annotations
 
 from ckpttool.errors import ConfigError
-from ckpttool.families import gpt_oss, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_next
+from ckpttool.families import gpt_oss, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_5, qwen3_next
 from ckpttool.families.adapter import Convention, FamilyAdapter
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, torchtitan
 from ckpttool.layout.layout import Layout
@@ -24,6 +24,7 @@ ADAPTERS: list[FamilyAdapter] = [
     qwen2_vl.ADAPTER,
     gpt_oss.ADAPTER,
     nemotron_h.ADAPTER,
+    qwen3_5.ADAPTER,
 ]
 
 #: every source convention, in the order they are asked (:func:`convention_for`); the HuggingFace one last
