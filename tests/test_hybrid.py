@@ -374,3 +374,23 @@ def test_a_dropped_qwen3_5_linear_attention_mixer_is_one_cause(tiny_saved, tmp_p
         "tensor-missing",
         "the gated DeltaNet linear-attention mixer 'model.layers.{L}.linear_attn' is missing (config layer_types: "
         "'linear_attention'): 9 tensors in layer 0")]
+
+
+def test_the_release_mtp_module_is_carried_unchecked(cli, tmp_path, reference_tensors):
+    """Qwen3-Next releases keep an MTP module (``mtp.*``) that ``Qwen3NextForCausalLM`` ignores on load: merge
+    carries it with a note, the audit passes, transformers loads the output strictly."""
+    generator = torch.Generator().manual_seed(0)
+    mtp = {"mtp.fc.weight": torch.randn(32, 64, generator=generator) * 0.05,
+           "mtp.norm.weight": torch.randn(32, generator=generator) * 0.05,
+           "mtp.layers.0.input_layernorm.weight": torch.randn(32, generator=generator) * 0.05}
+    src = seeded(tmp_path, reference_tensors, lambda t: {**t, **mtp})
+    audit = cli("audit", src, "--json")
+    assert audit.exit_code == 0, audit.output
+    assert json.loads(audit.stdout)["causes"] == []
+    result = cli("merge", src, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert ("note: carried mtp.fc.weight, mtp.layers.0.input_layernorm.weight, mtp.norm.weight unchecked: the "
+            "qwen3_next model transformers builds ignores them on load (a release keeps them, e.g. its MTP module)"
+            ) in result.output
+    assert_bit_exact(load_output(tmp_path / "out"), load_output(src))
+    assert torch.equal(logits_of(tmp_path / "out"), logits_of(fixture_dir("qwen3_next_fsdp2_dcp") / "reference"))

@@ -5,7 +5,8 @@ Names: in memory as on disk (transformers' conversion for ``qwen3_5_text`` only 
 which the causal LM does not have). A linear-attention layer holds ``linear_attn.in_proj_qkv [2*Kd + Vd, H]`` (all
 query rows, then all key rows, then all value rows: not grouped per key head, unlike Qwen3-Next's
 ``in_proj_qkvz``), ``in_proj_z [Vd, H]``, ``in_proj_b`` and ``in_proj_a [Nv, H]``, ``conv1d``, ``A_log``,
-``dt_bias``, the gated ``norm`` (plain ``w``) and ``out_proj``.
+``dt_bias``, the gated ``norm`` (plain ``w``) and ``out_proj``. A release's MTP module (``mtp.*``), which the class
+ignores on load, is carried unchecked.
 
 Tensor parallel (``split --to dcp --tp N``), as transformers' plan (``Qwen3_5TextConfig.base_model_tp_plan``) cuts it:
 the five projections are ``colwise_gather_output``, a plain ``Shard(0)`` of the weight whose output is gathered
@@ -26,4 +27,4 @@ TP_RULES: PlacementRules = (
     *HF_TP_RULES,
 )
 
-ADAPTER = FamilyAdapter(NAME, tp_rules=TP_RULES)
+ADAPTER = FamilyAdapter(NAME, tp_rules=TP_RULES, carried=(r"^mtp\.",))  # ignored on load, as Qwen3-Next's

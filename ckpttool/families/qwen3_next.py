@@ -6,7 +6,8 @@ Names: transformers 5 converts Qwen3-Next's experts as Qwen2-MoE's (stacked in m
 ``linear_attn.in_proj_qkvz [2*Kd + 2*Vd, H]`` and ``in_proj_ba [2*Nv, H]`` (rows grouped per key head: for each of the
 ``linear_num_key_heads`` heads its q, k, v and z rows, then its b and a rows), ``conv1d.weight [2*Kd + Vd, 1, k]``,
 ``A_log [Nv]``, ``dt_bias [Nv]``, ``norm.weight [Vd/Nv]`` (plain ``w``) and ``out_proj [H, Vd]``. The class has no
-MTP module (transformers ignores a release's ``mtp.*`` tensors on load), so none is expected.
+MTP module: transformers ignores a release's ``mtp.*`` tensors on load (``_keys_to_ignore_on_load_unexpected``), so
+none is expected, and those a source holds are carried to the output unchecked (:attr:`FamilyAdapter.carried`).
 
 Tensor parallel (``split --to dcp --tp N``), as transformers' own plan for Qwen3-Next cuts it
 (``Qwen3NextConfig.base_model_tp_plan``): ``in_proj_qkvz``, ``in_proj_ba`` and ``out_proj`` are
@@ -31,4 +32,7 @@ TP_RULES: PlacementRules = (
     *HF_TP_RULES,
 )
 
-ADAPTER = FamilyAdapter(NAME, model_types=(NAME,), rules=qwen2_moe.RULES, tp_rules=TP_RULES)
+#: the release's MTP module, which ``Qwen3NextForCausalLM`` ignores on load (its ``_keys_to_ignore_on_load_unexpected``)
+CARRIED = (r"^mtp\.",)
+
+ADAPTER = FamilyAdapter(NAME, model_types=(NAME,), rules=qwen2_moe.RULES, tp_rules=TP_RULES, carried=CARRIED)
