@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from ckpttool.console.words import counted
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.families import Mismatch
+from ckpttool.families.hybrid import grouped_rows_note, layer_kinds_in_words, missing_mixer_cause
 from ckpttool.findings import Finding, finding
 
 LAYER_NAME = re.compile(r"^(?P<prefix>.*?\.layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
@@ -28,7 +29,7 @@ def shape_findings(mismatches: Iterable[Mismatch], model: ModelInfo) -> list[Fin
     found: list[Finding] = []
     grouped: set[str] = set()
     if missing:  # grouping walks every expected name: 90k of DeepSeek-V3's, for nothing when none is missing
-        grouped = _missing_layers(missing, model.disk_shapes, found)
+        grouped = _missing_layers(missing, model.disk_shapes, found, model)
         grouped |= _missing_experts(missing - grouped, model.disk_shapes, found)
     tie = model.config.get("tie_word_embeddings")
     for m in mismatches:
@@ -42,26 +43,33 @@ def shape_findings(mismatches: Iterable[Mismatch], model: ModelInfo) -> list[Fin
                     tensor=m.name,
                 ))
             else:
-                found.append(finding("tensor-missing", m.message(), tensor=m.name))
+                # a hybrid layer's missing mixer is one cause across the layers of its kind, worded here
+                cause = missing_mixer_cause(m.name, model.model_type, model.config)
+                found.append(finding("tensor-missing", m.message(), tensor=m.name,
+                                     detail=(("cause", cause),) if cause else ()))
         elif m.kind == "unexpected":
             found.append(finding("tensor-unexpected", m.message(), tensor=m.name))
         elif m.kind == "shape":
             assert m.diagnosis is not None
-            found.append(finding(m.diagnosis.code, m.message(), tensor=m.name))
+            # a gated DeltaNet's grouped projection: what its rows say about the cut (whole key-head groups or not)
+            note = grouped_rows_note(m.name, tuple(m.shape or ()), tuple(m.expected or ()), model.config)
+            found.append(finding(m.diagnosis.code, m.message() + note, tensor=m.name))
     return found
 
 
-def _missing_layers(missing: set[str], expected: Mapping[str, object], found: list[Finding]) -> set[str]:
+def _missing_layers(missing: set[str], expected: Mapping[str, object], found: list[Finding],
+                    model: ModelInfo) -> set[str]:
     grouped: set[str] = set()
     for prefix, by_index, gone in _wholly_missing(missing, expected, LAYER_NAME):
         for start, end in _ranges(gone):
             names = [n for i in range(start, end + 1) for n in by_index[i]]
             grouped.update(names)
             span = f"{start}..{end}" if end > start else str(start)
+            kinds = layer_kinds_in_words(list(range(start, end + 1)), model.model_type, model.config)  # a hybrid's layers: which kind
             present = sorted(set(by_index) - set(gone))
             found.append(finding(
                 "layers-missing",
-                f"layers {span} of '{prefix}' are missing entirely ({counted(len(names), 'tensor')}; present: "
+                f"layers {span}{kinds} of '{prefix}' are missing entirely ({counted(len(names), 'tensor')}; present: "
                 f"{_spans(present) or 'none'} of {counted(len(by_index), 'layer')}): a pipeline stage missing?",
                 tensor=f"{prefix}.{span}",
             ))

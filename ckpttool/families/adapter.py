@@ -84,7 +84,10 @@ class FamilyAdapter:
     - ``cuts``: ``(convention name, cut)`` for a convention whose generic cut does not fit this family (e.g. a
       Megatron-Core cut of its own); the convention's cut is used otherwise;
     - ``args_checks``: checks of a source's training args against the config, each returning problem lines (run
-      by the conventions that record args, e.g. Megatron's, before anything is planned).
+      by the conventions that record args, e.g. Megatron's, before anything is planned);
+    - ``carried``: patterns (searched) of on-disk names a release holds beside the model that transformers' class
+      ignores on load (its ``_keys_to_ignore_on_load_unexpected``, e.g. Qwen3-Next's MTP module ``^mtp\\.``):
+      carried to the output as they are, unchecked, with a note, instead of refused as unexpected.
 
     Example:
         >>> from ckpttool.families.rules import Rename
@@ -99,6 +102,7 @@ class FamilyAdapter:
     stacked_experts: tuple[str, ...] = ()
     cuts: tuple[tuple[str, Cut], ...] = ()
     args_checks: tuple[ArgsCheck, ...] = ()
+    carried: tuple[str, ...] = ()
 
     def serves(self, info: ModelInfo) -> bool:
         """Whether this adapter cuts ``info``'s tensors: its family (:attr:`ModelInfo.family`) is :attr:`name`, or
@@ -112,6 +116,10 @@ class FamilyAdapter:
     def tp_placement(self, name: str) -> Placement | None:
         """The tensor-parallel placement of in-memory tensor ``name``, or None when no rule knows it."""
         return placement_of(name, self.tp_rules)
+
+    def carries(self, name: str) -> bool:
+        """Whether on-disk tensor ``name`` is one this family carries unchecked (:attr:`carried`)."""
+        return any(re.search(pattern, name) for pattern in self.carried)
 
     def check_args(self, args: Any, info: ModelInfo) -> list[str]:
         """Every problem of the training ``args`` against ``info``'s config that this family's checks find."""

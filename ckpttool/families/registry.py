@@ -12,7 +12,7 @@ checks), handed to them by the one place that reads a source.
 from __future__ import annotations
 
 from ckpttool.errors import ConfigError
-from ckpttool.families import gpt_oss, mixtral, qwen2_moe, qwen2_vl
+from ckpttool.families import gpt_oss, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_5, qwen3_next
 from ckpttool.families.adapter import Convention, FamilyAdapter
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, megatron_tp, torchtitan
 from ckpttool.layout.layout import Layout
@@ -21,9 +21,12 @@ from ckpttool.model.architecture import ModelInfo
 #: every model family with an adapter of its own; a model type none serves is cut as transformers names it
 ADAPTERS: list[FamilyAdapter] = [
     mixtral.ADAPTER,
+    qwen3_next.ADAPTER,  # before qwen2_moe, whose experts' rules transformers gives it (its family is qwen2_moe)
     qwen2_moe.ADAPTER,
     qwen2_vl.ADAPTER,
     gpt_oss.ADAPTER,
+    nemotron_h.ADAPTER,
+    qwen3_5.ADAPTER,
 ]
 
 #: every source convention, in the order they are asked (:func:`convention_for`); the HuggingFace one last

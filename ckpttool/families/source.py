@@ -22,6 +22,7 @@ from ckpttool.plan.plan import Plan, Target, TargetSpec, identity_specs, plan_co
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError
 from ckpttool.families import (
     Mismatch,
+    adapter_for,
     compare_with_model,
     convention_of,
     keeps_dtype,
@@ -168,6 +169,11 @@ def plan_layout(
                          "(as save_pretrained does)")
         specs, unplaced = _dropped(specs, unplaced, drop, own)
         shapes = {s.name: s.shape for s in specs}
+        carried = _carried(shapes, model)
+        if carried:  # a release's tensors the class ignores on load: kept, not compared with the architecture
+            shapes = {name: shape for name, shape in shapes.items() if name not in carried}
+            own.append(f"carried {_listed(carried)} unchecked: the {model.model_type} model transformers builds "
+                       "ignores them on load (a release keeps them, e.g. its MTP module)")
         mismatches = compare_with_model(shapes, with_quantized(model, specs, quant, shapes=shapes))
         mtp_missing = mtp_absent([s.name for s in specs], model)
         if mtp_missing:
@@ -193,6 +199,12 @@ def plan_layout(
     planned()  # the command's collector runs again, and never walks this plan (ckpttool.console.startup)
     return Planned(layout, config_path, config, model, plan, tuple(tied), adapter, tuple(adapter_notes), tuple(unplaced),
                    tuple(mismatches), tuple(uncovered), tuple(mtp_missing), quantization=tuple(quant_problems), specs=mapped)
+
+
+def _carried(shapes: dict[str, object], model: ModelInfo) -> list[str]:
+    """The targets the model's family carries unchecked (:attr:`~.adapter.FamilyAdapter.carried`), in order."""
+    family = adapter_for(model)
+    return [name for name in shapes if family.carried and name not in model.disk_shapes and family.carries(name)]
 
 
 def natural(name: str) -> list[object]:

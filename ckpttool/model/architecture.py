@@ -259,6 +259,28 @@ def _describe_main() -> None:
     sys.stdout.write(json.dumps(answer))
 
 
+#: how transformers' ``to_json_string`` writes a float JSON cannot hold (Nemotron-H's ``time_step_limit`` ends in
+#: infinity): ``{"__float__": "Infinity"}``; its ``from_dict`` reads it back, ``for_model`` does not
+_FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def special_floats(value: object) -> object:
+    """``value`` with every ``{"__float__": "Infinity"}`` (``-Infinity``, ``NaN``) that transformers writes for a
+    non-finite float read back as that float, in lists and dicts at any depth; anything else unchanged.
+
+    Example:
+        >>> special_floats([0.0, {"__float__": "Infinity"}])
+        [0.0, inf]
+    """
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in _FLOAT_TAGS:
+            return _FLOAT_TAGS[value["__float__"]]
+        return {k: special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [special_floats(v) for v in value]
+    return value
+
+
 def _describe(model_type: str, config: Mapping[str, object], label: str) -> ModelInfo | None:
     """Build the architecture on the meta device in this process and read its expected tensors."""
     import torch
@@ -270,7 +292,7 @@ def _describe(model_type: str, config: Mapping[str, object], label: str) -> Mode
         log.info("transformers %s does not know model_type %r", transformers.__version__, model_type)
         return None
     try:  # for_model builds transformers' own class of model_type (CONFIG_MAPPING): it never imports remote code
-        cfg = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
+        cfg = AutoConfig.for_model(model_type, **{k: special_floats(v) for k, v in config.items() if k != "model_type"})
     except Exception as e:  # transformers validates configs with several exception types
         raise ConfigError(f"'{label}': transformers rejects this {model_type} config: {e}") from None
     try:
