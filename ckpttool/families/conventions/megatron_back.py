@@ -283,8 +283,11 @@ def _turned(name: str, sl: Slice, inverse: Transform, shape: Shape, target: Shap
 def _lifted(transform: Transform, lead: int) -> Transform:
     """``transform`` (its dims plain) moved ``lead`` dims to the right: the same map on a tensor with ``lead``
     more leading dims (a stacked layer axis)."""
-    if isinstance(transform, Permute):
-        return replace(transform, dim=transform.dim + lead)
+    if isinstance(transform, Permute):  # its words name the dim too (interleave's "along dim 1")
+        dim = transform.dim + lead
+        moved = f"along dim {dim}"
+        return replace(transform, dim=dim, label=transform.label.replace(f"along dim {transform.dim}", moved),
+                       inverse_label=transform.inverse_label.replace(f"along dim {transform.dim}", moved))
     if isinstance(transform, Transpose):
         return Transpose(transform.dim0 + lead, transform.dim1 + lead)
     return Chain(tuple(_lifted(step, lead) for step in transform.steps))
