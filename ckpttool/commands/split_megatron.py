@@ -1,7 +1,8 @@
 """``split --to megatron``: Megatron-Core ``torch_dist`` for TP x PP x EP, planned as the DCP target is.
 
 The global tensors and where every HuggingFace element goes are the family layer's
-(:func:`ckpttool.families.conventions.megatron_back.from_hf`: Megatron-Core's cut run backwards), and so are their
+(:func:`ckpttool.families.conventions.megatron_back.megatron_tensors`: Megatron-Core's cut run backwards, a
+transform undone where the cut has one: gpt-oss's experts), and so are their
 tensor-parallel placements (:data:`~ckpttool.families.conventions.megatron_back.TP_RULES`) and the ``_extra_state``
 modules. Here each is placed on Megatron's ranks, ordered ``tp`` fastest, then ``ep``, then ``pp`` (megatron-core's
 default ``tp-cp-ep-dp-pp`` with one data-parallel rank per expert group), with :class:`~ckpttool.commands.meshes.Sharding` over the mesh dims
@@ -9,7 +10,9 @@ default ``tp-cp-ep-dp-pp`` with one data-parallel rank per expert group), with :
 
 - stacked layer tensors: the layer axis ``Shard(0)`` over ``pp`` (each stage its consecutive layers);
 - experts: the expert axis ``Shard(1)`` over ``ep`` (global expert ids, each rank consecutive ones), and their
-  weights tensor-parallel like the dense ones (``expert_tensor_parallel_size`` = ``tp``, megatron-core's default);
+  weights tensor-parallel like the dense ones (``expert_tensor_parallel_size`` = ``tp``, megatron-core's default),
+  except gpt-oss's: whole on every TP rank (``expert_tensor_parallel_size`` 1), one chunk per layer and expert,
+  since their fc1 is HuggingFace's interleaved columns taken apart, a transform a TP half would cut through;
 - tensor parallel: ``linear_qkv`` rows (whole query groups) and the vocab rows ``Shard``, ``linear_proj`` and
   ``linear_fc2`` columns ``Shard``, a SwiGLU ``linear_fc1`` ``[gate; up]`` as each rank's ``[gate_r; up_r]``
   (``_StridedShard`` with split factor 2), norms, router and shared-expert gate replicated.
@@ -28,9 +31,10 @@ from ckpttool.io.dtypes import itemsize
 from ckpttool.plan.compose import compose
 from ckpttool.layout.layout import Box
 from ckpttool.plan.plan import Target
+from ckpttool.plan.transforms import Transform
 from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families.conventions import megatron_back
-from ckpttool.families.conventions.megatron_back import EXPERT_TENSORS, EXTRA_STATE, from_hf, padded_vocab
+from ckpttool.families.conventions.megatron_back import EXPERT_TENSORS, EXTRA_STATE, megatron_tensors, padded_vocab
 from ckpttool.commands.meshes import REPLICATE, MegatronMesh, Sharding
 from ckpttool.layout.placements import Placement
 from ckpttool.families.source import Planned
@@ -45,27 +49,27 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
         CoverageError: a chunk not covered exactly once.
     """
     vocab = info.disk_shapes["model.embed_tokens.weight"][0]
-    tensors = from_hf(info, padded_vocab(vocab, mesh.divisible_by, mesh.tp))
-    _check_sizes(info.config, {name: shape for name, shape, _, _ in tensors}, mesh)
+    tensors = megatron_tensors(info, padded_vocab(vocab, mesh.divisible_by, mesh.tp))
+    _check_sizes(info.config, {name: shape for name, shape, *_ in tensors}, mesh, info.model_type)
     targets = {t.name: t for t in prepared.plan.targets}
-    shardings = [_place(name, shape, mesh) for name, shape, _, _ in tensors]
+    shardings = [_place(name, shape, mesh, info.model_type) for name, shape, *_ in tensors]
     weight = {name: math.prod(shape) * next((itemsize(targets[s.source].dtype) for s in slices if s.source in targets), 1)
-              for name, shape, slices, _ in tensors}
+              for name, shape, slices, *_ in tensors}
     held = [[(s.name, box, weight[s.name]) for s in shardings for box in _chunks(s, rank)] for rank in range(mesh.world)]
-    by_name = {name: (shape, slices, true_rows) for name, shape, slices, true_rows in tensors}
+    by_name = {name: (shape, slices, true_rows, transform) for name, shape, slices, true_rows, transform in tensors}
     per_rank, problems = [], []
     for written in dcp.share_items(held):
         items = []
         for name, box in written:
-            shape, slices, true_rows = by_name[name]
-            target, found = _compose(name, box, slices, targets, true_rows)
+            shape, slices, true_rows, transform = by_name[name]
+            target, found = _compose(name, box, slices, targets, true_rows, transform, shape)
             problems.extend(p for p in found if p not in problems)
             if target is not None:
                 items.append((name, shape, box, target))
         per_rank.append(items)
     if problems:
         raise CoverageError(problems)
-    return shardings, dcp.lay_out(per_rank, _extra_states({name: shape for name, shape, _, _ in tensors}, mesh))
+    return shardings, dcp.lay_out(per_rank, _extra_states({name: shape for name, shape, *_ in tensors}, mesh))
 
 
 def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh) -> list[list[tuple[str, bytes]]]:
@@ -94,8 +98,8 @@ def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh) -> lis
     return per_rank
 
 
-def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh) -> Sharding:
-    tp = megatron_back.tp_placement(name)  # at tp=1 too: fc1's halves are two chunks
+def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh, model_type: str = "") -> Sharding:
+    tp = megatron_back.tp_placement(name, model_type)  # at tp=1 too: fc1's halves are two chunks
     pp = Placement("shard", 0) if name.startswith("decoder.layers.") else REPLICATE
     ep = Placement("shard", 1) if name in EXPERT_TENSORS else REPLICATE
     return Sharding(name, shape, (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)), (pp, ep, tp))
@@ -119,8 +123,14 @@ def _indices(box: Box, dims: int) -> list[tuple[int, ...]]:
             for rest in _indices(Box(box.offsets[1:], box.sizes[1:]), dims - 1)]
 
 
-def _compose(name: str, box: Box, slices, targets, true_rows: int | None) -> tuple[Target | None, list[str]]:
-    """:func:`compose`, but rows from ``true_rows`` on (vocab padding) are no copy's: the executor writes zeros."""
+def _compose(name: str, box: Box, slices, targets, true_rows: int | None, transform: Transform | None = None,
+             shape: tuple[int, ...] | None = None) -> tuple[Target | None, list[str]]:
+    """:func:`compose` (through ``transform`` of what ``slices`` make, a tensor of ``shape``, when it has one), but
+    rows from ``true_rows`` on (vocab padding) are no copy's: the executor writes zeros."""
+    if transform is not None:
+        if true_rows is not None:
+            return None, [f"'{name}': a padded tensor made through a transform ({transform.name}) is not written yet"]
+        return compose(name, box, slices, targets, transform, shape)
     if true_rows is None or box.ends[0] <= true_rows:
         return compose(name, box, slices, targets)
     rows = max(0, true_rows - box.offsets[0])
@@ -138,7 +148,7 @@ def _compose(name: str, box: Box, slices, targets, true_rows: int | None) -> tup
     return Target(name, box.sizes, source.dtype, source.dtype, (), ()), []
 
 
-def _check_sizes(config, shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh) -> None:
+def _check_sizes(config, shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh, model_type: str = "") -> None:
     """Every size the mesh splits, split evenly, or the list of those that are not."""
     heads = int(config.get("num_attention_heads") or 0)
     groups = int(config.get("num_key_value_heads") or heads)
@@ -150,7 +160,8 @@ def _check_sizes(config, shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh)
     for name, dim, what in (("decoder.layers.mlp.linear_fc1.weight", 1, "intermediate_size"),
                             ("decoder.layers.mlp.shared_experts.linear_fc1.weight", 1, "shared expert FFN"),
                             (EXPERT_TENSORS[0], 2, "expert FFN")):
-        if name in shapes and (shapes[name][dim] // 2) % mesh.tp:
+        cut = name in shapes and megatron_back.tp_placement(name, model_type).kind != "replicate"
+        if cut and (shapes[name][dim] // 2) % mesh.tp:
             problems.append(f"tp={mesh.tp} does not divide the {what} {shapes[name][dim] // 2} of '{name}'")
     if mesh.ep > 1 and EXPERT_TENSORS[0] not in shapes:
         problems.append(f"ep={mesh.ep}: the model has no experts to place over ep ranks")

@@ -9,27 +9,41 @@ Engine's names (``linear_qkv.layer_norm_weight``), the vocab padded. *Where* eac
 not written here a second time: those tensors are run through :func:`.megatron_core.to_hf` (the merge's cut:
 fused QKV per query group, SwiGLU ``[gate; up]``, experts, padding stripped) and every box it gives is turned
 around, as :func:`.rules.memory_slices` does for the HF rules, so the two directions cannot disagree.
+
+A family whose Megatron-Core cut is its own (:meth:`FamilyAdapter.cut_for`, gpt-oss's) is run backwards the same
+way. A HuggingFace target that cut builds through a transform (gpt-oss's experts: ``gate_up_proj`` is fc1
+interleaved and transposed) comes back as a Megatron-Core tensor that is the *inverse* transform, lifted over the
+leading layer axis, of a pre tensor whose slices are whole HuggingFace boxes (:attr:`MegatronTensor.transform`); the
+split composes it chunk by chunk (:func:`ckpttool.plan.compose.compose`), so a chunk must hold whole blocks of the
+transform: gpt-oss's experts are not cut by tensor parallelism (``expert_tensor_parallel_size`` 1, as
+Megatron-Bridge trains it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
+from dataclasses import replace
 
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.layout.layout import Layout, Padding, Shape, TensorLayout
 from ckpttool.plan.plan import Slice
+from ckpttool.plan.transforms import Chain, Permute, Transform, Transpose
 from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import REPLICATE, SHARD0, PlacementRules, placement_of
 from ckpttool.families.conventions import megatron_core
+from ckpttool.families.registry import adapter_for
 from ckpttool.layout.placements import Placement
 
 #: tensors whose rows are the (padded) vocab
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
-#: stacked tensors with an expert axis (dim 1)
+#: stacked tensors with an expert axis (dim 1): the experts' weights, then their biases (gpt-oss's)
 EXPERT_TENSORS = ("decoder.layers.mlp.experts.experts.linear_fc1.weight",
-                  "decoder.layers.mlp.experts.experts.linear_fc2.weight")
+                  "decoder.layers.mlp.experts.experts.linear_fc2.weight",
+                  "decoder.layers.mlp.experts.experts.linear_fc1.bias",
+                  "decoder.layers.mlp.experts.experts.linear_fc2.bias")
 #: model types whose HuggingFace tensors this convention places
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gpt_oss")
 
 #: Megatron-Core tensor name (regex, searched) -> its tensor-parallel placement; the first match applies
 TP_RULES: PlacementRules = (
@@ -41,19 +55,31 @@ TP_RULES: PlacementRules = (
     (r"\.(linear_proj|linear_fc2)\.weight$", Placement("shard", 2)),
     (r"(layer_norm_weight|layernorm\.weight|router\.weight|gate_weight)$", REPLICATE),
 )
+#: model type -> the placements its own tensors take, tried before :data:`TP_RULES`. gpt-oss: the sinks are one
+#: per head (cut like the heads), the biases of ``linear_proj`` and the router whole, and the experts not cut by
+#: tensor parallelism (``expert_tensor_parallel_size`` 1): their fc1 is ``[gate; up]`` de-interleaved from
+#: HuggingFace's columns, a transform whose blocks are a whole expert
+FAMILY_TP_RULES: Mapping[str, PlacementRules] = {
+    "gpt_oss": (
+        (r"\.core_attention\.softmax_offset$", Placement("shard", 1)),
+        (r"\.(linear_proj|router)\.bias$", REPLICATE),
+        (r"^decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.(weight|bias)$", REPLICATE),
+    ),
+}
 #: the linear layers whose ``_extra_state`` megatron-core saves beside their weights
 EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
                "mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2", "mlp.shared_experts.linear_fc1",
                "mlp.shared_experts.linear_fc2")
 
 
-def tp_placement(name: str) -> Placement:
-    """The tensor-parallel placement of Megatron-Core global tensor ``name`` (:data:`TP_RULES`).
+def tp_placement(name: str, model_type: str = "") -> Placement:
+    """The tensor-parallel placement of Megatron-Core global tensor ``name`` of a ``model_type`` model
+    (:data:`FAMILY_TP_RULES`, then :data:`TP_RULES`).
 
     Raises:
         ConfigError: no rule places it (a tensor :func:`megatron_shapes` does not list: a bug or a new tensor).
     """
-    placement = placement_of(name, TP_RULES)
+    placement = placement_of(name, FAMILY_TP_RULES.get(model_type, ()) + TP_RULES)
     if placement is None:
         raise ConfigError(f"'{name}': the Megatron-Core convention knows no tensor-parallel placement for it")
     return placement
@@ -79,6 +105,8 @@ def megatron_shapes(info: ModelInfo, vocab_rows: int) -> dict[str, Shape]:
     disk, config = info.disk_shapes, info.config
     layers = int(config.get("num_hidden_layers") or 0)
     shapes: dict[str, Shape] = {"embedding.word_embeddings.weight": (vocab_rows, disk["model.embed_tokens.weight"][1])}
+    if info.model_type == "gpt_oss":
+        return _gpt_oss_shapes(info, layers, shapes, vocab_rows)
     kinds = {_layer_kind(disk, i) for i in range(layers)}
     if len(kinds) != 1:
         raise ConfigError(f"{info.model_type}: its layers are not all alike ({', '.join(sorted(kinds))}); Megatron-Core "
@@ -117,6 +145,43 @@ def megatron_shapes(info: ModelInfo, vocab_rows: int) -> dict[str, Shape]:
     return shapes
 
 
+def _gpt_oss_shapes(info: ModelInfo, layers: int, shapes: dict[str, Shape], vocab_rows: int) -> dict[str, Shape]:
+    """gpt-oss's global tensors as megatron-core 0.16 saves them (``softmax_type="learnable"``, ``add_bias_linear``,
+    SequentialMLP experts stacked), in its order; ``shapes`` holds the embedding already.
+
+    Raises:
+        ConfigError: a layer without gpt-oss's tensors (the on-disk names transformers gives its layer 0).
+    """
+    disk = info.disk_shapes
+    h, d = "model.layers.0.", "decoder.layers."
+    need = [h + n for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight",
+                            "self_attn.sinks", "mlp.router.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")]
+    missing = [n for n in need if n not in disk]
+    if missing:
+        raise ConfigError(f"gpt_oss: transformers' model has no {', '.join(repr(n) for n in missing)}; ckpttool's "
+                          "Megatron-Core form of gpt-oss needs its sinks, router and stacked experts")
+    q, k, o = disk[h + "self_attn.q_proj.weight"], disk[h + "self_attn.k_proj.weight"], disk[h + "self_attn.o_proj.weight"]
+    gate_up, down, router = disk[h + "mlp.experts.gate_up_proj"], disk[h + "mlp.experts.down_proj"], disk[h + "mlp.router.weight"]
+    shapes[d + "self_attention.linear_qkv.layer_norm_weight"] = (layers, *disk[h + "input_layernorm.weight"])
+    shapes[d + "self_attention.core_attention.softmax_offset"] = (layers, *disk[h + "self_attn.sinks"])
+    shapes[d + "self_attention.linear_proj.weight"] = (layers, *o)
+    shapes[d + "self_attention.linear_proj.bias"] = (layers, o[0])
+    shapes[d + "self_attention.linear_qkv.weight"] = (layers, q[0] + 2 * k[0], q[1])
+    shapes[d + "self_attention.linear_qkv.bias"] = (layers, q[0] + 2 * k[0])
+    shapes[d + "mlp.linear_fc1.layer_norm_weight"] = (layers, *disk[h + "post_attention_layernorm.weight"])
+    shapes[d + "mlp.router.weight"] = (layers, *router)
+    shapes[d + "mlp.router.bias"] = (layers, router[0])
+    experts = gate_up[0]
+    shapes[EXPERT_TENSORS[0]] = (layers, experts, gate_up[2], gate_up[1])  # [E, H, 2I] -> [gate; up] rows, [2I, H]
+    shapes[EXPERT_TENSORS[2]] = (layers, experts, gate_up[2])
+    shapes[EXPERT_TENSORS[1]] = (layers, experts, down[2], down[1])  # [E, I, H] -> an nn.Linear weight, [H, I]
+    shapes[EXPERT_TENSORS[3]] = (layers, experts, down[2])
+    shapes["decoder.final_layernorm.weight"] = disk["model.norm.weight"]
+    if "lm_head.weight" not in info.tied:
+        shapes["output_layer.weight"] = (vocab_rows, disk["lm_head.weight"][1])
+    return shapes
+
+
 def _layer_kind(disk: Mapping[str, Shape], i: int) -> str:
     h = f"model.layers.{i}."
     if h + "mlp.gate_proj.weight" in disk:
@@ -126,37 +191,110 @@ def _layer_kind(disk: Mapping[str, Shape], i: int) -> str:
     return "unknown MLP"
 
 
+class MegatronTensor(NamedTuple):
+    """One global tensor megatron-core saves, as slices of on-disk HuggingFace tensors (:func:`megatron_tensors`)."""
+
+    name: str
+    shape: Shape
+    #: boxes of HuggingFace tensors filling boxes of this tensor (of its pre tensor, with a ``transform``)
+    slices: tuple[Slice, ...]
+    #: the vocab rows that hold data (None: not padded); rows beyond it are padding, written as zeros
+    true_rows: int | None
+    #: None, or the map that makes this tensor of the pre tensor ``slices`` tile (:mod:`ckpttool.plan.transforms`)
+    transform: Transform | None
+
+
 def from_hf(info: ModelInfo, vocab_rows: int) -> list[tuple[str, Shape, tuple[Slice, ...], int | None]]:
-    """Every global tensor megatron-core saves for ``info``, as slices of on-disk HuggingFace tensors:
-    ``(name, shape, slices, true_rows)``, ``true_rows`` the vocab rows that hold data (None: not padded; rows
-    beyond it are padding, written as zeros). :func:`.megatron_core.to_hf` run on those tensors, turned around.
+    """:func:`megatron_tensors` as ``(name, shape, slices, true_rows)``, for models whose Megatron-Core tensors are
+    all plain boxes of the HuggingFace ones.
 
     Raises:
-        ConfigError: as :func:`megatron_shapes`, or a tensor the cut cannot place (the config contradicts it).
+        ConfigError: as :func:`megatron_tensors`, or a tensor made through a transform (gpt-oss's experts): its
+            slices alone do not say where each element goes; use :func:`megatron_tensors`.
+    """
+    tensors = megatron_tensors(info, vocab_rows)
+    turned = [t.name for t in tensors if t.transform is not None]
+    if turned:
+        raise ConfigError(f"{info.model_type}: {', '.join(repr(n) for n in turned[:3])} are made through a transform; "
+                          "from_hf gives only boxes: use megatron_tensors")
+    return [(t.name, t.shape, t.slices, t.true_rows) for t in tensors]
+
+
+def megatron_tensors(info: ModelInfo, vocab_rows: int) -> list[MegatronTensor]:
+    """Every global tensor megatron-core saves for ``info``, in its order, as slices of on-disk HuggingFace
+    tensors: the family's Megatron-Core cut (or the convention's) run on those tensors, turned around. A
+    HuggingFace target the cut builds through a transform comes back through its inverse.
+
+    Raises:
+        ConfigError: as :func:`megatron_shapes`, or a tensor the cut cannot place (the config contradicts it), or
+            a HuggingFace tensor with no place in the Megatron-Core form (never dropped silently).
 
     Example:
-        >>> [name for name, *_ in from_hf(info, 1024)][:2]  # doctest: +SKIP
+        >>> [t.name for t in megatron_tensors(info, 1024)][:2]  # doctest: +SKIP
         ['embedding.word_embeddings.weight', 'decoder.layers.self_attention.linear_qkv.layer_norm_weight']
     """
     shapes = megatron_shapes(info, vocab_rows)
     vocab = info.disk_shapes["model.embed_tokens.weight"][0]
     tensors = {name: TensorLayout(name, shape, "", (), (Padding(0, vocab),) if name in VOCAB and shape[0] != vocab else ())
                for name, shape in shapes.items()}
-    specs, _, problems = megatron_core.to_hf(Layout("", megatron_core.FORMATS[0], tensors), info)
+    layout = Layout("", megatron_core.FORMATS[0], tensors)
+    cut = adapter_for(info).cut_for(megatron_core.NAME)
+    specs, _, problems = cut(layout, info) if cut is not None else megatron_core.to_hf(layout, info)
     if problems:
         raise ConfigError(f"{info.model_type}: the Megatron-Core convention cannot place "
                           + "; ".join(message for _, message in problems[:5]))
     slices: dict[str, list[Slice]] = {name: [] for name in shapes}
+    transforms: dict[str, Transform | None] = {}
     for spec in specs:
+        name = info.tied.get(spec.name, spec.name)
+        inverse = spec.transform.bound(spec.shape, spec.name).inverse() if spec.transform is not None else None
         for sl in spec.slices:
-            slices[sl.source].append(Slice(info.tied.get(spec.name, spec.name), sl.dst, sl.src))
+            if inverse is None:
+                slices[sl.source].append(Slice(name, sl.dst, sl.src))
+            else:
+                slices[sl.source].append(_turned(name, sl, inverse, shapes[sl.source], spec.shape))
+            lifted = None if inverse is None else _lifted(inverse, len(shapes[sl.source]) - len(spec.shape))
+            if transforms.setdefault(sl.source, lifted) != lifted:
+                raise ConfigError(f"'{sl.source}': is made of HuggingFace tensors through different transforms "
+                                  f"({_named(transforms[sl.source])} and {_named(lifted)}); ckpttool writes one "
+                                  "transform per Megatron-Core tensor")
     placed = {spec.name for spec in specs}
     left = sorted(name for name in info.disk_shapes if name not in placed)
     if left:  # e.g. biases of o_proj or the MLP (Megatron's add_bias_linear): never dropped silently
         raise ConfigError(f"{info.model_type}: {len(left)} tensor{'s' if len(left) != 1 else ''} of the model have no "
                           f"place in the Megatron-Core form ckpttool writes: {', '.join(repr(n) for n in left[:5])}")
-    return [(name, shape, tuple(slices[name]), vocab if name in VOCAB and shape[0] != vocab else None)
-            for name, shape in shapes.items()]
+    return [MegatronTensor(name, shape, tuple(slices[name]), vocab if name in VOCAB and shape[0] != vocab else None,
+                           transforms.get(name)) for name, shape in shapes.items()]
+
+
+def _turned(name: str, sl: Slice, inverse: Transform, shape: Shape, target: Shape) -> Slice:
+    """A slice of a transformed HuggingFace target (``sl``: a box of Megatron-Core tensor ``sl.source``, of
+    ``shape``, fills a box of the target's pre tensor) turned around: the box of the HF tensor ``name`` (of shape
+    ``target``) fills the box of the Megatron-Core tensor's own pre tensor, both through ``inverse`` (the
+    target's transform undone; :func:`_lifted` over the Megatron-Core tensor's leading dims)."""
+    hf_box = inverse.pre_box(inverse.target_shape(target), sl.dst)
+    pre_box = _lifted(inverse, len(shape) - len(target)).pre_box(shape, sl.src)
+    if hf_box is None or pre_box is None:
+        raise ConfigError(f"'{sl.source}': its slice of '{name}' cuts through the blocks of {inverse.name}; ckpttool "
+                          "turns around only slices of whole blocks")
+    return Slice(name, hf_box, pre_box)
+
+
+def _lifted(transform: Transform, lead: int) -> Transform:
+    """``transform`` (its dims plain) moved ``lead`` dims to the right: the same map on a tensor with ``lead``
+    more leading dims (a stacked layer axis)."""
+    if isinstance(transform, Permute):  # its words name the dim too (interleave's "along dim 1")
+        dim = transform.dim + lead
+        moved = f"along dim {dim}"
+        return replace(transform, dim=dim, label=transform.label.replace(f"along dim {transform.dim}", moved),
+                       inverse_label=transform.inverse_label.replace(f"along dim {transform.dim}", moved))
+    if isinstance(transform, Transpose):
+        return Transpose(transform.dim0 + lead, transform.dim1 + lead)
+    return Chain(tuple(_lifted(step, lead) for step in transform.steps))
+
+
+def _named(transform: Transform | None) -> str:
+    return "none" if transform is None else transform.name
 
 
 def training_args(info: ModelInfo, shapes: Mapping[str, Shape], *, tp: int, pp: int, ep: int, divisible_by: int,
@@ -190,7 +328,21 @@ def training_args(info: ModelInfo, shapes: Mapping[str, Shape], *, tp: int, pp: 
     if experts:
         args.update(moe_ffn_hidden_size=experts[2] // 2, moe_router_topk=config.get("num_experts_per_tok"),
                     moe_grouped_gemm=False)
+    if info.model_type == "gpt_oss":
+        args.update(_gpt_oss_args(config))
     if shared:
         args.update(moe_shared_expert_intermediate_size=shared[1] // 2,
                     moe_shared_expert_gate="decoder.layers.mlp.shared_experts.gate_weight" in shapes)
     return args
+
+
+def _gpt_oss_args(config: Mapping[str, object]) -> dict[str, object]:
+    """The arguments megatron-core builds gpt-oss with (what :func:`ckpttool.families.gpt_oss.megatron_args`
+    checks on the way in): biases on every linear layer, the sinks as a learnable softmax offset, the clamped
+    SwiGLU as ``quick_geglu`` with ``glu_linear_offset`` 1, the router's softmax after its top-k, the sliding
+    window, and experts not cut by tensor parallelism."""
+    window = config.get("sliding_window")
+    return {"add_bias_linear": True, "add_qkv_bias": True, "softmax_type": "learnable", "swiglu": False,
+            "quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": config.get("swiglu_limit"),
+            "moe_router_pre_softmax": False, "expert_tensor_parallel_size": 1,
+            **({"window_size": (window - 1, 0)} if isinstance(window, int) else {})}
