@@ -24,7 +24,7 @@ from ckpttool.families import (
     map_to_hf,
     recognised,
 )
-from ckpttool.families import gpt_oss, mixtral, qwen2_moe, qwen2_vl
+from ckpttool.families import gpt_oss, llava, mixtral, qwen2_moe, qwen2_vl
 from ckpttool.families.adapter import HF_TP_RULES, REPLICATE, SHARD0, SHARD1
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core
 from ckpttool.families.rules import Rename
@@ -47,8 +47,8 @@ def _llama() -> ModelInfo:
 # --- the registry -------------------------------------------------------------------------------------------------
 
 def test_every_family_and_convention_is_registered_once_by_its_name():
-    assert [a.name for a in ADAPTERS] == ["mixtral", "qwen2_moe", "qwen2_5_vl", "gpt_oss"]
-    assert ADAPTERS == [mixtral.ADAPTER, qwen2_moe.ADAPTER, qwen2_vl.ADAPTER, gpt_oss.ADAPTER]
+    assert [a.name for a in ADAPTERS] == ["mixtral", "qwen2_moe", "qwen2_5_vl", "llava", "gpt_oss"]
+    assert ADAPTERS == [mixtral.ADAPTER, qwen2_moe.ADAPTER, qwen2_vl.ADAPTER, llava.ADAPTER, gpt_oss.ADAPTER]
     assert [c.name for c in CONVENTIONS] == ["Megatron-Core", "DeepSpeed MoE", "torchtitan", "HuggingFace"]
     assert CONVENTIONS[-1] is hf.CONVENTION  # the catch-all is asked last
 

@@ -10,7 +10,7 @@ line in :data:`CONVENTIONS` (see ``docs/adding-a-family.md``).
 from __future__ import annotations
 
 from ckpttool.errors import ConfigError
-from ckpttool.families import gpt_oss, mixtral, qwen2_moe, qwen2_vl
+from ckpttool.families import gpt_oss, llava, mixtral, qwen2_moe, qwen2_vl
 from ckpttool.families.adapter import Convention, FamilyAdapter
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, torchtitan
 from ckpttool.layout.layout import Layout
@@ -21,6 +21,7 @@ ADAPTERS: list[FamilyAdapter] = [
     mixtral.ADAPTER,
     qwen2_moe.ADAPTER,
     qwen2_vl.ADAPTER,
+    llava.ADAPTER,
     gpt_oss.ADAPTER,
 ]
 

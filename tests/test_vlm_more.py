@@ -1,0 +1,192 @@
+"""More vision-language models from torch FSDP2 + DCP (fixtures/make_vlm.py): Gemma 3 with vision (the LLaVA family's
+renames, a tied head), Qwen3-VL (deepstack mergers) and Qwen3-VL-MoE (stacked experts). Each merges into exactly
+what ``save_pretrained`` writes, loads strictly into the class ``config.architectures`` names and gives the
+reference's logits on text and on an image."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from ckpttool.families import adapter_for, map_from_hf, tied_on_disk
+from ckpttool.families.rules import cut
+from ckpttool.layout.layout import TensorLayout
+from ckpttool.model.architecture import model_info, read_config
+from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, load_output, tree_digest
+
+#: fixture -> (the class transformers builds, the adapter serving it, a name only its on-disk layout has)
+CASES = {
+    "gemma3_vl_fsdp2_dcp": ("Gemma3ForConditionalGeneration", "llava", "vision_tower.encoder.layers.1.mlp.fc2.weight"),
+    "qwen3_vl_fsdp2_dcp": ("Qwen3VLForConditionalGeneration", "qwen3_vl",
+                           "model.visual.deepstack_merger_list.1.linear_fc2.weight"),
+    "qwen3_vl_moe_fsdp2_dcp": ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe",
+                               "model.language_model.layers.1.mlp.experts.gate_up_proj"),
+}
+
+TINY_TEXT = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=300)
+TINY_SIGLIP = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                   num_attention_heads=2, image_size=16, patch_size=4)
+#: LLaVA-family configs transformers aliases to "llava": the adapter's renames must give their save_pretrained names
+LLAVA_FAMILY = {
+    "llava": dict(model_type="llava", text_config=TINY_TEXT, image_token_index=299, tie_word_embeddings=False,
+                  vision_config=dict(TINY_SIGLIP, model_type="clip_vision_model")),
+    "paligemma": dict(model_type="paligemma", text_config=dict(TINY_TEXT, model_type="gemma", head_dim=16),
+                      vision_config=TINY_SIGLIP, image_token_index=299),
+    "mistral3": dict(model_type="mistral3", text_config=dict(TINY_TEXT, model_type="mistral"), image_token_index=299,
+                     vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, image_size=16, patch_size=4, head_dim=8)),
+}
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    """Each fixture merged once, by the CLI: name -> (output folder, its terminal output)."""
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    done = {}
+    for name in CASES:
+        out = tmp_path_factory.mktemp(name) / "merged"
+        result = CliRunner().invoke(main, ["merge", str(fixture_dir(name) / "checkpoint"), str(out)],
+                                    catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        done[name] = (out, result.output)
+    return done
+
+
+def _info(name: str):
+    return model_info(read_config(fixture_dir(name) / "checkpoint" / "config.json"))
+
+
+@pytest.mark.parametrize("name", sorted(LLAVA_FAMILY))
+def test_one_adapter_serves_the_llava_family_as_transformers_reverts_it(name):
+    """transformers' conversion mapping shares one entry across LLaVA, PaliGemma, Mistral 3 and Gemma 3: the
+    adapter's renames, run forwards on the in-memory names, give exactly its reverted on-disk names and shapes."""
+    info = model_info(LLAVA_FAMILY[name])
+    family = adapter_for(info)
+    assert info.family == "llava" and family.name == "llava"
+    forward = {}
+    for fqn, shape in info.memory_shapes.items():
+        if fqn not in info.tied:
+            (spec,) = cut(TensorLayout(fqn, shape, "", ()), fqn, family.rules)
+            forward[spec.name] = spec.shape
+    assert forward == dict(info.disk_shapes)
+
+
+def test_gemma3_tied_head_is_named_on_disk_as_its_partner_is():
+    """The tied head is dropped under its on-disk name (``language_model.lm_head.weight``) and split gives it back
+    from the embedding's on-disk name."""
+    info = _info("gemma3_vl_fsdp2_dcp")
+    tied = tied_on_disk(info)
+    assert tied["language_model.lm_head.weight"] == "language_model.model.embed_tokens.weight"
+    assert tied["lm_head.weight"] == "language_model.model.embed_tokens.weight"
+    back = {t.name: [s.source for s in t.slices] for t in map_from_hf(info)}
+    assert back["lm_head.weight"] == ["language_model.model.embed_tokens.weight"]
+    assert back["model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"] == [
+        "vision_tower.encoder.layers.0.self_attn.q_proj.weight"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_merge_is_bit_exact_with_save_pretrained(merged, name):
+    klass, family, on_disk = CASES[name]
+    out, output = merged[name]
+    ours, want = load_output(out), load_output(fixture_dir(name) / "reference")
+    assert sorted(ours) == sorted(want) and on_disk in ours
+    for fqn, tensor in want.items():
+        assert ours[fqn].dtype == tensor.dtype and torch.equal(ours[fqn], tensor), fqn
+    assert "audit: PASS" in output
+    assert ("family:   gemma3 as llava (its rules)" if family == "llava" else
+            f"family:   {family} (names as transformers saves them)") in output
+    assert (out / "preprocessor_config.json").read_bytes() == (
+        fixture_dir(name) / "checkpoint" / "preprocessor_config.json").read_bytes()
+    assert _info(name).architecture == klass
+
+
+def _image_inputs(model) -> dict[str, torch.Tensor]:
+    """A 16x16 synthetic image (4x4 patches of 4 pixels) and a prompt holding its 4 image tokens, as the model's
+    processor would give them: Gemma 3 a pixel grid, Qwen3-VL its flattened temporal patches and their grid."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(0)
+    if cfg.model_type == "gemma3":
+        image = [cfg.boi_token_index] + [cfg.image_token_index] * cfg.mm_tokens_per_image + [cfg.eoi_token_index]
+        return dict(input_ids=torch.tensor([[1, 5, *image, 9, 2]]),
+                    pixel_values=torch.randn(1, 3, 16, 16, generator=gen))
+    image = [cfg.vision_start_token_id] + [cfg.image_token_id] * 4 + [cfg.vision_end_token_id]
+    ids = torch.tensor([[1, 5, *image, 9, 2]])
+    return dict(input_ids=ids, mm_token_type_ids=(ids == cfg.image_token_id).int(),
+                pixel_values=torch.randn(16, 3 * 2 * 4 * 4, generator=gen), image_grid_thw=torch.tensor([[1, 4, 4]]))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_merged_loads_strictly_and_gives_the_references_logits_on_text_and_image(merged, name):
+    from transformers import AutoModelForImageTextToText
+
+    out, _ = merged[name]
+    ours, loading = AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+    assert type(ours).__name__ == CASES[name][0]
+    assert not any(loading[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), loading
+    reference = AutoModelForImageTextToText.from_pretrained(fixture_dir(name) / "reference", dtype=torch.float32)
+    text = torch.tensor([[1, 5, 9, 17, 30, 2]])
+    inputs = _image_inputs(ours)
+    blind = dict(inputs, pixel_values=torch.zeros_like(inputs["pixel_values"]))
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=text).logits, reference(input_ids=text).logits)
+        got, want, dark = ours(**inputs).logits, reference(**inputs).logits, ours(**blind).logits
+    assert torch.equal(got, want)
+    assert not torch.equal(got, dark)  # the image went through the vision tower
+
+
+def test_gemma3_split_to_dcp_gives_back_what_fsdp2_saved(merged, tmp_path, cli):
+    """The way back: ``split --to dcp --fsdp 2`` of the merged Gemma 3 gives FSDP2's names (the tied head from the
+    embedding), chunks and values."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    sys.path.insert(0, str(FIXTURES))
+    import make_fixtures
+
+    out, _ = merged["gemma3_vl_fsdp2_dcp"]
+    split = tmp_path / "split"
+    result = cli("split", out, split, "--to", "dcp", "--fsdp", "2")
+    assert result.exit_code == 0, result.output
+    source = fixture_dir("gemma3_vl_fsdp2_dcp") / "checkpoint"
+    got = make_fixtures.read_checkpoint_no_dist(split, hf=False)
+    want = make_fixtures.read_checkpoint_no_dist(source, hf=False)
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+
+    def chunks(path):
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks) for k, v in meta.items()}
+
+    assert chunks(split) == chunks(source)
+
+
+def test_a_gemma3_checkpoint_without_its_projector_is_refused_naming_it(tmp_path, cli):
+    """A training script that saved everything but the multi-modal projector: merge refuses it (exit 1), naming the
+    two missing tensors under their on-disk names; nothing is written, the source is untouched."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    sys.path.insert(0, str(FIXTURES))
+    import make_fixtures
+
+    source = fixture_dir("gemma3_vl_fsdp2_dcp") / "checkpoint"
+    state = make_fixtures.read_checkpoint_no_dist(source, hf=False)
+    dropped = tmp_path / "dropped"
+    dcp.save({k: v for k, v in state.items() if not k.startswith("model.multi_modal_projector.")},
+             checkpoint_id=str(dropped), no_dist=True)
+    shutil.copy(source / "config.json", dropped)
+    before = tree_digest(dropped)
+    out = tmp_path / "out"
+    result = cli("merge", dropped, out)
+    assert_failed_cleanly(result, out, "does not match its gemma3 config (2 problems)",
+                          "'multi_modal_projector.mm_input_projection_weight': expected by the config but not in "
+                          "the checkpoint",
+                          "'multi_modal_projector.mm_soft_emb_norm.weight': expected by the config but not in the "
+                          "checkpoint")
+    assert tree_digest(dropped) == before
