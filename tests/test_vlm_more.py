@@ -190,3 +190,47 @@ def test_a_gemma3_checkpoint_without_its_projector_is_refused_naming_it(tmp_path
                           "'multi_modal_projector.mm_soft_emb_norm.weight': expected by the config but not in the "
                           "checkpoint")
     assert tree_digest(dropped) == before
+
+
+# --- issue 30: a transformers-distributed save of a VLM -----------------------------------------------------------
+
+HF_TP2 = "qwen2_5_vl_hf_tp2"
+
+
+def test_a_transformers_distributed_vlm_save_merges_bit_exact(tmp_path, cli):
+    """transformers' own TP (``DistributedConfig(tp_size=2)``) + ``save_pretrained(distributed_checkpoint=True)`` of
+    a Qwen2.5-VL: the config is read next to the shards and the merge is what ``save_pretrained`` writes."""
+    out = tmp_path / "out"
+    result = cli("merge", fixture_dir(HF_TP2) / "checkpoint", out)
+    assert result.exit_code == 0, result.output
+    assert "(hf-distributed)" in result.output and "family:   qwen2_5_vl (its rules)" in result.output
+    ours, want = load_output(out), load_output(fixture_dir(HF_TP2) / "reference")
+    assert sorted(ours) == sorted(want)
+    assert all(ours[k].dtype == want[k].dtype and torch.equal(ours[k], want[k]) for k in want)
+    assert (out / "preprocessor_config.json").is_file()
+
+
+def test_a_distributed_save_whose_config_transformers_cannot_build_names_why_not_a_missing_config(tmp_path, cli):
+    """The refusal of issue 30 said "put config.json in or next to the checkpoint" while it was there: a config of
+    a model type transformers does not know (remote code, here ``internvl_chat``) now says so, for merge and audit
+    (exit 1, nothing written, the source untouched)."""
+    import json
+    import shutil
+
+    source = tmp_path / "checkpoint"
+    shutil.copytree(fixture_dir(HF_TP2) / "checkpoint", source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(dict(config, model_type="internvl_chat")))
+    before = tree_digest(source)
+    out = tmp_path / "out"
+    needles = (f"'{source}': transformers distributed checkpoints record no global shapes; ckpttool takes them from "
+               f"the model config, and '{source / 'config.json'}' is there, but transformers ",
+               "has no causal-LM or image-text-to-text class for model_type 'internvl_chat', or does not know that "
+               "model type (a model of remote code)", "Pass --config with the config of a model transformers builds")
+    result = cli("merge", source, out)
+    assert_failed_cleanly(result, out, *needles)
+    assert "Put config.json in" not in result.output
+    audit = cli("audit", source)
+    assert audit.exit_code == 1, audit.output
+    assert all(n in audit.output for n in needles) and "Traceback" not in audit.output
+    assert tree_digest(source) == before
