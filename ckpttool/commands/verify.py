@@ -43,7 +43,9 @@ def verify(
 
     Returns:
         A :class:`VerifyResult`; ``result.ok`` is False when loading was not strict, the logits are not finite or
-        carry no information, or they differ from the reference's beyond the tolerance.
+        carry no information, or they differ from the reference's beyond the tolerance. A vision-language model
+        (Qwen2/2.5/3-VL, Gemma 3) runs a second forward with a small synthetic image (:mod:`ckpttool.verify.image`),
+        compared the same way (``result.image_comparison``).
 
     Every path is checked first (``out``, ``against``, ``text``), then each directory's configs, before a
     reference is merged or transformers reads a file. A directory whose configs name code to import
