@@ -5,6 +5,7 @@ reference's logits on text and on an image."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -282,3 +283,14 @@ def test_verify_of_a_vlm_without_a_known_image_layout_says_it_ran_text_only(tmp_
     assert image_input(tmp_path, {"model_type": "llama"}) is None
     note = image_input(tmp_path, {"model_type": "qwen3_vl", "vision_config": {"patch_size": 4}})
     assert note == "qwen3_vl is verified on text only: its config does not give the image layout ('spatial_merge_size')"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("PIL") is None, reason="no PIL: transformers builds no image processor")
+def test_verify_takes_the_image_through_the_checkpoints_own_processor_where_it_can_be_built(merged, cli):
+    """With PIL installed, the image processor is built from the copied ``preprocessor_config.json`` (no hub, no
+    remote code) and its pixels are fed (skipped where PIL is absent, as in the project's venv)."""
+    out, _ = merged["qwen3_vl_fsdp2_dcp"]
+    result = cli("verify", out, "--against", fixture_dir("qwen3_vl_fsdp2_dcp") / "checkpoint")
+    assert result.exit_code == 0, result.output
+    assert "image:     a synthetic 16x16 image through Qwen2VLImageProcessor" in result.output
+    assert "with the image: top-1 agreement 100.0%; max |Δlogit| 0 (0 of scale)" in result.output
