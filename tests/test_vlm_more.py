@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import transformers  # noqa: F401  (imported here, configs are described in this process: no subprocess per config)
 
 from ckpttool.families import adapter_for, map_from_hf, tied_on_disk
 from ckpttool.families.rules import cut
