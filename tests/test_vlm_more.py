@@ -10,7 +10,8 @@ import sys
 
 import pytest
 import torch
-import transformers  # noqa: F401  (imported here, configs are described in this process: no subprocess per config)
+# imported with the module: configs are then described in this process (no subprocess importing it per config)
+from transformers import AutoModelForImageTextToText
 
 from ckpttool.families import adapter_for, map_from_hf, tied_on_disk
 from ckpttool.families.rules import cut
@@ -125,8 +126,6 @@ def _image_inputs(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_merged_loads_strictly_and_gives_the_references_logits_on_text_and_image(merged, name):
-    from transformers import AutoModelForImageTextToText
-
     out, _ = merged[name]
     ours, loading = AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
     assert type(ours).__name__ == CASES[name][0]
