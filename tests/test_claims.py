@@ -24,7 +24,7 @@ EXPECTED = {
     "deepseek_v3_hf_mtp": "hf", "quantized_": "hf", "hf_bin_": "hf", "incident_": "hf", "qwen2_5_vl_fsdp2_dcp": "dcp", "torch_v2_": "dcp",
     "hf_tf4_": "hf", "hf_accelerate_": "hf", "gpt_oss_fsdp2_dcp": "dcp", "gpt_oss_hf_ep2": "hf-distributed",
     "megatron_v": "megatron-dist",  # megatron_v<major>_<minor>_<case>: torch_dist/ (and legacy/), no checkpoint/
-    "torchtitan_": "dcp",
+    "torchtitan_": "dcp", "lora_": "hf",
 }
 
 
