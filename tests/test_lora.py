@@ -254,3 +254,50 @@ def test_expert_lora_on_stacked_parameters_is_refused_by_name(cli, tmp_path):
     _refused(cli, tmp_path, adapter, f"'{adapter / 'adapter_config.json'}': target_parameters = "
              "['mlp.experts.gate_up_proj']: LoRA on stacked expert parameters (PEFT's ParamWrapper over an MoE's "
              "gate_up_proj / down_proj) is not fused yet; LoRA on a 2-D weight is")
+
+
+# the proof of a fuse (ckpttool.lora.audit) ----------------------------------------------------------------------------
+
+
+def test_the_merge_audit_proves_the_fuse(fused):
+    audit = json.loads((fused["lora_llama"] / "ckpttool-audit.json").read_text())
+    assert not [f for f in audit["findings"] if f["code"].startswith("lora-")]
+
+
+def test_an_untrained_adapter_stops_the_publish(cli, tmp_path):
+    def zero(tensors):
+        for key in [k for k in tensors if "lora_B" in k]:
+            tensors[key] = torch.zeros_like(tensors[key])
+
+    adapter = _llama_adapter(tmp_path, zero)
+    out = tmp_path / "out"
+    result = cli("merge", LLAMA / "checkpoint", out, "--adapter", adapter)
+    assert_failed_cleanly(result, out, "Error: the merged checkpoint fails its audit (1 error); nothing was published",
+                          f"  - [lora-untrained] '{adapter}': every lora_B of the adapter is zero (14 modules): it was "
+                          "never trained, and the fused output equals the base. Is it the adapter of the last step?")
+
+
+def test_a_fuse_that_wrote_the_base_is_caught(cli, tmp_path, monkeypatch):
+    import ckpttool.execute.executor as executor
+
+    monkeypatch.setattr(executor, "fuse_rows", lambda weight, deltas, start, stop: weight)  # the delta left out
+    out = tmp_path / "out"
+    result = cli("merge", LLAMA / "checkpoint", out, "--adapter", LLAMA / "adapter")
+    assert_failed_cleanly(result, out, "Error: the merged checkpoint fails its audit (14 errors)",
+                          "[lora-delta-mismatch] 'model.layers.0.self_attn.q_proj.weight': rows 0..32 "
+                          f"are not the base's plus scaling * B @ A of '{LLAMA / 'adapter'}'")
+
+
+def test_an_untargeted_tensor_changed_is_caught(tmp_path):
+    from ckpttool.commands.merge import prepare
+    from ckpttool.lora.audit import fuse_findings
+
+    out = tmp_path / "out"
+    out.mkdir()
+    tensors = load_file(LLAMA / "checkpoint" / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
+    save_file(tensors, str(out / "model.safetensors"))
+    plan = prepare(LLAMA / "checkpoint").plan
+    found = fuse_findings(plan, out, {t.name: "model.safetensors" for t in plan.targets})
+    assert [(f.code, f.tensor, f.message) for f in found] == [
+        ("lora-untargeted-changed", "model.norm.weight", "'model.norm.weight': row 0 differs from the base's, and no adapter targets it")]

@@ -15,7 +15,7 @@ from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError
 from ckpttool.families.quantize import output_config as quantized_config
 from ckpttool.families.quantize import quantize_block
 from ckpttool.families.quantized import output_config, scale_names
-from ckpttool.findings import Report
+from ckpttool.findings import Finding, Report, sort_findings
 from ckpttool.fast.jsontext import dumps as json_text
 from ckpttool.commands.source import plan_source
 from ckpttool.families.source import Planned
@@ -329,7 +329,8 @@ def finish_output(
     written = write_extras(path, quantized_config(output_config(config, dequantizing), plan), search, dtype_written)
     found = None
     if audit:
-        found = _audit_output(path, staging.dest, config is not None, config_label, model)
+        fused = _fuse_findings(plan, files, path)
+        found = _audit_output(path, staging.dest, config is not None, config_label, model, fused)
         written.append(AUDIT_FILE)
     if verify_forward:
         _verify_forward(path, staging.dest, config is not None)
@@ -374,14 +375,29 @@ def _names_another(value: object, dtype: str) -> bool:
         return True
 
 
-def _audit_output(staging: Path, dest: Path, has_config: bool, config_label: str | None, model: ModelInfo | None) -> Report:
-    """The shape audit (headers only) of what was written; its report goes beside the weights."""
+def _fuse_findings(plan: Plan, files: tuple[OutputFile, ...], staging: Path) -> list[Finding]:
+    """The proof of a LoRA fuse (:mod:`ckpttool.lora.audit`) when the plan fuses adapters; none otherwise."""
+    if not any(t.lora for t in plan.targets):
+        return []
+    from ckpttool.lora.audit import fuse_findings
+
+    return fuse_findings(plan, staging, {t.name: f.name for f in files for t in f.targets})
+
+
+def _audit_output(staging: Path, dest: Path, has_config: bool, config_label: str | None, model: ModelInfo | None,
+                  extra: Sequence[Finding] = ()) -> Report:
+    """The shape audit (headers only) of what was written, with ``extra`` findings (a fuse's); its report goes beside
+    the weights."""
     from ckpttool.audit import check  # imported when a merge writes (a dry run needs none of the audit)
+    from ckpttool.audit.causes import group_findings
 
     config_path = staging / "config.json" if has_config else None
     config = read_config(config_path) if config_path is not None else None
     report = replace(check(staging, config_path=config_path, config=config, model=model, data=False),
                      source=str(dest), config=config_label)
+    if extra:
+        findings = sort_findings((*report.findings, *extra))
+        report = replace(report, findings=findings, causes=group_findings(findings))
     write_text(staging / AUDIT_FILE, json_text(report.to_json()) + "\n")  # json.dumps(indent=2)'s text, faster
     if report.errors:
         raise AuditError(report, str(dest))
