@@ -280,7 +280,7 @@ def test_an_untrained_adapter_stops_the_publish(cli, tmp_path):
 def test_a_fuse_that_wrote_the_base_is_caught(cli, tmp_path, monkeypatch):
     import ckpttool.execute.executor as executor
 
-    monkeypatch.setattr(executor, "fuse_rows", lambda weight, deltas, start, stop: weight)  # the delta left out
+    monkeypatch.setattr(executor, "fuse_rows", lambda weight, *rest: weight)  # the delta left out
     out = tmp_path / "out"
     result = cli("merge", LLAMA / "checkpoint", out, "--adapter", LLAMA / "adapter")
     assert_failed_cleanly(result, out, "Error: the merged checkpoint fails its audit (14 errors)",

@@ -139,7 +139,9 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
             sizes[name] = max(sizes.get(name, 0), n)
     if target.lora:  # the adapter's A, B's rows and the float32 temporaries of the fuse (ckpttool.lora.delta)
         cols = math.prod(target.shape[1:])
-        sizes["lora"] = max(d.temporary_bytes(chunk.stop - chunk.start, cols) for d in target.lora)
+        rows = chunk.stop - chunk.start
+        sizes["lora"] = max(d.product_bytes(rows, cols) for d in target.lora)
+        sizes["lora-inputs"] = max(d.temporary_bytes(rows) for d in target.lora)
         sizes["chunk"] = max(sizes.get("chunk", 0), (chunk.stop - chunk.start) * cols * itemsize(target.source_dtype))
     if target.dequant is not None:
         extra = codec(target.dequant.method, target.dequant.params).scratch_bytes(

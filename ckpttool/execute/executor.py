@@ -95,7 +95,7 @@ def _compute_row_bytes(target: Target, row: int) -> int:
     """Bytes one row of ``target`` takes at its largest: an encoder's float32 copy of its source rows, or a fused
     target's float32 product, delta and sum (:mod:`ckpttool.lora.delta`)."""
     if target.lora:
-        return max(row, 3 * 4 * math.prod(target.shape[1:]))
+        return max(row, 8 * math.prod(target.shape[1:]))
     if target.dequant is None or not target.dequant.stored:
         return row
     a, b = codec(target.dequant.method, target.dequant.params).stored_rows(0, 1)
@@ -154,9 +154,9 @@ def build(chunk: Chunk, reader: Reader, *, check_scales: bool = True) -> torch.T
         pre = _gather(target.copies, transformed_rows(chunk), target.source_dtype, reader, "chunk")
         out = target.transform.apply(pre, target.shape, chunk.start, chunk.stop, target.source_dtype, reader.scratch)
     else:
-        out = _gather(target.copies, chunk_rows(chunk), target.source_dtype, reader, "chunk")
-    if target.lora:  # W + scale * B @ A on these rows, as PEFT's merge adds it, before any cast
-        out = fuse_rows(out, target.lora, chunk.start, chunk.stop)
+        out = _gather(target.copies, chunk_rows(chunk), target.source_dtype, reader, "chunk", view=not target.lora)
+    if target.lora:  # W + scale * B @ A on these rows (the thread's own copy), as PEFT's merge adds it, before any cast
+        out = fuse_rows(out, target.lora, chunk.start, chunk.stop, reader.scratch)
     if target.dtype != target.source_dtype:
         out = reader.scratch("cast", tuple(out.shape), target.dtype).copy_(out)
     return out

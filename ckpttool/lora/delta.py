@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckpttool.errors import SourceError
 from ckpttool.fast.deferred import torch
 from ckpttool.io.dtypes import itemsize, torch_dtype
 from ckpttool.io.paths import source_os_error
+
+#: the executor's per-thread buffers: ``scratch(name, shape, dtype)`` (:meth:`ckpttool.execute.reads.Reader.scratch`)
+Scratch = Callable[[str, tuple[int, ...], str], "torch.Tensor"]
 
 #: a fused target's chunks are whole blocks of this many rows (see the module docstring)
 ROW_ALIGN = 256
@@ -101,9 +105,10 @@ class LoraDelta:
     def rank(self) -> int:
         return self.a.shape[0]
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
+    def rows(self, start: int, stop: int, scratch: Scratch | None = None) -> torch.Tensor:
         """Rows ``start..stop`` of the delta as PEFT's ``get_delta_weight`` computes them (float32, or float64 for a
-        float64 adapter)."""
+        float64 adapter): the product into ``scratch("lora", shape, dtype)`` when given (the executor's per-thread
+        buffer, reused chunk after chunk), scaled in place: the same operations, so the same bits."""
         if self.fan_in_fan_out:
             a = self.a.read_rows(0, self.a.shape[0])[:, start:stop]
             b = self.b.read_rows(0, self.b.shape[0])
@@ -112,21 +117,35 @@ class LoraDelta:
             b = self.b.read_rows(start, stop)
         if self.b.dtype in CAST_UP:
             a, b = a.float(), b.float()
-        product = b @ a
-        return (product.T if self.fan_in_fan_out else product) * self.scaling
+        if scratch is None:
+            product = b @ a
+        else:
+            dtype = "F64" if b.dtype == torch.float64 else "F32"
+            product = torch.matmul(b, a, out=scratch("lora", (b.shape[0], a.shape[1]), dtype))
+        return (product.T if self.fan_in_fan_out else product).mul_(self.scaling)
 
-    def temporary_bytes(self, rows: int, cols: int) -> int:
-        """The most memory :meth:`rows` and its add take for ``rows`` rows of a weight of ``cols`` columns: A and
-        the rows of B (float32 copies too), the product, the scaled delta and the promoted sum."""
-        ab = (self.a.shape[0] * self.a.shape[1] + rows * self.rank) * (itemsize(self.a.dtype) + 4)
-        return ab + 3 * rows * cols * 4
+    def temporary_bytes(self, rows: int) -> int:
+        """What :meth:`rows` reads and converts besides its product, for ``rows`` rows of a weight: A and the rows
+        of B (B whole with ``fan_in_fan_out``), and their float32 copies."""
+        b_rows = self.b.shape[0] if self.fan_in_fan_out else rows
+        return (self.a.shape[0] * self.a.shape[1] + b_rows * self.rank) * (itemsize(self.a.dtype) + 4)
+
+    def product_bytes(self, rows: int, cols: int) -> int:
+        """The product buffer (``scratch("lora")``) for ``rows`` rows of a weight of ``cols`` columns."""
+        return rows * cols * (8 if self.b.dtype == "F64" else 4)
 
 
-def fuse_rows(weight: torch.Tensor, deltas: tuple[LoraDelta, ...], start: int, stop: int) -> torch.Tensor:
+def fuse_rows(weight: torch.Tensor, deltas: tuple[LoraDelta, ...], start: int, stop: int,
+              scratch: Scratch | None = None) -> torch.Tensor:
     """Rows ``start..stop`` of the fused weight, in ``weight``'s dtype: each delta added in turn as PEFT's
-    ``merge`` adds it (``weight += delta``: computed in the promoted dtype, rounded to the weight's once)."""
-    out = weight.clone()
+    ``merge`` adds it (``weight += delta``: computed in the promoted dtype, rounded to the weight's once). With
+    ``scratch`` (the executor's per-thread buffers), ``weight`` is a buffer of the thread's own, added to in place,
+    and the product goes to the ``lora`` buffer; without, ``weight`` is left as it is and a new tensor returned."""
+    out = weight if scratch is not None else weight.clone()
     for delta in deltas:
-        rows = delta.rows(start, stop)
-        out += rows.to(out.dtype) if delta.rounded else rows
+        rows = delta.rows(start, stop, scratch)
+        if delta.rounded or rows.dtype == out.dtype:
+            out += rows.to(out.dtype)
+        else:  # PEFT's promoted add, float(W) + delta rounded once, without torch's promoted temporaries of W
+            out.copy_(rows.add_(out))  # (x + y == y + x in IEEE arithmetic, and copy_ rounds as the add's cast does)
     return out
