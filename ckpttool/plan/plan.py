@@ -13,6 +13,7 @@ import math
 import operator
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckpttool.io.dtypes import FLOAT_DTYPES, ITEMSIZES
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError
@@ -21,6 +22,9 @@ from ckpttool.layout.layout import Box, Layout, Piece, Shape, TensorLayout
 from ckpttool.layout.regions import uncovered
 from ckpttool.plan.tiling import Copy, Slice, check_tiling
 from ckpttool.plan.transforms import Transform
+
+if TYPE_CHECKING:  # data of the lora room, only named here
+    from ckpttool.lora.delta import LoraDelta
 
 __all__ = [  # Copy, Slice, check_tiling and uncovered live in .tiling and .regions; offered here from the start
     "Copy", "Dequantize", "Plan", "Slice", "Target", "TargetSpec", "Transform", "check_tiling", "identity_specs",
@@ -74,6 +78,9 @@ class Target:
     #: a transformed target: its copies fill ``transform.source_shape(shape)``, and it is ``transform`` of that
     #: (checked against ``shape``, its dims plain: see :meth:`~ckpttool.plan.transforms.Permute.bound`)
     transform: Transform | None = None
+    #: a fused target: the LoRA deltas (:class:`ckpttool.lora.delta.LoraDelta`) added to its rows, in order, in its
+    #: source dtype, before any cast (see :mod:`ckpttool.lora`)
+    lora: tuple[LoraDelta, ...] = ()
 
     @property
     def nbytes(self) -> int:
