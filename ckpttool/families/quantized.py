@@ -189,7 +189,8 @@ def _dequantized_packed(specs: Sequence[TargetSpec], by_name: Mapping[str, Targe
             aux = [base + "_shape", *(() if quant.symmetric else (base + "_zero_point",))]
             codec = PACKED_INT_GROUPS
         elif quant.method == packed.NVFP4_CT:
-            params, aux, codec = (("divide", True),), [base + "_shape", base + "_global_scale"], NVFP4_GROUPS
+            shape = [base + "_shape"] if base + "_shape" in by_name else []  # compressed-tensors writes none
+            params, aux, codec = (("divide", True),), [*shape, base + "_global_scale"], NVFP4_GROUPS
         else:
             params, aux, codec = (("divide", False),), [base + "_scale_2"], NVFP4_GROUPS
         logical = packed.logical_shape(quant.method, weight.shape, scale.shape, quant.bits, quant.block[1])

@@ -5,7 +5,8 @@ own arithmetic, so results are bit for bit its own decompressor's:
   when asymmetric, times ``s``, in the scale's dtype (bf16 most often: the product rounded once to bf16), then cast
   to the output dtype. The integer difference times a bf16 scale is exact in float32, so computing it in float32
   and rounding once to the scale's dtype is the same.
-- compressed-tensors ``nvfp4-pack-quantized``: ``fp4 * (float32(scale) / global_scale)`` in float32, rounded once.
+- compressed-tensors ``nvfp4-pack-quantized`` (its ``NVFP4PackedCompressor.decompress``): ``fp4 * (float32(scale) /
+  global_scale)`` in float32, rounded to bfloat16 (the dtype its unpacking gives), then cast to the output dtype.
 - ModelOpt NVFP4 (``NVFP4QTensor.dequantize``): ``fp4 * (float32(scale) * weight_scale_2)`` in float32, rounded
   once.
 
@@ -145,7 +146,7 @@ class Nvfp4:
     def check_aux(self, aux: tuple[torch.Tensor, ...], shape: tuple[int, ...]) -> str | None:
         """Why ``aux`` cannot serve a weight of ``shape`` (a ``weight_shape`` of another shape; a global scale that
         is NaN, infinite or zero), or None."""
-        if self.divide and (problem := _shape_problem(aux[0], shape)) is not None:
+        if len(aux) > 1 and (problem := _shape_problem(aux[0], shape)) is not None:
             return problem
         value = float(aux[-1].reshape(-1)[0])
         if not math.isfinite(value) or value == 0:
@@ -166,12 +167,15 @@ class Nvfp4:
         glob = aux[-1].reshape(1, 1).float()
         factors.div_(glob) if self.divide else factors.mul_(glob)
         values.mul_(factors.repeat_interleave(NVFP4_GROUP, dim=-1)[:, :width])
-        out.copy_(values)
+        if self.divide:  # compressed-tensors' decompressor returns its float32 product as bfloat16, its unpack dtype
+            out.copy_(scratch("rounded", (rows, width), "BF16").copy_(values))
+        else:
+            out.copy_(values)
 
     def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...], out_dtype: str) -> dict[str, int]:
         del out_dtype
         n = math.prod(stored)
-        return {"index": n * 4, "work": n * 2 * 4, "scale-f32": math.prod(scales) * 4}
+        return {"index": n * 4, "work": n * 2 * 4, "scale-f32": math.prod(scales) * 4, "rounded": n * 2 * 2 if self.divide else 0}
 
 
 #: the safetensors names of the 16-bit scale dtypes (the ``rounded`` scratch buffer's), by torch's name
