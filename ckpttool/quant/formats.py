@@ -71,10 +71,11 @@ class Quantization:
     """What a config's ``quantization_config`` declares.
 
     Attributes:
-        method: ``"fp8"`` or ``"mxfp4"``.
-        block: rows x columns sharing one scale (FP8: ``weight_block_size``; MXFP4: ``(1, 32)``).
+        method: ``"fp8"``, ``"mxfp4"``, or a packed method of :mod:`.packed`.
+        block: rows x columns sharing one scale (FP8: ``weight_block_size``; MXFP4: ``(1, 32)``; packed: ``(1,
+            group_size)``, ``(1, 0)`` for one scale per row).
         scale_fmt: FP8 ``"float"`` or ``"ue8m0"``; MXFP4 ``"e8m0"``.
-        weight_dtype: the safetensors dtype of the stored weights (``F8_E4M3``, ``F8_E5M2``, ``U8``).
+        weight_dtype: the safetensors dtype of the stored weights (``F8_E4M3``, ``F8_E5M2``, ``U8``, ``I32``).
         not_converted: ``modules_to_not_convert``, patterns as transformers matches them.
         label: the config it came from, for messages.
     """
