@@ -34,7 +34,7 @@ from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import TargetSpec, plan_covered
 from ckpttool.families import READER_TABLES, mtp_missing_note
-from ckpttool.families.quantized import scale_names
+from ckpttool.families.quantized import companion_names, scale_names
 from ckpttool.findings import Finding, Report, TensorStats, finding, sort_findings
 from ckpttool.families.source import plan_layout
 from ckpttool.readers import census, detect_format, hf, hf_distributed, read_layout
@@ -163,7 +163,8 @@ def check(
                                  tensor=f"model.layers.{first}" + (f"..{last}" if last > first else "")))
     scales = scale_names([t.name for t in plan.targets])
     found.extend(quantization_findings(planned.quantization))
-    found.extend(dtype_findings([t for t in plan.targets if t.name not in scales], config))
+    scales_or_companions = scales | companion_names([t.name for t in plan.targets])
+    found.extend(dtype_findings([t for t in plan.targets if t.name not in scales_or_companions], config))
     found.extend(tokenizer_findings(root, config_path, config))
 
     if data or read_scales:  # scales are few (one per block): read even when the weights are not

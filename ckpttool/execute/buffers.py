@@ -60,7 +60,8 @@ def chunk_inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
     if scale is None:
         return stored
     lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
-    return [*stored, (scale.copies, row_box(scale.shape, lo, hi))]
+    aux = [(a.copies, row_box(a.shape, 0, a.shape[0] if a.shape else 0)) for a in target.aux]
+    return [*stored, (scale.copies, row_box(scale.shape, lo, hi)), *aux]
 
 
 def transformed_rows(chunk: Chunk, stored: tuple[int, int] | None = None) -> Box:
@@ -114,7 +115,7 @@ def _signature(target: Target) -> tuple:
     return (target.shape, target.dtype, target.source_dtype, tuple(map(_copy_signature, target.copies)),
             None if dq is None else (dq.method, dq.params, dq.stored),
             None if scale is None else _signature(scale), target.transform,
-            tuple((d.a.shape, d.a.dtype, d.b.shape, d.fan_in_fan_out) for d in target.lora))
+            tuple((d.a.shape, d.a.dtype, d.b.shape, d.fan_in_fan_out) for d in target.lora), tuple(map(_signature, target.aux)))
 
 
 def _copy_signature(c: Copy) -> tuple:
@@ -174,7 +175,7 @@ def _read_copies(target: Target) -> tuple[tuple[Copy, ...], ...]:
     """The copies the chunks of ``target`` read, whatever their rows (see :func:`chunk_inputs`)."""
     if target.dequant is None or target.scale is None:
         return (target.copies,)
-    return (target.copies, target.scale.copies)
+    return (target.copies, target.scale.copies, *(aux.copies for aux in target.aux))
 
 
 def distinct_targets(targets: Iterable[Target]) -> list[Target]:

@@ -144,7 +144,7 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
         target = chunk.target
         found = archived.get(id(target))
         if found is None:
-            every = (*target.copies, *(target.scale.copies if target.scale is not None else ()))
+            every = _every_copy(target)
             found = archived[id(target)] = any(c.piece.encoding != RAW for c in every)
         if found:
             for copies, rows in chunk_inputs(chunk):
@@ -153,7 +153,10 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
 
 
 def _every_copy(target: Target) -> tuple[Copy, ...]:
-    return target.copies if target.scale is None else (*target.copies, *target.scale.copies)
+    if target.scale is None and not target.aux:
+        return target.copies
+    return (*target.copies, *(target.scale.copies if target.scale is not None else ()),
+            *(c for aux in target.aux for c in aux.copies))
 
 
 def build(chunk: Chunk, reader: Reader, *, check_scales: bool = True) -> torch.Tensor:
@@ -246,6 +249,14 @@ def _dequantize(chunk: Chunk, reader: Reader, check_scales: bool = True) -> torc
         if stored is None:
             stored = _gather(target.copies, rows, target.source_dtype, reader, "chunk")
     out = reader.scratch("cast", chunk_rows(chunk).sizes, target.dtype)
+    if target.aux:  # a packed weight's small inputs, whole: checked before any value is computed from them
+        aux = tuple(_gather(a.copies, row_box(a.shape, 0, a.shape[0] if a.shape else 0), a.source_dtype, reader,
+                            f"aux{i}", view=False) for i, a in enumerate(target.aux))
+        problem = compute.check_aux(aux, target.shape) if check_scales else None  # type: ignore[union-attr]
+        if problem is not None:
+            raise SourceError(f"'{target.name}': {problem}")
+        compute.decode(stored, scales, chunk.start, out, reader.scratch, aux=aux)  # type: ignore[call-arg]
+        return out
     measured = compute.decode(stored, scales, chunk.start, out, reader.scratch)  # type: ignore[arg-type]
     if measured is not None:
         reader.record(target.name, measured)
