@@ -90,6 +90,11 @@ CODES: dict[str, tuple[str, str]] = {
     "norm-outlier": (WARNING, "a layer's tensor whose RMS is far from the same tensor in the other layers"),
     "norm-convention": (ERROR, "norm weights centred on the other convention than the model type's (zero-centred "
                                "1 + w as in Gemma, or plain w as in Llama): every norm scales by about 2, or 0"),
+    # a LoRA fuse (merge --adapter): the output against its base and adapters (ckpttool.lora.audit)
+    "lora-untrained": (ERROR, "a fused LoRA adapter whose lora_B weights are all zero (never trained): the fuse left "
+                       "the base unchanged"),
+    "lora-delta-mismatch": (ERROR, "a fused tensor whose sampled rows are not the base's plus scaling * B @ A"),
+    "lora-untargeted-changed": (ERROR, "a tensor no adapter targets whose sampled rows differ from the base's"),
 }
 
 

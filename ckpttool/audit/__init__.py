@@ -34,10 +34,10 @@ from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import TargetSpec, plan_covered
 from ckpttool.families import READER_TABLES, mtp_missing_note
-from ckpttool.families.quantized import scale_names
+from ckpttool.families.quantized import companion_names, scale_names
 from ckpttool.findings import Finding, Report, TensorStats, finding, sort_findings
 from ckpttool.families.source import plan_layout
-from ckpttool.readers import census, detect_format, hf, read_layout
+from ckpttool.readers import census, detect_format, hf, hf_distributed, read_layout
 from ckpttool.audit.causes import group_findings
 from ckpttool.audit.config import (
     checkpoint_tokenizer_size,
@@ -104,6 +104,9 @@ def audit(
             model = model_info(config_dict, label=str(config_path))
         except ConfigError as e:  # the weights are still audited, as a generic checkpoint
             rejected = e
+        if model is None and fmt == hf_distributed.NAME:  # no generic audit: only the config gives its shapes
+            raise hf_distributed.undescribed(root, str(config_path), config_dict.get("model_type"),
+                                             None if rejected is None else f"transformers cannot use it ({rejected})")
         if model is None:
             invalid = unloadable_findings(config_path, config_dict, rejected, hf_directory=fmt == hf.NAME)
     return check(root, config_path=config_path, config=config_dict, model=model, format=fmt, data=data,
@@ -160,7 +163,8 @@ def check(
                                  tensor=f"model.layers.{first}" + (f"..{last}" if last > first else "")))
     scales = scale_names([t.name for t in plan.targets])
     found.extend(quantization_findings(planned.quantization))
-    found.extend(dtype_findings([t for t in plan.targets if t.name not in scales], config))
+    scales_or_companions = scales | companion_names([t.name for t in plan.targets])
+    found.extend(dtype_findings([t for t in plan.targets if t.name not in scales_or_companions], config))
     found.extend(tokenizer_findings(root, config_path, config))
 
     if data or read_scales:  # scales are few (one per block): read even when the weights are not

@@ -22,7 +22,7 @@ from ckpttool.model.architecture import ModelInfo
 from ckpttool.io.dtypes import FLOAT_DTYPES, dtype_name
 from ckpttool.plan.plan import Target, TargetSpec
 from ckpttool.errors import ConfigError, SourceError
-from ckpttool.families import keeps_dtype
+from ckpttool.families import keeps_dtype, tied_on_disk
 from ckpttool.findings import Finding, TensorStats, finding
 from ckpttool.io.paths import JSON_LIMIT, read_source
 from ckpttool.readers import hf
@@ -183,8 +183,9 @@ def tokenizer_size(path: Path) -> int | None:
 
 def tie_findings(tied: Sequence[TargetSpec], model: ModelInfo, stats: Mapping[str, TensorStats], data: bool) -> list[Finding]:
     found = []
+    partners = tied_on_disk(model)
     for spec in tied:
-        partner = model.tied[spec.name]
+        partner = partners[spec.name]
         if not data:
             found.append(finding(
                 "tie-mismatch",

@@ -182,6 +182,9 @@ def main() -> None:
               "Megatron or DeepSpeed MoE source as it recorded them (transformers cannot load them); refused without it.")
 @click.option("--drop", multiple=True, metavar="NAME|REGEX", help="Leave out the tensors this name or regular expression "
               "matches (whole HuggingFace names; repeatable), e.g. an extra tensor the architecture lacks.")
+@click.option("--adapter", "adapters", multiple=True, metavar="ADAPTER", type=click.Path(path_type=str),
+              help="Fuse this PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors or .bin) into "
+              "the weights, as PEFT's merge_and_unload does (repeatable: fused in the order given).")
 @click.option("--workers", type=click.IntRange(1, 256), default=DEFAULT_WORKERS, show_default=True, help="Threads reading and writing at once.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing on success: no progress bar, no summary; warnings and errors "
@@ -191,7 +194,7 @@ def merge_command(
     src: str, out: str | None, fmt: str | None, config: str | None, dtype: str | None, max_shard_size: str, weights: str | None,
     dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, workers: int, as_json: bool, quiet: bool,
     verbose: int, quantize: str | None = None, block: tuple[int, int] | None = None, verify_forward: bool = False,
-    raw_names: bool = False, drop: tuple[str, ...] = (),
+    raw_names: bool = False, drop: tuple[str, ...] = (), adapters: tuple[str, ...] = (),
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT.
 
@@ -213,6 +216,7 @@ def merge_command(
         src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
         force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar, weights=weights,
         quantize=quantize, block=block, verify_forward=verify_forward, raw_names=raw_names, drop=drop,
+        **({"adapters": adapters} if adapters else {}),
     ), bar)
     if _printed_as_json(result, as_json):
         return

@@ -61,6 +61,8 @@ def print_result(result: MergeResult, verbose: int) -> None:
                 shape = shapes[dims] = "x".join(map(str, dims)) or "scalar"
             pieces = counted(len(t.copies), "piece")
             through = f", {escaped(t.transform.name)}" if t.transform is not None else ""  # an index map of its pieces
+            if t.lora:  # a fused target: which adapters change it
+                through += "".join(f", + LoRA of '{shown(d.adapter)}'" for d in t.lora)
             lines.append(f"  {shown(t.name)}  {t.dtype} [{shape}]  <- {', '.join(map(shown, t.sources))} ({pieces}{through})")
             if len(lines) == ECHO_LINES:
                 click.echo("\n".join(lines))

@@ -16,11 +16,14 @@ from ckpttool.families.quantize import output_config as quantized_config
 from ckpttool.families.quantize import MXFP4_DTYPE, quantize_block
 from ckpttool.quant.formats import MXFP4
 from ckpttool.families.quantized import output_config, scale_names
-from ckpttool.findings import Report
+from ckpttool.findings import Finding, Report, sort_findings
 from ckpttool.fast.jsontext import dumps as json_text
 from ckpttool.commands.source import plan_source
 from ckpttool.families.source import Planned
 from ckpttool.quant.encode import RoundTrip
+from ckpttool.lora.adapter import read_adapter
+from ckpttool.lora.attach import attach_adapters
+from ckpttool.families.registry import adapter_for
 from ckpttool.writers.destination import AUDIT_FILE, Staging, check_destination
 from ckpttool.writers.hf import (
     OutputFile,
@@ -94,7 +97,9 @@ class MergeResult:
             "notes": list(self.plan.notes),
             "targets": [
                 {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "pieces": len(t.copies), "sources": list(t.sources),
-                 **({"transform": t.transform.name} if t.transform is not None else {})}
+                 **({"transform": t.transform.name} if t.transform is not None else {}),
+                 **({"lora": [{"adapter": d.adapter, "rank": d.rank, "scaling": d.scaling} for d in t.lora]}
+                    if t.lora else {})}
                 for t in self.plan.targets
             ],
             "audit": self.audit.to_json() if self.audit is not None else None,
@@ -159,6 +164,7 @@ def merge(
     verify_forward: bool = False,
     raw_names: bool = False,
     drop: Sequence[str] = (),
+    adapters: Sequence[str | Path] = (),
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
 
@@ -198,6 +204,9 @@ def merge(
             name (a tensor the architecture does not have is otherwise an error); each must match one. The
             model's non-persistent buffers (``rotary_emb.inv_freq``), which some savers write, are dropped
             without asking, with a note.
+        adapters: PEFT LoRA adapter folders to fuse into the weights, in order (see :mod:`ckpttool.lora`): each
+            targeted weight is written as ``W + scaling * B @ A`` computed as PEFT 0.21's ``merge_and_unload``
+            computes it, chunk by chunk; the plan's notes name each adapter and the tensors it changed.
 
     Under ``torchrun --nproc_per_node N`` every process calls this; output files are shared out among them
     by bytes (see :mod:`ckpttool.execute.distributed`) and every process returns the same result.
@@ -212,6 +221,8 @@ def merge(
         SourceError, ConfigError, DestinationError: bad input, config or destination; nothing is written.
             ConfigError too, without ``raw_names``, for a source whose names are not HuggingFace's and that no
             config maps.
+        SourceError: too for an adapter that cannot be read or fused (a module not in the base, shapes that do
+            not fit, DoRA); the message names its file and tensor.
         ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``; ``quantize``
             unknown, ``"fp8"`` given with ``dtype``, or ``"mxfp4"`` with ``block``.
 
@@ -235,11 +246,15 @@ def merge(
         if not raw_names:
             prepared.refuse_raw_names()
         plan = prepared.plan
+        read = [read_adapter(a) for a in adapters]
+        if read and quantizing is not None:
+            raise ArgumentError("quantize='fp8' with adapters: fuse first (a merge given adapters=), then quantize")
+        plan = attach_adapters(plan, read, adapter_for(prepared.model).rules if prepared.model is not None else ())
         if not plan.targets:
             raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
         files = tuple(assign_files(plan, max_shard_size))
         if dest is not None:
-            check_destination(dest, [root], force)
+            check_destination(dest, [root, *map(Path, adapters)], force)
         extras: list[str] = []
         report, kept, restored = None, 0, None
         if dest is not None and not dry_run:
@@ -248,7 +263,7 @@ def merge(
             owner = share_out([f.nbytes for f in files], group.world)
             mine = [f for f, rank in zip(files, owner) if rank == group.rank]
             identity = plan_id(plan, files)
-            staging = Staging(dest, sources=[root], force=force, resume=resume)
+            staging = Staging(dest, sources=[root, *map(Path, adapters)], force=force, resume=resume)
             entered, restored = group.on_rank0(lambda: _enter(staging, identity))
             path = Path(entered)
             try:
@@ -319,7 +334,8 @@ def finish_output(
     written = write_extras(path, quantized_config(output_config(config, dequantizing), plan), search, dtype_written)
     found = None
     if audit:
-        found = _audit_output(path, staging.dest, config is not None, config_label, model)
+        fused = _fuse_findings(plan, files, path)
+        found = _audit_output(path, staging.dest, config is not None, config_label, model, fused)
         written.append(AUDIT_FILE)
     if verify_forward:
         _verify_forward(path, staging.dest, config is not None)
@@ -364,14 +380,29 @@ def _names_another(value: object, dtype: str) -> bool:
         return True
 
 
-def _audit_output(staging: Path, dest: Path, has_config: bool, config_label: str | None, model: ModelInfo | None) -> Report:
-    """The shape audit (headers only) of what was written; its report goes beside the weights."""
+def _fuse_findings(plan: Plan, files: tuple[OutputFile, ...], staging: Path) -> list[Finding]:
+    """The proof of a LoRA fuse (:mod:`ckpttool.lora.audit`) when the plan fuses adapters; none otherwise."""
+    if not any(t.lora for t in plan.targets):
+        return []
+    from ckpttool.lora.audit import fuse_findings
+
+    return fuse_findings(plan, staging, {t.name: f.name for f in files for t in f.targets})
+
+
+def _audit_output(staging: Path, dest: Path, has_config: bool, config_label: str | None, model: ModelInfo | None,
+                  extra: Sequence[Finding] = ()) -> Report:
+    """The shape audit (headers only) of what was written, with ``extra`` findings (a fuse's); its report goes beside
+    the weights."""
     from ckpttool.audit import check  # imported when a merge writes (a dry run needs none of the audit)
+    from ckpttool.audit.causes import group_findings
 
     config_path = staging / "config.json" if has_config else None
     config = read_config(config_path) if config_path is not None else None
     report = replace(check(staging, config_path=config_path, config=config, model=model, data=False),
                      source=str(dest), config=config_label)
+    if extra:
+        findings = sort_findings((*report.findings, *extra))
+        report = replace(report, findings=findings, causes=group_findings(findings))
     write_text(staging / AUDIT_FILE, json_text(report.to_json()) + "\n")  # json.dumps(indent=2)'s text, faster
     if report.errors:
         raise AuditError(report, str(dest))

@@ -16,7 +16,7 @@ from ckpttool.layout.layout import Layout
 from ckpttool.model.architecture import ModelInfo, find_config, model_info, read_config
 from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool import readers
-from ckpttool.readers import census
+from ckpttool.readers import census, detect_format, hf_distributed
 
 
 def read_layout(
@@ -62,6 +62,8 @@ def plan_source(
     if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
         check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights, READER_TABLES))
         model = model_info(config_dict, label=str(config_path))
+        if model is None and (format or detect_format(root)) == hf_distributed.NAME:  # needs the shapes it gives
+            raise hf_distributed.undescribed(root, str(config_path), config_dict.get("model_type"))
     layout = read_layout(root, format=format, model=model, weights=weights)
     return plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype, quantize=quantize,
                        drop=drop)

@@ -15,6 +15,7 @@ from ckpttool.errors import ArgumentError, SourceNotFoundError
 from ckpttool.verify import Tolerance, VerifyResult, compare, tolerance_for
 from ckpttool.verify.forward import Forward, read_config, run_forward
 from ckpttool.verify.guard import check_config, refuse_remote_code
+from ckpttool.verify.image import ImageInput, image_input
 from ckpttool.verify.prompt import check_text, check_tokens, choose_input
 
 __all__ = ["verify"]
@@ -42,7 +43,9 @@ def verify(
 
     Returns:
         A :class:`VerifyResult`; ``result.ok`` is False when loading was not strict, the logits are not finite or
-        carry no information, or they differ from the reference's beyond the tolerance.
+        carry no information, or they differ from the reference's beyond the tolerance. A vision-language model
+        (Qwen2/2.5/3-VL, Gemma 3) runs a second forward with a small synthetic image (:mod:`ckpttool.verify.image`),
+        compared the same way (``result.image_comparison``).
 
     Every path is checked first (``out``, ``against``, ``text``), then each directory's configs, before a
     reference is merged or transformers reads a file. A directory whose configs name code to import
@@ -73,20 +76,27 @@ def verify(
         ref = _as_hf(Path(against), Path(scratch)) if against is not None else None
         ref_config = _checked_config(ref, tokens) if ref is not None else None
         ids, source = choose_input(path, ref, config, ref_config, tokens, text)
-        output = run_forward(path, ids, stream=stream)
+        image = image_input(path, config)  # a vision-language model: a second forward, with an image
+        seen = image if isinstance(image, ImageInput) else None
+        output = run_forward(path, ids, stream=stream, image=seen)
+        if isinstance(image, str):
+            output = replace(output, notes=(*output.notes, image))
         if ref is None:
-            return VerifyResult(tuple(ids), source, output)
-        reference = run_forward(ref, ids, stream=stream)
+            return VerifyResult(tuple(ids), source, output, image_from=seen.source if seen else None)
+        reference = run_forward(ref, ids, stream=stream, image=seen)
     reference = _labelled(reference, str(against))
     chosen = tolerance_for(output.dtype, reference.dtype)
     if isinstance(tolerance, Tolerance):
         chosen = tolerance
     elif tolerance is not None:
         chosen = replace(chosen, max_rel=float(tolerance))
-    comparison = None
+    comparison = image_comparison = None
     if output.logits.numel() and reference.logits.numel():
         comparison = compare(output.logits, reference.logits, chosen)
-    return VerifyResult(tuple(ids), source, output, reference, comparison)
+    if output.image_logits is not None and reference.image_logits is not None:
+        image_comparison = compare(output.image_logits, reference.image_logits, chosen)
+    return VerifyResult(tuple(ids), source, output, reference, comparison, seen.source if seen else None,
+                        image_comparison)
 
 
 def _check_paths(out: Path, against: Path | None, text: str | Path | None) -> None:
@@ -109,7 +119,7 @@ def _checked_config(path: Path, tokens: int | None) -> dict[str, object]:
 
 
 def _labelled(forward: Forward, path: str) -> Forward:
-    return Forward(path, forward.architecture, forward.dtype, forward.problems, forward.notes, forward.logits)
+    return replace(forward, path=path)
 
 
 def _as_hf(ref: Path, scratch: Path) -> Path:

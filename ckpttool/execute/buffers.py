@@ -60,7 +60,8 @@ def chunk_inputs(chunk: Chunk) -> list[tuple[tuple[Copy, ...], Box]]:
     if scale is None:
         return stored
     lo, hi = compute.scale_rows(chunk.start, chunk.stop)  # type: ignore[union-attr]
-    return [*stored, (scale.copies, row_box(scale.shape, lo, hi))]
+    aux = [(a.copies, row_box(a.shape, 0, a.shape[0] if a.shape else 0)) for a in target.aux]
+    return [*stored, (scale.copies, row_box(scale.shape, lo, hi)), *aux]
 
 
 def transformed_rows(chunk: Chunk, stored: tuple[int, int] | None = None) -> Box:
@@ -113,7 +114,8 @@ def _signature(target: Target) -> tuple:
     dq, scale = target.dequant, target.scale
     return (target.shape, target.dtype, target.source_dtype, tuple(map(_copy_signature, target.copies)),
             None if dq is None else (dq.method, dq.params, dq.stored),
-            None if scale is None else _signature(scale), target.transform)
+            None if scale is None else _signature(scale), target.transform,
+            tuple((d.a.shape, d.a.dtype, d.b.shape, d.fan_in_fan_out) for d in target.lora), tuple(map(_signature, target.aux)))
 
 
 def _copy_signature(c: Copy) -> tuple:
@@ -146,6 +148,12 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
         extra = target.transform.scratch_bytes(transformed_shape(target), a, b, itemsize(target.source_dtype))
         for name, n in extra.items():
             sizes[name] = max(sizes.get(name, 0), n)
+    if target.lora:  # the adapter's A, B's rows and the float32 temporaries of the fuse (ckpttool.lora.delta)
+        cols = math.prod(target.shape[1:])
+        rows = chunk.stop - chunk.start
+        sizes["lora"] = max(d.product_bytes(rows, cols) for d in target.lora)
+        sizes["lora-inputs"] = max(d.temporary_bytes(rows) for d in target.lora)
+        sizes["chunk"] = max(sizes.get("chunk", 0), (chunk.stop - chunk.start) * cols * itemsize(target.source_dtype))
     if target.dequant is not None:
         extra = codec(target.dequant.method, target.dequant.params).scratch_bytes(
             inputs[0][1].sizes, inputs[1][1].sizes if len(inputs) > 1 else None, target.dtype)  # type: ignore[arg-type]
@@ -167,7 +175,7 @@ def _read_copies(target: Target) -> tuple[tuple[Copy, ...], ...]:
     """The copies the chunks of ``target`` read, whatever their rows (see :func:`chunk_inputs`)."""
     if target.dequant is None or target.scale is None:
         return (target.copies,)
-    return (target.copies, target.scale.copies)
+    return (target.copies, target.scale.copies, *(aux.copies for aux in target.aux))
 
 
 def distinct_targets(targets: Iterable[Target]) -> list[Target]:
@@ -179,7 +187,8 @@ def distinct_targets(targets: Iterable[Target]) -> list[Target]:
     found: list[Target] = []
     for target in targets:
         copies = target.copies
-        if len(copies) == 1 and target.dequant is None and target.scale is None and target.transform is None:
+        if (len(copies) == 1 and target.dequant is None and target.scale is None and target.transform is None
+                and not target.lora):
             copy = copies[0]
             box, piece = copy.src, copy.piece
             if box is copy.dst and box is piece.box and piece.encoding == RAW:  # the boxes of a whole copy are one

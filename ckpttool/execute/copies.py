@@ -33,7 +33,7 @@ def copied(chunk: Chunk) -> tuple[Span, ...] | None:
     meeting its rows, in no particular order; None when it is smaller, or some part of it must be built (a
     conversion, a transform, bytes spread over several runs on either side, rows no copy fills, a piece of no raw bytes)."""
     target = chunk.target
-    if (chunk.nbytes < COPY_BYTES or target.dequant is not None or target.transform is not None
+    if (chunk.nbytes < COPY_BYTES or target.dequant is not None or target.transform is not None or target.lora
             or target.dtype != target.source_dtype or not target.shape):
         return None
     rows, size = chunk_rows(chunk), itemsize(target.dtype)

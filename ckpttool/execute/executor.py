@@ -57,6 +57,7 @@ from ckpttool.layout.layout import RAW, Box, Piece, Shape
 from ckpttool.plan.plan import Copy, Target
 from ckpttool.execute.reads import Reader
 from ckpttool.layout.regions import dim_map, map_region
+from ckpttool.lora.delta import ROW_ALIGN, fuse_rows
 
 __all__ = ["CHUNK_BYTES", "Chunk", "Reader", "buffer_sizes", "build", "chunks", "file_digest", "piece_uses",
            "predict_peak_bytes", "write_file"]
@@ -75,7 +76,7 @@ def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: in
     ``chunk_bytes`` holds."""
     shape = target.shape or (1,)
     row = math.prod(shape[1:]) * itemsize(target.dtype)
-    if rows is None and target.dequant is None and 0 < shape[0] * row <= chunk_bytes:  # most tensors: one chunk
+    if rows is None and target.dequant is None and not target.lora and 0 < shape[0] * row <= chunk_bytes:  # most tensors: one chunk
         return [Chunk(target, 0, shape[0], offset, shape[0] * row)]
     per = rows or (max(1, chunk_bytes // _compute_row_bytes(target, row)) if row else max(1, shape[0]))
     if target.dequant is not None:  # a computed target: chunks of whole rows of blocks where it needs them
@@ -84,6 +85,8 @@ def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: in
         per = target.shape[0] if target.transform.moves_rows() else -(-per // (g := _granule(target))) * g
     elif target.transform is not None:  # whole blocks of a row permutation; everything when dim 0 is transposed
         per = max(1, target.transform.align(target.shape, per))  # (0 for a target of no rows: a step of 1)
+    if target.lora:  # whole blocks of ROW_ALIGN rows: the matrix kernel's row blocks, as in PEFT's whole product
+        per = -(-per // ROW_ALIGN) * ROW_ALIGN
     return [
         Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
         for a in range(0, shape[0], per)
@@ -106,7 +109,10 @@ def _granule(target: Target) -> int:
 
 
 def _compute_row_bytes(target: Target, row: int) -> int:
-    """Bytes one row of ``target`` takes at its largest: an encoder's float32 copy of its source rows."""
+    """Bytes one row of ``target`` takes at its largest: an encoder's float32 copy of its source rows, or a fused
+    target's float32 product, delta and sum (:mod:`ckpttool.lora.delta`)."""
+    if target.lora:
+        return max(row, 8 * math.prod(target.shape[1:]))
     if target.dequant is None or not target.dequant.stored:
         return row
     a, b = codec(target.dequant.method, target.dequant.params).stored_rows(0, 1)
@@ -138,7 +144,7 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
         target = chunk.target
         found = archived.get(id(target))
         if found is None:
-            every = (*target.copies, *(target.scale.copies if target.scale is not None else ()))
+            every = _every_copy(target)
             found = archived[id(target)] = any(c.piece.encoding != RAW for c in every)
         if found:
             for copies, rows in chunk_inputs(chunk):
@@ -147,7 +153,10 @@ def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
 
 
 def _every_copy(target: Target) -> tuple[Copy, ...]:
-    return target.copies if target.scale is None else (*target.copies, *target.scale.copies)
+    if target.scale is None and not target.aux:
+        return target.copies
+    return (*target.copies, *(target.scale.copies if target.scale is not None else ()),
+            *(c for aux in target.aux for c in aux.copies))
 
 
 def build(chunk: Chunk, reader: Reader, *, check_scales: bool = True) -> torch.Tensor:
@@ -165,7 +174,9 @@ def build(chunk: Chunk, reader: Reader, *, check_scales: bool = True) -> torch.T
         pre = _gather(target.copies, transformed_rows(chunk), target.source_dtype, reader, "chunk")
         out = target.transform.apply(pre, target.shape, chunk.start, chunk.stop, target.source_dtype, reader.scratch)
     else:
-        out = _gather(target.copies, chunk_rows(chunk), target.source_dtype, reader, "chunk")
+        out = _gather(target.copies, chunk_rows(chunk), target.source_dtype, reader, "chunk", view=not target.lora)
+    if target.lora:  # W + scale * B @ A on these rows (the thread's own copy), as PEFT's merge adds it, before any cast
+        out = fuse_rows(out, target.lora, chunk.start, chunk.stop, reader.scratch)
     if target.dtype != target.source_dtype:
         out = reader.scratch("cast", tuple(out.shape), target.dtype).copy_(out)
     return out
@@ -238,6 +249,14 @@ def _dequantize(chunk: Chunk, reader: Reader, check_scales: bool = True) -> torc
         if stored is None:
             stored = _gather(target.copies, rows, target.source_dtype, reader, "chunk")
     out = reader.scratch("cast", chunk_rows(chunk).sizes, target.dtype)
+    if target.aux:  # a packed weight's small inputs, whole: checked before any value is computed from them
+        aux = tuple(_gather(a.copies, row_box(a.shape, 0, a.shape[0] if a.shape else 0), a.source_dtype, reader,
+                            f"aux{i}", view=False) for i, a in enumerate(target.aux))
+        problem = compute.check_aux(aux, target.shape) if check_scales else None  # type: ignore[union-attr]
+        if problem is not None:
+            raise SourceError(f"'{target.name}': {problem}")
+        compute.decode(stored, scales, chunk.start, out, reader.scratch, aux=aux)  # type: ignore[call-arg]
+        return out
     measured = compute.decode(stored, scales, chunk.start, out, reader.scratch)  # type: ignore[arg-type]
     if measured is not None:
         reader.record(target.name, measured)
@@ -273,7 +292,8 @@ def direct_offset(chunk: Chunk) -> int | None:
     """Where a chunk's bytes start in its piece's file when they lie there as the output holds them (the
     target is one raw piece copied whole, in its own dtype); None when the chunk must be built."""
     target = chunk.target
-    whole = target.dequant is None and target.transform is None and target.dtype == target.source_dtype
+    whole = (target.dequant is None and target.transform is None and target.dtype == target.source_dtype
+             and not target.lora)
     piece = _whole_piece(target.copies, target.shape, target.dtype) if whole else None
     if piece is None:
         return None

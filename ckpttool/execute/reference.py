@@ -128,8 +128,9 @@ def assemble(target: Target, loader: PieceLoader) -> torch.Tensor:
                                   scale=None), loader)
         out = torch.empty(target.shape, dtype=torch_dtype(target.dtype))
         scales = assemble(target.scale, loader) if target.scale is not None else None
+        extra = {"aux": tuple(assemble(a, loader) for a in target.aux)} if target.aux else {}
         codec(target.dequant.method, target.dequant.params).decode(
-            stored, scales, 0, out, lambda name, shape, dtype: torch.empty(shape, dtype=torch_dtype(dtype)))  # type: ignore[arg-type]
+            stored, scales, 0, out, lambda name, shape, dtype: torch.empty(shape, dtype=torch_dtype(dtype)), **extra)  # type: ignore[arg-type]
         return out
     if len(target.copies) == 1 and target.copies[0].src == Box.whole(target.copies[0].piece.box.sizes):
         whole = loader.load(target.copies[0].piece).reshape(target.shape)

@@ -43,7 +43,7 @@ from ckpttool.families.rules import keeps_dtype, memory_slices, stacks_experts
 __all__ = [
     "ADAPTERS", "CONVENTIONS", "READER_TABLES", "Convention", "FamilyAdapter", "HfMapping", "MemoryTensor", "Mismatch", "adapter_for",
     "compare_with_model", "convention_for", "convention_of", "keeps_dtype", "map_from_hf", "map_to_hf", "mtp_absent",
-    "mtp_missing_note", "recognised", "refusal", "unrecognised",
+    "mtp_missing_note", "recognised", "refusal", "tied_on_disk", "unrecognised",
 ]
 
 
@@ -66,6 +66,23 @@ class HfMapping:
     adapter: str
 
 
+def tied_on_disk(info: ModelInfo) -> dict[str, str]:
+    """``info``'s tied tensors (:attr:`ModelInfo.tied`, in-memory names) under the on-disk names the family's rules
+    give them, each with its partner's on-disk name, and under their in-memory names too (the two are one name for
+    most families). Gemma 3 with vision: ``language_model.lm_head.weight`` (and ``lm_head.weight``) ->
+    ``language_model.model.embed_tokens.weight``; save_pretrained writes neither head."""
+    rules = adapter_for(info).rules
+    shapes = info.memory_shapes
+
+    def on_disk(name: str) -> str:  # a tied tensor is renamed, never cut: its one slice names it
+        slices = memory_slices(name, shapes[name], rules) if name in shapes else []
+        return slices[0].source if slices else name
+
+    tied = {name: on_disk(partner) for name, partner in info.tied.items()}
+    tied.update({on_disk(name): on_disk(partner) for name, partner in info.tied.items()})
+    return tied
+
+
 def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
     """The layout's tensors under on-disk HuggingFace names: cut by the convention that recognises the layout
     (:func:`~.registry.convention_for`, e.g. Megatron-Core's fused QKV) for the family adapter that serves ``info``
@@ -75,8 +92,9 @@ def map_to_hf(layout: Layout, info: ModelInfo) -> HfMapping:
     family = adapter_for(info)
     specs, notes, problems = convention.to_hf(layout, info, family)
     adapter = convention.describe(info, family, known_family(info))
-    tied = [s for s in specs if s.name in info.tied]
-    return HfMapping([s for s in specs if s.name not in info.tied], tied, notes, problems, adapter)
+    tied_names = tied_on_disk(info)
+    tied = [s for s in specs if s.name in tied_names]
+    return HfMapping([s for s in specs if s.name not in tied_names], tied, notes, problems, adapter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +122,10 @@ def map_from_hf(info: ModelInfo) -> list[MemoryTensor]:
     """
     adapter = adapter_for(info)
     rules = adapter.rules
+    tied = tied_on_disk(info)
     tensors = []
     for name, shape in info.memory_shapes.items():
-        slices = [replace(sl, source=info.tied.get(sl.source, sl.source)) for sl in memory_slices(name, shape, rules)]
+        slices = [replace(sl, source=tied.get(sl.source, sl.source)) for sl in memory_slices(name, shape, rules)]
         stacked = stacks_experts(name, rules) or any(re.search(p, name) for p in adapter.stacked_experts)
         tensors.append(MemoryTensor(name, tuple(shape), tuple(slices), stacked))
     return tensors

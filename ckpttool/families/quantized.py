@@ -28,6 +28,8 @@ from ckpttool.quant.formats import (
     links,
     mxfp4_logical_shape,
 )
+from ckpttool.quant import packed
+from ckpttool.quant.packed_decode import NVFP4_GROUPS, PACKED_INT_GROUPS
 
 #: the key of config.json a dequantizing merge removes
 CONFIG_KEY = "quantization_config"
@@ -115,8 +117,27 @@ _PIECES, _NAME = attrgetter("pieces"), attrgetter("name")
 
 def scale_names(names: Sequence[str]) -> set[str]:
     """The scales among ``names`` whose weights are there too (not model weights: they have no dtype of their own
-    for ``config.json`` nor for the audit's dtype checks)."""
-    return {link.scale for link in links(names)[0]}
+    for ``config.json`` nor for the audit's dtype checks), with the float scales a packed weight travels with
+    (NVFP4's global scales, activation scales), which must be positive and finite like them."""
+    found = links(names)[0]
+    scales = {link.scale for link in found}
+    for link in found:
+        if link.method in packed.LINK_OF.values():
+            scales.update(n for n in packed.companions(link.method, link.logical, names) if n.endswith(_FLOAT_SCALES))
+    return scales
+
+
+def companion_names(names: Sequence[str]) -> set[str]:
+    """The integer tensors a packed weight travels with (``weight_shape``, zero points): no model weights, and no
+    scales either (a zero point's packed words may be zero or negative)."""
+    found = set()
+    for link in links(names)[0]:
+        if link.method in packed.LINK_OF.values():
+            found.update(n for n in packed.companions(link.method, link.logical, names) if not n.endswith(_FLOAT_SCALES))
+    return found
+
+
+_FLOAT_SCALES = ("_global_scale", "_scale_2", "input_scale")
 
 
 def dequantized(specs: Sequence[TargetSpec], layout: Layout, quant: Quantization) -> list[TargetSpec]:
@@ -125,6 +146,8 @@ def dequantized(specs: Sequence[TargetSpec], layout: Layout, quant: Quantization
     Call only once :func:`problems` found nothing: the pairs, dtypes and shapes are then consistent.
     """
     by_name = {s.name: s for s in specs}
+    if quant.method in packed.PACKED_METHODS:
+        return _dequantized_packed(specs, by_name, layout, quant)
     found = [link for link in links(by_name)[0] if link.method == quant.method]
     used = {n for link in found for n in (link.weight, link.scale)}
     out = [s for s in specs if s.name not in used]
@@ -141,6 +164,38 @@ def dequantized(specs: Sequence[TargetSpec], layout: Layout, quant: Quantization
             spec = TargetSpec(link.logical, mxfp4_logical_shape(weight.shape), weight.slices,
                               Dequantize(MXFP4_GROUPS, (("transpose", True),), weight.shape, scale))
         out.append(spec)
+    return out
+
+
+def _dequantized_packed(specs: Sequence[TargetSpec], by_name: Mapping[str, TargetSpec], layout: Layout,
+                        quant: Quantization) -> list[TargetSpec]:
+    """:func:`dequantized` of a packed format: each weight from its packed values, scales and companions (read
+    whole with each chunk); its activation scales are not written (a dequantized model has no quantized input)."""
+    del layout
+    method = packed.LINK_OF[quant.method]
+    found = [link for link in links(by_name)[0] if link.method == method]
+    extras = {link.weight: packed.companions(method, link.logical, by_name) for link in found}
+    used = {n for link in found for n in (link.weight, link.scale, *extras[link.weight])}
+    out = [s for s in specs if s.name not in used]
+    for link in found:
+        weight, scale = by_name[link.weight], by_name[link.scale]
+        if len(weight.shape) != 2 or len(scale.shape) != 2:
+            raise ConfigError(f"'{link.weight}' has shape {list(weight.shape)}; ckpttool dequantizes packed Linear "
+                              "weights [O, I] only")
+        base = link.weight if method == packed.MODELOPT_LINK else link.weight.removesuffix(packed.PACKED_SUFFIX)
+        if quant.method == packed.PACKED_INT:
+            params: tuple[tuple[str, object], ...] = (
+                ("bits", quant.bits), ("group", quant.block[1]), ("symmetric", quant.symmetric))
+            aux = [base + "_shape", *(() if quant.symmetric else (base + "_zero_point",))]
+            codec = PACKED_INT_GROUPS
+        elif quant.method == packed.NVFP4_CT:
+            shape = [base + "_shape"] if base + "_shape" in by_name else []  # compressed-tensors writes none
+            params, aux, codec = (("divide", True),), [*shape, base + "_global_scale"], NVFP4_GROUPS
+        else:
+            params, aux, codec = (("divide", False),), [base + "_scale_2"], NVFP4_GROUPS
+        logical = packed.logical_shape(quant.method, weight.shape, scale.shape, quant.bits, quant.block[1])
+        dq = Dequantize(codec, params, weight.shape, scale, aux=tuple(by_name[n] for n in aux))
+        out.append(TargetSpec(link.logical, logical, weight.slices, dq))
     return out
 
 

@@ -12,7 +12,7 @@ checks), handed to them by the one place that reads a source.
 from __future__ import annotations
 
 from ckpttool.errors import ConfigError
-from ckpttool.families import gpt_oss, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_5, qwen3_next
+from ckpttool.families import gpt_oss, llava, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_5, qwen3_next
 from ckpttool.families.adapter import Convention, FamilyAdapter
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, megatron_tp, torchtitan
 from ckpttool.layout.layout import Layout
@@ -24,6 +24,7 @@ ADAPTERS: list[FamilyAdapter] = [
     qwen3_next.ADAPTER,  # before qwen2_moe, whose experts' rules transformers gives it (its family is qwen2_moe)
     qwen2_moe.ADAPTER,
     qwen2_vl.ADAPTER,
+    llava.ADAPTER,
     gpt_oss.ADAPTER,
     nemotron_h.ADAPTER,
     qwen3_5.ADAPTER,

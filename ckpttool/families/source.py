@@ -30,6 +30,7 @@ from ckpttool.families import (
     mtp_absent,
     mtp_missing_note,
     refusal,
+    tied_on_disk,
 )
 from ckpttool.families.quantize import quantized_specs
 from ckpttool.families.quantized import dequantized, with_quantized
@@ -165,7 +166,7 @@ def plan_layout(
         own = list(adapter_notes)
         if tied:
             dropped = [s.name for s in tied]
-            own.append(f"dropped {', '.join(dropped)}: tied to {', '.join(model.tied[n] for n in dropped)} "
+            own.append(f"dropped {', '.join(dropped)}: tied to {', '.join(tied_on_disk(model)[n] for n in dropped)} "
                          "(as save_pretrained does)")
         specs, unplaced = _dropped(specs, unplaced, drop, own)
         shapes = {s.name: s.shape for s in specs}

@@ -241,7 +241,8 @@ def _copies(targets: Sequence[Target]) -> Iterator[Copy]:
     target's scales travel with its values (the writer computes it from both)."""
     seen: set[tuple[Piece, Box]] = set()
     for target in targets:
-        for copy in (*target.copies, *(target.scale.copies if target.scale is not None else ())):
+        for copy in (*target.copies, *(target.scale.copies if target.scale is not None else ()),
+                     *(c for aux in target.aux for c in aux.copies)):
             if (copy.piece, copy.src) not in seen:
                 seen.add((copy.piece, copy.src))
                 yield copy

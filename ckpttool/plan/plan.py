@@ -13,6 +13,7 @@ import math
 import operator
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckpttool.io.dtypes import FLOAT_DTYPES, ITEMSIZES
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError
@@ -21,6 +22,9 @@ from ckpttool.layout.layout import Box, Layout, Piece, Shape, TensorLayout
 from ckpttool.layout.regions import uncovered
 from ckpttool.plan.tiling import Copy, Slice, check_tiling
 from ckpttool.plan.transforms import Transform
+
+if TYPE_CHECKING:  # data of the lora room, only named here
+    from ckpttool.lora.delta import LoraDelta
 
 __all__ = [  # Copy, Slice, check_tiling and uncovered live in .tiling and .regions; offered here from the start
     "Copy", "Dequantize", "Plan", "Slice", "Target", "TargetSpec", "Transform", "check_tiling", "identity_specs",
@@ -48,13 +52,15 @@ class TargetSpec:
 class Dequantize:
     """A target computed, not copied: its slices tile ``stored`` source elements, ``scale`` (if any) its scales',
     and codec ``method`` (:mod:`ckpttool.quant.codecs`, with ``params``) computes its rows: a decoder (to the
-    merge's dtype) or an FP8 encoder (to its own ``dtype``)."""
+    merge's dtype) or an FP8 encoder (to its own ``dtype``). ``aux``: small tensors the decoder reads whole with
+    every chunk (a packed weight's zero points, its ``weight_shape``, an NVFP4 global scale)."""
 
     method: str
     params: tuple[tuple[str, object], ...]
     stored: Shape
     scale: TargetSpec | None
     dtype: str | None = None
+    aux: tuple[TargetSpec, ...] = ()
 
 
 @quick_init  # built 90k times in a plan: see ckpttool.fast.frozen
@@ -74,6 +80,11 @@ class Target:
     #: a transformed target: its copies fill ``transform.source_shape(shape)``, and it is ``transform`` of that
     #: (checked against ``shape``, its dims plain: see :meth:`~ckpttool.plan.transforms.Permute.bound`)
     transform: Transform | None = None
+    #: a fused target: the LoRA deltas (:class:`ckpttool.lora.delta.LoraDelta`) added to its rows, in order, in its
+    #: source dtype, before any cast (see :mod:`ckpttool.lora`)
+    lora: tuple[LoraDelta, ...] = ()
+    #: a dequantized target's whole small inputs besides its scales (:attr:`Dequantize.aux`), in that order
+    aux: tuple[Target, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -289,14 +300,22 @@ def _plan_dequantized(layout: Layout, spec: TargetSpec, dq: Dequantize, copies: 
     """A computed target: its copies tile the stored elements (or, quantized after a ``transform``, the pre tensor
     of those), its scale (if it reads one) is a target of its own."""
     scale, problems = _plan_target(layout, dq.scale, None) if dq.scale is not None else (None, [])
+    aux = []
+    for extra in dq.aux:
+        planned, found = _plan_target(layout, extra, None)
+        problems = [*problems, *found]
+        if planned is not None:
+            aux.append(planned)
     filled = dq.stored if transform is None else transform.source_shape(dq.stored)
     problems, dtype = check_tiling(spec.name, filled, copies, layout, spec.slices) + problems, dq.dtype or dtype
     if dtype is None:
         problems.append(f"'{spec.name}': a dequantized target needs an output dtype")
     if problems or dtype is None:
         return None, problems
-    sources = tuple(dict.fromkeys([*(sl.source for sl in spec.slices), *(scale.sources if scale else ())]))
-    return Target(spec.name, spec.shape, dtype, stored_dtype, tuple(copies), sources, dq, scale, transform), []
+    sources = tuple(dict.fromkeys([*(sl.source for sl in spec.slices), *(scale.sources if scale else ()),
+                                   *(s for a in aux for s in a.sources)]))
+    return Target(spec.name, spec.shape, dtype, stored_dtype, tuple(copies), sources, dq, scale, transform,
+                  aux=tuple(aux)), []
 
 
 def _unique_pieces(tensor: TensorLayout) -> list[Piece]:

@@ -24,6 +24,8 @@ from ckpttool.quant.formats import (
     fp8_scale_shape,
     links,
 )
+from ckpttool.quant.packed import LINK_OF, PACKED_METHODS
+from ckpttool.quant.packed_checks import check_packed, packed_scales
 
 #: the stored weight dtypes that mean "FP8"
 FP8_DTYPES = frozenset(FP8_FORMATS.values())
@@ -50,8 +52,9 @@ def check_tensors(tensors: Mapping[str, tuple[str, Shape]], quant: Quantization 
                          f"{SCALES_SUFFIX}' is not in the checkpoint: its values cannot be decoded. Restore the scales")
                  for name in lonely]
     scaled = {link.weight for link in found}
+    scaled_by = packed_scales(found)  # NVFP4's F8_E4M3 scales are scales, not FP8 weights
     fp8 = list(compress(tensors, map(FP8_DTYPES.__contains__, map(_FIRST, tensors.values()))))  # at C speed
-    for name in [] if scaled.issuperset(fp8) else sorted(set(fp8) - scaled):
+    for name in [] if scaled.issuperset(fp8) else sorted(set(fp8) - scaled - scaled_by):
         problems.append(Problem(
             "quant-scale-missing", name,
             f"'{name}' is {tensors[name][0]} (FP8) but '{fp8_scale_name(name)}' is not in the checkpoint: its values "
@@ -106,7 +109,8 @@ def tensors_quantized(tensors: Mapping[str, tuple[str, Shape]]) -> set[str]:
     """The stored quantized tensors among ``{name: (dtype, shape)}``: FP8 weights (by their scale or their dtype)
     and MXFP4 ``_blocks``."""
     found, lonely, _ = links(tensors)
-    return ({link.weight for link in found} | {n for n, (d, _) in tensors.items() if d in FP8_DTYPES} | set(lonely))
+    fp8 = {n for n, (d, _) in tensors.items() if d in FP8_DTYPES} - packed_scales(found)
+    return {link.weight for link in found} | fp8 | set(lonely)
 
 
 def _orphan(name: str, tensors: Mapping[str, tuple[str, Shape]]) -> Problem:
@@ -119,9 +123,11 @@ def _orphan(name: str, tensors: Mapping[str, tuple[str, Shape]]) -> Problem:
 def _check_link(method: str, weight: str, scale: str, tensors: Mapping[str, tuple[str, Shape]],
                 quant: Quantization) -> list[Problem]:
     (w_dtype, w_shape), (s_dtype, s_shape) = tensors[weight], tensors[scale]
-    if method != quant.method:
+    if method != LINK_OF.get(quant.method, quant.method):
         return [Problem("quant-config-mismatch", weight,
                         f"'{weight}' and '{scale}' are {method} tensors, but '{quant.label}' declares {quant.describe()}")]
+    if quant.method in PACKED_METHODS:
+        return [Problem(*p) for p in check_packed(weight, scale, tensors, quant)]
     if method == MXFP4:
         return _check_mxfp4(weight, scale, w_dtype, w_shape, s_dtype, s_shape, quant.label)
     problems = []

@@ -30,6 +30,8 @@ from operator import attrgetter
 
 from ckpttool.errors import ConfigError
 from ckpttool.fast.frozen import quick_init
+from ckpttool.quant import packed
+from ckpttool.quant.packed import PACKED_INT, PACKED_METHODS
 
 Shape = tuple[int, ...]
 
@@ -69,10 +71,11 @@ class Quantization:
     """What a config's ``quantization_config`` declares.
 
     Attributes:
-        method: ``"fp8"`` or ``"mxfp4"``.
-        block: rows x columns sharing one scale (FP8: ``weight_block_size``; MXFP4: ``(1, 32)``).
+        method: ``"fp8"``, ``"mxfp4"``, or a packed method of :mod:`.packed`.
+        block: rows x columns sharing one scale (FP8: ``weight_block_size``; MXFP4: ``(1, 32)``; packed: ``(1,
+            group_size)``, ``(1, 0)`` for one scale per row).
         scale_fmt: FP8 ``"float"`` or ``"ue8m0"``; MXFP4 ``"e8m0"``.
-        weight_dtype: the safetensors dtype of the stored weights (``F8_E4M3``, ``F8_E5M2``, ``U8``).
+        weight_dtype: the safetensors dtype of the stored weights (``F8_E4M3``, ``F8_E5M2``, ``U8``, ``I32``).
         not_converted: ``modules_to_not_convert``, patterns as transformers matches them.
         label: the config it came from, for messages.
     """
@@ -83,12 +86,19 @@ class Quantization:
     weight_dtype: str
     not_converted: tuple[str, ...] = ()
     label: str = "config.json"
+    #: packed formats (:mod:`.packed`): bits per value, and whether values have no zero point
+    bits: int = 8
+    symmetric: bool = True
 
     def converts(self, module: str) -> bool:
         """False when ``modules_to_not_convert`` names ``module`` the way transformers matches it: a pattern
         matches from the start up to a module boundary (as a regex: ``layers.*.mlp`` matches ``layers.3.mlp``),
-        or as a suffix."""
+        or as a suffix; compressed-tensors' ``re:`` entries of its ``ignore`` list match as it matches them."""
+        if packed.ignored(module, self.not_converted):
+            return False
         for pattern in self.not_converted:
+            if pattern.startswith("re:"):
+                continue
             if module.endswith(pattern):
                 return False
             try:
@@ -101,6 +111,13 @@ class Quantization:
     def describe(self) -> str:
         if self.method == FP8:
             return f"fp8 {self.weight_dtype} with {self.block[0]}x{self.block[1]} blocks ({self.scale_fmt} scales)"
+        if self.method == PACKED_INT:
+            group = f"groups of {self.block[1]}" if self.block[1] else "one scale per row"
+            return (f"compressed-tensors pack-quantized int{self.bits} ({group}, "
+                    f"{'symmetric' if self.symmetric else 'asymmetric'})")
+        if self.method in PACKED_METHODS:
+            who = "ModelOpt" if self.method == packed.NVFP4_MODELOPT else "compressed-tensors"
+            return f"{who} nvfp4 (groups of {packed.NVFP4_GROUP} values, F8_E4M3 scales)"
         return f"mxfp4 (groups of {MXFP4_GROUP} values, E8M0 scales)"
 
 
@@ -122,11 +139,21 @@ def read_quantization(config: Mapping[str, object] | None, label: str = "config.
     not_converted = raw.get("modules_to_not_convert", raw.get("ignored_layers")) or []
     if not isinstance(not_converted, list) or not all(isinstance(p, str) for p in not_converted):
         raise ConfigError(f"{where}.modules_to_not_convert must be a list of module names, not {not_converted!r}")
+    try:
+        declared = packed.read_packed(raw, where)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if declared is not None:
+        kind, bits, group, symmetric, ignore = declared
+        dtype = "I32" if kind == PACKED_INT else "U8"
+        scale_fmt = "float" if kind == PACKED_INT else "e4m3"
+        return Quantization(kind, (1, group), scale_fmt, dtype, ignore, label, bits, symmetric)
     if method == MXFP4:
         return Quantization(MXFP4, (1, MXFP4_GROUP), "e8m0", "U8", tuple(not_converted), label)
     if method != FP8:
         raise ConfigError(f"{where} has quant_method {method!r}; ckpttool reads 'fp8' (block-scaled) and 'mxfp4' "
-                          "checkpoints only")
+                          "checkpoints only, besides 'compressed-tensors' (pack-quantized, nvfp4-pack-quantized) and "
+                          "'modelopt' (NVFP4)")
     fmt = raw.get("fmt", "e4m3")
     if fmt not in FP8_FORMATS:
         raise ConfigError(f"{where}.fmt is {fmt!r}; FP8 weights are 'e4m3' or 'e5m2'")
@@ -197,10 +224,14 @@ def _links(present: frozenset[str]) -> tuple[tuple[Link, ...], tuple[str, ...], 
                 orphans.append(name)
         elif name.endswith(BLOCKS_SUFFIX) and name[: -len(BLOCKS_SUFFIX)] + SCALES_SUFFIX not in present:
             lonely.append(name)
+    if any(map(str.endswith, present, repeat(_PACKED_SUFFIXES))):  # compressed-tensors or ModelOpt names
+        found.extend(Link(*link) for link in packed.packed_links(present))
+        lonely.extend(packed.lonely_packed(present))
     return tuple(found), tuple(lonely), tuple(orphans)
 
 
 _SUFFIXES = (FP8_SCALE_SUFFIX, SCALES_SUFFIX, BLOCKS_SUFFIX)
+_PACKED_SUFFIXES = (packed.PACKED_SUFFIX, packed.SCALE_2_SUFFIX)
 _SCALE, _WEIGHT = attrgetter("scale"), attrgetter("weight")
 
 
@@ -250,10 +281,28 @@ def expected_shapes(disk: Mapping[str, Shape], present: Mapping[str, Shape], qua
                 if shapes is not None:
                     del expected[link.logical]
                     expected[link.weight], expected[link.scale] = shapes[0], present[link.scale]
+    if quant.method in PACKED_METHODS:
+        return _expected_packed(expected, disk, present, quant, found)
     for name in lonely:  # a _blocks without its _scales is named by check_tensors, not as unexpected
         base = name.removesuffix(BLOCKS_SUFFIX)
         shapes = mxfp4_stored_shapes(disk[base]) if quant.method == MXFP4 and base in expected else None
         if shapes is not None:
             del expected[base]
             expected[name] = shapes[0]
+    return expected
+
+
+def _expected_packed(expected: dict[str, Shape], disk: Mapping[str, Shape], present: Mapping[str, Shape],
+                     quant: Quantization, found: Iterable[Link]) -> dict[str, Shape]:
+    """:func:`expected_shapes` of a packed format: each packed weight the architecture has, at the shape its
+    ``[O, I]`` gives it, with its scale and companions as they are (whether the scale fits is
+    :func:`ckpttool.quant.checks.check_tensors`' question)."""
+    for link in found:
+        if link.method != packed.LINK_OF[quant.method] or link.logical not in disk:
+            continue
+        shapes = packed.stored_shapes(quant.method, disk[link.logical], quant.bits, quant.block[1])
+        del expected[link.logical]
+        expected[link.weight] = shapes[0] if shapes is not None else present[link.weight]
+        for name in (link.scale, *packed.companions(link.method, link.logical, present)):
+            expected[name] = present[name]
     return expected

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from importlib import metadata
 from pathlib import Path
 
 from ckpttool.io import jsonfile
@@ -25,6 +26,24 @@ NAME = "hf-distributed"
 LOOKS_FOR = "shard-*-model-*-of-*.safetensors (transformers distributed_checkpoint=True)"
 PATTERN = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+def undescribed(root: Path, config: str, model_type: object, reason: str | None = None) -> ConfigError:
+    """The refusal for a checkpoint of this format whose ``config`` was found, but that transformers cannot describe
+    (so no global shape is known): a model type it does not know (remote code) or builds no causal-LM or
+    image-text-to-text class of, or ``reason`` (its own rejection of the config). Not "put config.json in": it is
+    there (issue 30)."""
+    try:
+        version = f"transformers {metadata.version('transformers')}"
+    except metadata.PackageNotFoundError:
+        version = "transformers (not installed)"
+    why = reason or (f"{version} builds no model from it: it has no causal-LM or image-text-to-text class for "
+                     f"model_type {model_type!r}, or does not know that model type (a model of remote code)")
+    return ConfigError(
+        f"'{root}': transformers distributed checkpoints record no global shapes; ckpttool takes them from the "
+        f"model config, and '{config}' is there, but {why}. Pass --config with the config of a model transformers "
+        "builds (its own model type), or a transformers release that knows this one."
+    )
 
 
 def matches(root: Path) -> bool:

@@ -119,12 +119,17 @@ class VerifyResult:
     output: Forward
     reference: Forward | None = None
     comparison: Comparison | None = None
+    #: a vision-language model's second input, with an image (how it was made), and that forward's comparison
+    image_from: str | None = None
+    image_comparison: Comparison | None = None
 
     @property
     def problems(self) -> tuple[str, ...]:
         ref = self.reference.problems if self.reference is not None else ()
         differs = self.comparison.failures if self.comparison is not None else ()
-        return (*self.output.problems, *(f"reference: {p}" for p in ref), *(f"differs: {f}" for f in differs))
+        image = self.image_comparison.failures if self.image_comparison is not None else ()
+        return (*self.output.problems, *(f"reference: {p}" for p in ref), *(f"differs: {f}" for f in differs),
+                *(f"differs with an image: {f}" for f in image))
 
     @property
     def ok(self) -> bool:
@@ -135,6 +140,8 @@ class VerifyResult:
                 "output": self.output.to_json(),
                 "reference": self.reference.to_json() if self.reference is not None else None,
                 "comparison": self.comparison.to_json() if self.comparison is not None else None,
+                "image_from": self.image_from,
+                "image_comparison": self.image_comparison.to_json() if self.image_comparison is not None else None,
                 "problems": list(self.problems)}
 
     def lines(self) -> list[str]:
@@ -143,6 +150,8 @@ class VerifyResult:
         if self.reference is not None:
             out.append(f"reference: {self.reference.path} ({self.reference.architecture}, {self.reference.dtype})")
         out.append(f"input:     {len(self.input_ids)} tokens ({self.input_from})")
+        if self.image_from is not None:
+            out.append(f"image:     {self.image_from}")
         for note in (*self.output.notes, *(self.reference.notes if self.reference is not None else ())):
             out.append(f"note: {note}")
         c = self.comparison
@@ -150,6 +159,10 @@ class VerifyResult:
             out.append(f"top-1 agreement {c.top1:.1%}; max |Δlogit| {c.max_abs:.4g} ({c.max_rel:.3g} of scale, "
                        f"tolerance {c.tolerance.max_rel:g}); mean |Δlogit| {c.mean_abs:.4g}; "
                        f"min cosine {c.cosine:.9f}; max KL {c.kl:.3g}")
+        seen = self.image_comparison
+        if seen is not None:
+            out.append(f"with the image: top-1 agreement {seen.top1:.1%}; max |Δlogit| {seen.max_abs:.4g} "
+                       f"({seen.max_rel:.3g} of scale); min cosine {seen.cosine:.9f}; max KL {seen.kl:.3g}")
         out += [f"  - {p}" for p in self.problems]
         if self.ok:
             out.append("verified: equal to the reference within tolerance" if c is not None

@@ -29,6 +29,7 @@ from ckpttool.io import jsonfile
 from ckpttool.errors import ConfigError, SourceError, SourceNotFoundError
 from ckpttool.io.paths import JSON_LIMIT, read_source
 from ckpttool.verify.guard import check_config, check_layers, check_with_transformers, refuse_remote_code
+from ckpttool.verify.image import ImageInput, with_token_types
 from ckpttool.readers.hf import BIN
 from ckpttool.verify.prompt import choose_input
 from ckpttool.io.safetensors_format import read_header
@@ -49,6 +50,7 @@ class Forward:
         problems: what makes the load or the logits wrong, each naming its tensor or position.
         notes: what is worth knowing and is no fault (tensors ignored by design).
         logits: float32 logits, ``[positions, vocab]``; empty when the forward could not run.
+        image_logits: a vision-language model's float32 logits with an image (:mod:`.image`), or None.
     """
 
     path: str
@@ -57,6 +59,7 @@ class Forward:
     problems: tuple[str, ...]
     notes: tuple[str, ...]
     logits: torch.Tensor
+    image_logits: torch.Tensor | None = None
 
     def to_json(self) -> dict[str, object]:
         return {"path": self.path, "architecture": self.architecture, "dtype": self.dtype,
@@ -150,13 +153,15 @@ def check_output(path: Path) -> Forward:
     return run_forward(path, ids)
 
 
-def run_forward(path: Path, input_ids: list[int], *, stream: bool = True) -> Forward:
-    """Load the HF directory ``path`` strictly and run ``input_ids`` through it.
+def run_forward(path: Path, input_ids: list[int], *, stream: bool = True, image: ImageInput | None = None) -> Forward:
+    """Load the HF directory ``path`` strictly and run ``input_ids`` through it (and ``image``, a vision-language
+    model's input with an image, as a second forward).
 
     Args:
         path: a HuggingFace directory (``config.json`` + safetensors).
         input_ids: the token ids of one sequence.
         stream: offload every module to disk and load one at a time (bounded memory); False loads it whole.
+        image: see :func:`.image.image_input`; its logits are :attr:`Forward.image_logits`.
 
     Raises:
         ConfigError: no usable config, or an architecture transformers does not have.
@@ -222,9 +227,27 @@ def run_forward(path: Path, input_ids: list[int], *, stream: bool = True) -> For
         if not isinstance(logits, torch.Tensor):
             raise SourceError(f"'{path}': {name} returns no logits: verify checks causal language models")
         logits = logits.detach()[0].float()
+        image_logits = _image_forward(path, name, model, image) if image is not None else None
         del model, output
     problems += logit_problems(logits)
-    return Forward(str(path), name, dtype, tuple(problems), tuple(notes), logits)
+    if image_logits is not None:
+        problems += [f"with an image: {p}" for p in logit_problems(image_logits)]
+    return Forward(str(path), name, dtype, tuple(problems), tuple(notes), logits, image_logits)
+
+
+def _image_forward(path: Path, name: str, model: torch.nn.Module, image: ImageInput) -> torch.Tensor:
+    """The float32 logits of ``model`` on ``image``'s inputs (``[positions, vocab]``).
+
+    Raises:
+        SourceError: the forward fails (the vision side and the config do not make a model that runs).
+    """
+    try:
+        with torch.no_grad():
+            output = model(**with_token_types(model, image))
+    except (ValueError, RuntimeError, IndexError, AssertionError, TypeError) as e:
+        raise SourceError(f"'{path}': {name} loads but its forward with an image fails ({image.source}; "
+                          f"{type(e).__name__}: {e})") from None
+    return output.logits.detach()[0].float()
 
 
 def _loading_problems(name: str, info: dict[str, Any]) -> list[str]:

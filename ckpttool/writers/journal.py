@@ -120,7 +120,8 @@ def plan_id(plan: Plan, files: Sequence[OutputFile]) -> str:
     """A digest of everything that decides the output bytes: ckpttool's version, the plan, the file split,
     and the size and modification time of every source file it reads."""
     stats = []
-    every = [*plan.targets, *(t.scale for t in plan.targets if t.scale is not None)]  # a scale's files too
+    every = [*plan.targets, *(t.scale for t in plan.targets if t.scale is not None),  # a scale's files too
+             *(a for t in plan.targets for a in t.aux)]
     sources = sorted({c.piece.file for t in every for c in t.copies})
     for rel in sources:
         try:
@@ -155,7 +156,20 @@ def _layout_text(out: OutputFile, index: Mapping[str, int]) -> str:
             parts.append(f"\n t {t.transform!r}")
         if t.scale is not None:
             parts.extend(f"\n s {index[c.piece.file]} {c.piece.key!r} {c.piece.byte_offset}" for c in t.scale.copies)
+        for d in t.lora:  # another adapter, or the same one changed since: other bytes
+            parts.append(f"\n l {d.a.file!r} {_stat(d.a.file)} {d.a.byte_offset} {d.b.byte_offset} {d.scaling!r}")
+        for aux in t.aux:
+            parts.extend(f"\n a {index[c.piece.file]} {c.piece.key!r} {c.piece.byte_offset}" for c in aux.copies)
     return "".join(parts)
+
+
+def _stat(path: str) -> tuple[int, int]:
+    """An adapter file's size and modification time (it lies outside the source: not among its files)."""
+    try:
+        st = Path(path).stat()
+    except OSError as e:
+        raise SourceError(f"'{path}': cannot read: {e.strerror or e}") from None
+    return st.st_size, st.st_mtime_ns
 
 
 def write_text(path: Path, text: str) -> None:

@@ -1,0 +1,89 @@
+"""A merge plan with adapters: each LoRA module's delta attached to the target it changes, checked before any
+byte is read (the module is in the base, its weight has the shape A and B make, and can be fused as PEFT fuses it).
+
+The targets are the output's HuggingFace names, whatever the source's convention: a source that stores Q, K and
+V fused (Megatron-Core's ``linear_qkv``) or gate and up fused gives its ``q_proj`` / ``gate_proj`` targets as
+slices of those, and the delta is added to the target's rows after they are gathered, so fused sources need
+nothing more. An adapter trained on a fused module of the HF model itself (Phi-3's ``qkv_proj``) names that
+target and is fused into it the same way.
+
+PEFT names a module as transformers holds it in memory; the output holds the names ``save_pretrained`` writes.
+Where a family renames one (Mixtral's router ``mlp.gate`` is saved as ``block_sparse_moe.gate``), its
+:class:`~ckpttool.families.rules.Rename` rules map the adapter's name to the output's.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ckpttool.errors import SourceError
+from ckpttool.families.rules import Rename, Rules
+from ckpttool.io.dtypes import FLOAT_DTYPES
+from ckpttool.lora.adapter import Adapter
+from ckpttool.plan.plan import Plan, Target
+
+
+def attach_adapters(plan: Plan, adapters: Sequence[Adapter], rules: Rules = ()) -> Plan:
+    """``plan`` with every adapter's deltas on the targets they change (in the order given), and a note per adapter.
+    ``rules``: the family's in-memory to on-disk names (:attr:`~ckpttool.families.adapter.FamilyAdapter.rules`).
+
+    Raises:
+        SourceError: a module the adapter changes is not in the base, its weight's shape is not what A and B make,
+            or it is a tensor ckpttool does not fuse into (a quantized weight); every problem is listed, naming the
+            adapter's weights file and its tensors.
+    """
+    if not adapters:
+        return plan
+    targets = {t.name: t for t in plan.targets}
+    added: dict[str, list] = {}
+    problems: list[str] = []
+    notes: list[str] = []
+    for adapter in adapters:
+        fused = 0
+        for module, delta in adapter.deltas.items():
+            name = disk_name(f"{module}.weight", rules)
+            target = targets.get(name)
+            if target is None:
+                near = difflib.get_close_matches(name, list(targets), n=1)
+                problems.append(f"'{delta.a.key}': the adapter changes '{module}', but the base has no '{name}'"
+                                + (f" (the nearest is '{near[0]}')" if near else ""))
+                continue
+            out, rows = delta.b.shape[0], delta.a.shape[1]
+            expected = (rows, out) if delta.fan_in_fan_out else (out, rows)
+            if target.shape != expected:
+                problems.append(f"'{delta.a.key}' {list(delta.a.shape)} and '{delta.b.key}' {list(delta.b.shape)} "
+                                f"make a delta of {list(expected)}, but the base's '{name}' is {list(target.shape)}"
+                                + (" (fan_in_fan_out)" if delta.fan_in_fan_out else ""))
+                continue
+            if target.dequant is not None or target.source_dtype not in FLOAT_DTYPES:
+                problems.append(f"'{delta.a.key}': the base's '{name}' is stored {target.source_dtype}"
+                                f"{' and quantized' if target.dequant is not None else ''}; ckpttool fuses LoRA into "
+                                "floating-point weights only (PEFT's merge into a quantized base differs)")
+                continue
+            added.setdefault(name, []).append(delta)
+            fused += 1
+        ranks = sorted({d.rank for d in adapter.deltas.values()})
+        scalings = sorted({d.scaling for d in adapter.deltas.values()})
+        notes.append(f"LoRA adapter '{adapter.root}' fused into {fused} tensors (rank {'/'.join(map(str, ranks))}, "
+                     f"scaling {'/'.join(f'{s:g}' for s in scalings)})")
+    if problems:
+        first = adapters[0].weights if len(adapters) == 1 else "the adapters"
+        raise SourceError(f"'{first}': {len(problems)} LoRA module{'s' if len(problems) > 1 else ''} cannot be fused "
+                          "into the base:\n" + "\n".join(f"  - {p}" for p in problems))
+    fused_targets = tuple(_fused(t, added[t.name]) if t.name in added else t for t in plan.targets)
+    return replace(plan, targets=fused_targets, notes=(*plan.notes, *notes))
+
+
+def disk_name(name: str, rules: Rules) -> str:
+    """The name ``save_pretrained`` writes for in-memory weight ``name``: the first matching rename applied."""
+    for rule in rules:
+        if isinstance(rule, Rename) and re.match(rule.pattern, name):
+            return re.sub(rule.pattern, rule.replacement, name)
+    return name
+
+
+def _fused(target: Target, deltas: list) -> Target:
+    return replace(target, lora=(*target.lora, *deltas))
