@@ -150,3 +150,77 @@ def test_a_tensor_with_no_torchtitan_name_is_refused_listing_it():
 def test_release_names_and_the_cli_choices_agree():
     assert SPLIT_NAMES == NAMES
     assert [torchtitan.release_of(n) for n in NAMES if n != "hf"] == list(torchtitan.RELEASES)
+
+
+# --- torchtitan's MoE: Qwen3-MoE from its own trainer (FSDP2, and EP 2 on gloo) ---------------------------------------
+
+MOE = {"torchtitan_qwen3moe_fsdp2": {"fsdp": 2}, "torchtitan_qwen3moe_ep2": {"fsdp": 2, "ep": 2}}
+
+
+@pytest.fixture(scope="module")
+def moe_merged(tmp_path_factory):
+    out = {}
+    for name in MOE:
+        hf = tmp_path_factory.mktemp(name) / "hf"
+        src = fixture_dir(name) / "checkpoint"
+        before = tree_digest(src)
+        result = ckpttool.merge(src, hf, config=fixture_dir(name) / "reference" / "config.json")
+        assert tree_digest(src) == before
+        out[name] = (hf, result)
+    return out
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_merge_is_bit_identical_to_torchtitans_own_to_hf(name, moe_merged):
+    from conftest import load_output
+
+    hf, result = moe_merged[name]
+    got, want = load_output(hf), load_output(fixture_dir(name) / "reference")
+    assert sorted(got) == sorted(want)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in got
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    assert result.adapter == "qwen3_moe (torchtitan convention)"
+    assert result.audit is not None and not result.audit.findings
+    assert any("dropped 2 MoE load-balancing expert_bias tensors (layers.0.moe.expert_bias_E...)" in n
+               for n in result.plan.notes)
+
+
+def test_moe_merge_loads_strictly_with_the_references_logits(moe_merged):
+    from transformers import Qwen3MoeForCausalLM
+
+    name = "torchtitan_qwen3moe_ep2"
+    model, info = Qwen3MoeForCausalLM.from_pretrained(moe_merged[name][0], output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    reference = Qwen3MoeForCausalLM.from_pretrained(fixture_dir(name) / "reference")
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7, 16, 2]])
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).logits, reference.eval()(ids).logits)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_split_back_is_torchtitans_save_with_a_zero_expert_bias(name, moe_merged, tmp_path):
+    result = ckpttool.split(moe_merged[name][0], tmp_path / "back", names="torchtitan", **MOE[name])
+    original = fixture_dir(name) / "checkpoint"
+    assert _chunks(tmp_path / "back") == _chunks(original)
+    got, want = _tensors(tmp_path / "back", tmp_path), _tensors(original, tmp_path)
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        if key.endswith("expert_bias_E"):  # HF's Qwen3-MoE has none: zeros, float32, as torchtitan initialises it
+            assert got[key].dtype == torch.float32 and not got[key].any(), key
+        else:
+            assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    assert any("wrote 2 MoE load-balancing expert_bias_E tensors as zeros" in n for n in result.notes)
+
+
+def test_moe_names_of_0_2_are_written_for_torchtitan_0_2():
+    from ckpttool.families import map_from_hf
+    from ckpttool.model.architecture import model_info
+
+    config = __import__("json").loads((fixture_dir("torchtitan_qwen3moe_ep2") / "reference" / "config.json").read_text())
+    info = model_info(config)
+    written = torchtitan.to_torchtitan(map_from_hf(info), info, "0.2")
+    names = {t.name: t.shape for t in written.tensors}
+    assert names["layers.0.moe.experts.w1"] == (4, 16, 32) and names["layers.0.moe.experts.w2"] == (4, 32, 16)
+    assert written.zeros == {"layers.0.moe.expert_bias", "layers.1.moe.expert_bias"}
+    assert "output.weight" in names

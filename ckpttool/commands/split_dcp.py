@@ -23,6 +23,7 @@ from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import Box
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.plan.compose import compose
+from ckpttool.plan.plan import Target
 from ckpttool.families.source import Planned
 from ckpttool.writers import dcp
 
@@ -66,10 +67,11 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sha
             CoverageError: a chunk not covered exactly once.
     """
     memory = in_memory(prepared)
-    placement, whole = adapter_for(model_of(prepared)).tp_placement, frozenset()
+    placement, whole, zeros = adapter_for(model_of(prepared)).tp_placement, frozenset(), frozenset()
     if names != "hf":
         written = torchtitan.to_torchtitan(memory, model_of(prepared), torchtitan.release_of(names))
-        memory, placement, whole = written.tensors, torchtitan.tp_placement, written.whole
+        memory, placement = written.tensors, torchtitan.tp_placement
+        whole, zeros = written.whole, written.zeros
     _check_degrees(memory, mesh)
     shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh, placement)
     # saved whole on one rank whatever the mesh (torchtitan 0.3 splits its fused wqkv into whole tensors on save)
@@ -88,6 +90,9 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sha
     for chunks_written in dcp.share_items(held):
         items = []
         for name, box in chunks_written:
+            if name in zeros:  # made of no source tensor: a target of no copy, which the executor writes as zeros
+                items.append((name, by_name[name].shape, box, Target(name, box.sizes, "F32", "F32", (), ())))
+                continue
             target, found = compose(name, box, slices[name], targets, transforms.get(name), by_name[name].shape)
             problems.extend(p for p in found if p not in problems)
             if target is not None:
