@@ -224,3 +224,14 @@ def test_moe_names_of_0_2_are_written_for_torchtitan_0_2():
     assert names["layers.0.moe.experts.w1"] == (4, 16, 32) and names["layers.0.moe.experts.w2"] == (4, 32, 16)
     assert written.zeros == {"layers.0.moe.expert_bias", "layers.1.moe.expert_bias"}
     assert "output.weight" in names
+
+
+def test_a_torchtitan_step_reshards_straight_to_another_torchtitan_mesh(tmp_path):
+    # TP 2 -> FSDP 2 without a merge: Q/K go pairs -> halves -> pairs, the two permutations cancel (no transform)
+    src = fixture_dir("torchtitan_llama3_tp2")
+    result = ckpttool.split(src / "checkpoint", tmp_path / "fsdp", fsdp=2, names="torchtitan",
+                            config=src / "reference" / "config.json")
+    assert result.transforms() == {}
+    assert _chunks(tmp_path / "fsdp") == _chunks(fixture_dir("torchtitan_llama3_fsdp2") / "checkpoint")
+    got, want = _tensors(tmp_path / "fsdp", tmp_path), _tensors(src / "checkpoint", tmp_path)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
