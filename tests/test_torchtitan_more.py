@@ -235,3 +235,22 @@ def test_a_torchtitan_step_reshards_straight_to_another_torchtitan_mesh(tmp_path
     assert _chunks(tmp_path / "fsdp") == _chunks(fixture_dir("torchtitan_llama3_fsdp2") / "checkpoint")
     got, want = _tensors(tmp_path / "fsdp", tmp_path), _tensors(src / "checkpoint", tmp_path)
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_moe_names_before_0_3_are_cut_per_expert_too():
+    from ckpttool.layout.layout import Box, Layout, Piece, TensorLayout
+    from ckpttool.model.architecture import ModelInfo
+
+    shapes = {"tok_embeddings.weight": (8, 4), "layers.0.moe.experts.w1": (2, 6, 4), "layers.0.moe.experts.w2": (2, 4, 6),
+              "layers.0.moe.router.gate.weight": (2, 4), "layers.0.moe.expert_bias": (2,)}
+    layout = Layout("/titan", "dcp", {n: TensorLayout(n, s, "F32", (Piece("f", n, Box.whole(s), "F32", "raw", 0, 0),))
+                                      for n, s in shapes.items()})
+    info = ModelInfo("qwen3_moe", {"model_type": "qwen3_moe", "head_dim": 2}, {},
+                     {"model.layers.0.mlp.experts.0.gate_proj.weight": (6, 4)})
+    specs, notes, problems = torchtitan.CONVENTION.cut(layout, info, None)
+    assert not problems
+    got = {s.name: (s.shape, s.slices[0].source, s.slices[0].src.offsets) for s in specs}
+    assert got["model.layers.0.mlp.experts.1.gate_proj.weight"] == ((6, 4), "layers.0.moe.experts.w1", (1, 0, 0))
+    assert got["model.layers.0.mlp.experts.0.down_proj.weight"] == ((4, 6), "layers.0.moe.experts.w2", (0, 0, 0))
+    assert got["model.layers.0.mlp.gate.weight"][1] == "layers.0.moe.router.gate.weight"
+    assert any("dropped 1 MoE load-balancing expert_bias tensors (layers.0.moe.expert_bias...)" in n for n in notes)
