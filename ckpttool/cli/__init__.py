@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckpttool.cli.choices import FORMAT_NAMES, SPLIT_TARGETS
+from ckpttool.cli.choices import FORMAT_NAMES, SPLIT_NAMES, SPLIT_TARGETS
 from ckpttool.cli.show import generic_warning, print_report, print_result, print_summary
 from ckpttool.commands.meshes import MAX_DIVISIBLE_BY, MAX_ITERATION, MAX_RANKS
 from ckpttool.errors import CkptError
@@ -339,6 +339,9 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
 @click.option("--dp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to dcp: data-parallel replicas (FSDP2 HSDP: Replicate() over dp; each chunk saved once).")
 @click.option("--make-vocab-size-divisible-by", "divisible_by", type=click.IntRange(1, MAX_DIVISIBLE_BY), default=128, show_default=True, help="--to megatron: pad the vocab to a multiple of this x tp (zeros), as Megatron-LM's argument.")
 @click.option("--iteration", type=click.IntRange(0, MAX_ITERATION), default=0, show_default=True, help="--to megatron: the iteration directory written (iter_0000000).")
+@click.option("--names", type=click.Choice(SPLIT_NAMES), default="hf", show_default=True, help="--to dcp: the tensor names "
+              "written: transformers' in-memory ones, or torchtitan's (0.3; torchtitan-0.2: attention.wq, output) with Q/K in "
+              "Meta's RoPE order and torchtitan's placements, so a torchtitan job resumes from it.")
 @click.option("--format", "fmt", type=FORMATS, help="Source format (detected by default).")
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
 @click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast).")
@@ -351,7 +354,7 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
 def split_command(
     src: str, out: str | None, to: str, fsdp: int, tp: int, ep: int, pp: int, dp: int, divisible_by: int, iteration: int,
     fmt: str | None, config: str | None, dtype: str | None, dry_run: bool, force: bool, workers: int, as_json: bool,
-    quiet: bool, verbose: int,
+    quiet: bool, verbose: int, names: str = "hf",
 ) -> None:
     """Write the checkpoint in SRC sharded for a device mesh into OUT (--to dcp: one file per rank; --to megatron:
     a Megatron-Core torch_dist iteration directory for --tp x --pp x --ep).
@@ -371,6 +374,9 @@ def split_command(
         check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration)
     except ArgumentError as e:
         raise click.UsageError(str(e)) from None
+    if names != "hf" and to != "dcp":
+        raise click.UsageError(f"--names {names} is for --to dcp (torchtitan saves a PyTorch Distributed Checkpoint); "
+                               f"--to {to} writes its own names.")
     quiet = quiet or not _speaks()
     _setup_logging(verbose, quiet or as_json)
     # the mesh and OUT are checked before the split (and torch) is even imported: a refusal takes no time
@@ -382,7 +388,7 @@ def split_command(
     bar = Bar("split") if not (as_json or quiet or dry_run) else None
     result = _run(as_json, lambda: split(
         src, out, to=to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, make_vocab_size_divisible_by=divisible_by,
-        iteration=iteration, format=fmt, config=config, dtype=dtype, dry_run=dry_run,
+        iteration=iteration, names=names, format=fmt, config=config, dtype=dtype, dry_run=dry_run,
         force=force, workers=workers, progress=bar,
     ), bar)
     if _printed_as_json(result, as_json):

@@ -15,3 +15,5 @@ FORMAT_NAMES = (
 )
 #: what ``split --to`` writes: :data:`ckpttool.commands.split.TARGETS`
 SPLIT_TARGETS = ("dcp", "megatron")
+#: the names ``split --to dcp --names`` writes: :data:`ckpttool.commands.split_dcp.NAMES`
+SPLIT_NAMES = ("hf", "torchtitan", "torchtitan-0.2")

@@ -26,7 +26,8 @@ from ckpttool.errors import ArgumentError, ConfigError, CoverageError, OutputErr
 from ckpttool.commands.merge import config_dtype, extras_search, prepare
 from ckpttool.commands.meshes import MegatronMesh, Mesh, Sharding, mesh_for
 from ckpttool.families.source import Planned
-from ckpttool.commands.split_dcp import model_of, plan_dcp
+from ckpttool.commands.split_dcp import NAMES, in_memory, model_of, plan_dcp
+from ckpttool.families.conventions.torchtitan import release_of, to_torchtitan
 from ckpttool.commands.split_megatron import plan_megatron, training_args
 from ckpttool.console.terminal import escaped, shown, size_text
 from ckpttool.writers import dcp, megatron_dist
@@ -137,6 +138,7 @@ def split(
     dp: int = 1,
     make_vocab_size_divisible_by: int = 128,
     iteration: int = 0,
+    names: str = "hf",
     format: str | None = None,
     config: str | Path | None = None,
     dtype: str | None = None,
@@ -164,6 +166,10 @@ def split(
         pp, make_vocab_size_divisible_by, iteration: ``megatron`` only: pipeline stages (equal, consecutive
             layers), the vocab padding rule (as Megatron-LM's argument: padded to a multiple of it times ``tp``;
             the padding rows are zeros) and the iteration directory written (``iter_0000000``).
+        names: ``dcp`` only: the tensor names written (:data:`~ckpttool.commands.split_dcp.NAMES`): ``"hf"``
+            (transformers' in-memory names), ``"torchtitan"`` (torchtitan 0.3's names, Q/K rows in Meta's RoPE
+            order, placed as torchtitan's plan places them: a torchtitan job resumes from it) or
+            ``"torchtitan-0.2"`` (the names of torchtitan 0.2: ``attention.wq``, ``output``).
         format, config, dtype: as for :func:`ckpttool.merge`; a config is required (it names the tensors as the
             model holds them in memory).
         dry_run: plan and check only; read no tensor data, write nothing.
@@ -183,11 +189,14 @@ def split(
             :data:`~ckpttool.commands.meshes.MAX_RANKS` (each, and all together), ``make_vocab_size_divisible_by``
             above :data:`~ckpttool.commands.meshes.MAX_DIVISIBLE_BY`, ``iteration`` above
             :data:`~ckpttool.commands.meshes.MAX_ITERATION`, ``ep`` that does not divide ``fsdp * tp``, an option
-            of the other target (``dp`` above 1 for ``megatron``), ``out`` None without ``dry_run``. All of these,
+            of the other target (``dp`` above 1 for ``megatron``), ``names`` not in
+            :data:`~ckpttool.commands.split_dcp.NAMES` or other than ``"hf"`` for ``megatron``, ``out`` None without
+            ``dry_run``. All of these,
             and the destination (DestinationError), are checked before the source is read.
         ConfigError: no config; a quantized source (FP8, MXFP4: merge it with a dtype first); a tensor the mesh
             cannot place (no tensor-parallel rule, experts ``ep`` does not divide, more ranks than the tensors
-            have rows); the source does not fit the config.
+            have rows); the source does not fit the config; ``names="torchtitan"`` for a model torchtitan has no model of
+            (:data:`~ckpttool.families.conventions.torchtitan.FAMILIES`) or a tensor it has no name for.
         CoverageError: a tensor is not covered exactly once by the source. DestinationError, SourceError,
             OutputError: as for merge; nothing is published.
 
@@ -197,6 +206,7 @@ def split(
     if to not in TARGETS:
         raise ArgumentError(f"to={to!r}: split writes {', '.join(map(repr, TARGETS))} (PyTorch Distributed Checkpoint, "
                             "Megatron-Core torch_dist)")
+    _check_names(to, names)
     # every argument and the destination are checked before the source is read: a refusal costs no read
     mesh = mesh_for(to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, divisible_by=make_vocab_size_divisible_by,
                     iteration=iteration)
@@ -214,7 +224,7 @@ def split(
             info = model_of(prepared)
             shardings, files = plan_megatron(prepared, info, mesh)
         else:
-            shardings, files = plan_dcp(prepared, mesh)
+            shardings, files = plan_dcp(prepared, mesh, names)
         plan = Plan(str(root), prepared.layout.format, tuple(i.target for f in files for i in f.items), prepared.plan.notes)
         if dest is not None and not dry_run:
             total = sum(f.data_bytes for f in files)
@@ -242,9 +252,31 @@ def split(
         mesh=mesh, plan=plan, files=files, tensors=tuple(shardings),
         config=str(prepared.config_path) if prepared.config_path else None,
         adapter=(f"{prepared.adapter}; written in the Megatron-Core convention" if isinstance(mesh, MegatronMesh)
+                 else f"{prepared.adapter}; written in torchtitan {release_of(names)}'s names" if names != "hf"
                  else prepared.adapter),
-        dry_run=dry_run, extras=tuple(extras), workers=workers, restored=restored, notes=prepared.plan.notes,
+        dry_run=dry_run, extras=tuple(extras), workers=workers, restored=restored,
+        notes=(*prepared.plan.notes, *_names_notes(names, prepared)),
     )
+
+
+def _check_names(to: str, names: str) -> None:
+    """``names`` is one of :data:`~ckpttool.commands.split_dcp.NAMES`, and other than ``"hf"`` only for ``dcp``.
+
+    Raises:
+        ArgumentError: naming the option and what it takes.
+    """
+    if names not in NAMES:
+        raise ArgumentError(f"names={names!r}: split writes the names {', '.join(map(repr, NAMES))}")
+    if names != "hf" and to != "dcp":
+        raise ArgumentError(f"names={names!r} is for to='dcp' (torchtitan saves a PyTorch Distributed Checkpoint); "
+                            f"to={to!r} writes its own names")
+
+
+def _names_notes(names: str, prepared: Planned) -> list[str]:
+    """What writing ``names`` did, for the summary (none for transformers' own)."""
+    if names == "hf":
+        return []
+    return to_torchtitan(in_memory(prepared), model_of(prepared), release_of(names)).notes
 
 
 def _refuse_quantized(prepared: Planned) -> None:

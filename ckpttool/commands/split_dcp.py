@@ -5,21 +5,30 @@ run backwards); :func:`ckpttool.commands.meshes.shard_tensors` places them on th
 from the family adapter), and every rank's box becomes
 one target whose copies reach straight into the source's pieces (:func:`ckpttool.plan.compose.compose`), laid out
 in the rank files torch's ``FileSystemWriter`` writes (:func:`ckpttool.writers.dcp.lay_out`). Reads no tensor data.
+
+``names`` other than ``"hf"`` writes another framework's names (:data:`NAMES`): ``torchtitan`` (its newest release)
+or ``torchtitan-0.2``, through :func:`ckpttool.families.conventions.torchtitan.to_torchtitan` (names, RoPE order,
+torchtitan's tensor-parallel plan, Q/K/V saved whole in 0.3).
 """
 
 from __future__ import annotations
 
 import math
 
-from ckpttool.commands.meshes import Mesh, Sharding, shard_tensors
+from ckpttool.commands.meshes import REPLICATE, Mesh, Sharding, shard_tensors
 from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families import MemoryTensor, adapter_for, map_from_hf
+from ckpttool.families.conventions import torchtitan
 from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import Box
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.plan.compose import compose
+from ckpttool.plan.plan import Target
 from ckpttool.families.source import Planned
 from ckpttool.writers import dcp
+
+#: the names ``split --to dcp`` writes: transformers' in-memory ones, or torchtitan's (newest release, or 0.2's)
+NAMES = ("hf", "torchtitan", "torchtitan-0.2")
 
 
 def in_memory(prepared: Planned) -> list[MemoryTensor]:
@@ -47,17 +56,27 @@ def model_of(prepared: Planned) -> ModelInfo:
     return prepared.model
 
 
-def plan_dcp(prepared: Planned, mesh: Mesh) -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:
+def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:
     """Every rank's chunks of every in-memory tensor, each a target proven to tile its box, laid out in the rank
     files torch's ``FileSystemWriter`` would write (a replicated chunk once). Reads no tensor data.
 
+    ``names``: one of :data:`NAMES`; ``"torchtitan"`` writes torchtitan's names, RoPE order and placements.
+
     Raises:
-        ConfigError: no config, or a tensor the mesh cannot place; CoverageError: a chunk not covered exactly once.
+        ConfigError: no config, or a tensor the mesh cannot place, or a model torchtitan's names do not fit;
+            CoverageError: a chunk not covered exactly once.
     """
     memory = in_memory(prepared)
+    placement, whole, zeros = adapter_for(model_of(prepared)).tp_placement, frozenset(), frozenset()
+    if names != "hf":
+        written = torchtitan.to_torchtitan(memory, model_of(prepared), torchtitan.release_of(names))
+        memory, placement = written.tensors, torchtitan.tp_placement
+        whole, zeros = written.whole, written.zeros
     _check_degrees(memory, mesh)
-    placement = adapter_for(model_of(prepared)).tp_placement
     shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh, placement)
+    # saved whole on one rank whatever the mesh (torchtitan 0.3 splits its fused wqkv into whole tensors on save)
+    shardings = [Sharding(s.name, s.shape, s.dims, tuple(REPLICATE for _ in s.dims)) if s.name in whole else s
+                 for s in shardings]
     slices = {m.name: m.slices for m in memory}
     transforms = {m.name: m.transform for m in memory if m.transform is not None}
     targets = {t.name: t for t in prepared.plan.targets}
@@ -71,6 +90,9 @@ def plan_dcp(prepared: Planned, mesh: Mesh) -> tuple[list[Sharding], tuple[dcp.D
     for chunks_written in dcp.share_items(held):
         items = []
         for name, box in chunks_written:
+            if name in zeros:  # made of no source tensor: a target of no copy, which the executor writes as zeros
+                items.append((name, by_name[name].shape, box, Target(name, box.sizes, "F32", "F32", (), ())))
+                continue
             target, found = compose(name, box, slices[name], targets, transforms.get(name), by_name[name].shape)
             problems.extend(p for p in found if p not in problems)
             if target is not None:

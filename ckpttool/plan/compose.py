@@ -116,15 +116,18 @@ def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, 
 
 
 def _carried(slices: Sequence[Slice], targets: Mapping[str, Target],
-             transform: Transform | None) -> tuple[Target, Transform] | None:
-    """The transformed target a new tensor is, whole and as it is (its transform carried through); None for
-    anything else (a new tensor made of part of a transformed target, or with a transform of its own, is refused
+             transform: Transform | None) -> tuple[Target, Transform | None] | None:
+    """The transformed target a new tensor is, whole and as it is (its transform carried through), or whole through
+    the inverse of that transform (the two cancel: its pre tensor, untransformed); None for anything else (a new tensor made of part of a transformed target, or with a transform of its own, is refused
     by :func:`compose`: a transform of a transform is not composed here)."""
     found = [targets[sl.source] for sl in slices if sl.source in targets and targets[sl.source].transform is not None]
     if not found:
         return None
     target = found[0]
     whole = Box.whole(target.shape)
-    if transform is None and len(slices) == 1 and slices[0].src == whole and slices[0].dst == whole:
-        return target, target.transform  # type: ignore[return-value]
+    if len(slices) == 1 and slices[0].src == whole and slices[0].dst == whole:
+        if transform is None:
+            return target, target.transform  # type: ignore[return-value]
+        if transform.inverse() == target.transform:  # the two cancel: the new tensor is the pre tensor, as it is
+            return target, None  # (torchtitan's Q rows, permuted to HF's halves and back, re-sharded)
     return None  # refused in compose's loop, with the slice named

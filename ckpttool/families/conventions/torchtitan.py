@@ -25,25 +25,46 @@ RoPE: torchtitan's Llama rotates adjacent pairs (Meta's order); transformers' Ll
 head. So Q and K rows are permuted per head of ``head_dim`` rows (:func:`~ckpttool.plan.transforms.rope_halves`),
 what torchtitan's own ``Llama3StateDictAdapter.to_hf`` does with ``_permute`` (K with ``n_kv_heads`` heads of the
 same ``head_dim``). Qwen3's torchtitan model rotates halves already (its adapter permutes nothing), so a ``qwen3``
-config gets no permutation. The MoE layouts (Qwen3-MoE, DeepSeek-V3, Llama 4: ``moe.experts.w1`` stacked) are not
-cut here yet: their tensors are refused by name.
+(or ``qwen3_moe``) config gets no permutation.
+
+MoE (Qwen3-MoE): the stacked experts ``layers.N.moe.routed_experts.inner_experts.w1_EFD`` / ``w3_EFD`` ``[E, ffn,
+dim]`` and ``w2_EDF`` ``[E, dim, ffn]`` (0.2: ``moe.experts.w1``/``w3``/``w2``) are cut into HF's per-expert
+``model.layers.N.mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj`` ``.weight`` (slab ``E``, no transpose), the
+router ``moe.router.gate.weight`` is ``mlp.gate.weight``, and the load-balancing ``moe.expert_bias_E`` is dropped
+with a note, as torchtitan's ``Qwen3StateDictAdapter.to_hf`` does. Only for a config whose HF form has per-expert
+tensors; DeepSeek-V3's MLA and shared experts, and Llama 4, are refused by name.
+
+The way back (``split --to dcp --names torchtitan``, :func:`to_torchtitan`): the model's in-memory tensors renamed
+to the names of the torchtitan release named (:data:`RELEASES`: 0.3's ``attention.qkv_linear.wq`` and ``lm_head``,
+or 0.2's ``attention.wq`` and ``output``), Q/K rows back to Meta's pairs (``rope_halves(head_dim).inverse()``, what
+torchtitan's ``from_hf`` does with ``_reverse_permute``), placed as torchtitan's parallelize functions place them
+(:func:`tp_placement`; 0.3's Q/K/V saved whole, one chunk each, as its fused ``wqkv`` is split on save).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
-from dataclasses import replace
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from ckpttool.errors import ArgumentError, ConfigError
 from ckpttool.families.adapter import Convention, CutResult, FamilyAdapter
-from ckpttool.layout.layout import Layout
+from ckpttool.layout.placements import Placement
+from ckpttool.families.rules import Unstack
+from ckpttool.families.rules import cut as cut_by_rules
+from ckpttool.layout.layout import Layout, TensorLayout
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.plan.plan import TargetSpec, tensor_specs
 from ckpttool.plan.transforms import rope_halves
 
+if TYPE_CHECKING:  # the families package imports this module: its MemoryTensor only annotates here
+    from ckpttool.families import MemoryTensor
+
 NAME = "torchtitan"
 #: torchtitan's names, ``{}`` the layer -> HuggingFace's; ``q``/``k`` mark the rows RoPE-permuted
 _LAYER = {
+    "moe.router.gate.weight": ("mlp.gate.weight", ""),
     "attention.wq.weight": ("self_attn.q_proj.weight", "q"),
     "attention.wk.weight": ("self_attn.k_proj.weight", "k"),
     "attention.wv.weight": ("self_attn.v_proj.weight", ""),
@@ -68,8 +89,13 @@ _QKV_LINEAR = re.compile(r"^attention\.qkv_linear\.(w[qkv]\.weight)$")
 #: the names only torchtitan gives (any one recognises a layout)
 _OWN = re.compile(r"^(tok_embeddings\.weight|layers\.\d+\.attention(\.qkv_linear)?\.w[qkvo]\.weight"
                   r"|layers\.\d+\.feed_forward\.w[123]\.weight)$")
+#: torchtitan's stacked experts: 0.3's ``moe.routed_experts.inner_experts.w1_EFD`` (0.2: ``moe.experts.w1``)
+_EXPERT = re.compile(r"^layers\.(\d+)\.moe\.(?:routed_experts\.inner_experts|experts)\.(w[123])(?:_EFD|_EDF)?$")
+_EXPERT_HF = {"w1": "gate_proj.weight", "w3": "up_proj.weight", "w2": "down_proj.weight"}
+#: the auxiliary-loss-free load-balancing bias torchtitan's MoE keeps (0.3 ``expert_bias_E``; 0.2 ``expert_bias``)
+_EXPERT_BIAS = re.compile(r"^layers\.\d+\.moe\.expert_bias(_E)?$")
 #: families whose torchtitan model rotates halves, as transformers does: no permutation
-_HALVES = ("qwen3",)
+_HALVES = ("qwen3", "qwen3_moe")
 
 
 class TorchtitanConvention(Convention):
@@ -88,11 +114,20 @@ class TorchtitanConvention(Convention):
         """torchtitan names -> HuggingFace on-disk names, Q/K rows from RoPE pairs to halves (see the module)."""
         head_dim, problem = _head_dim(info)
         permute = info.model_type not in _HALVES and info.family not in _HALVES
+        # stacked experts are cut only for a model whose HF form has per-expert tensors (Qwen3-MoE)
+        moe = any(".mlp.experts." in name for name in info.disk_shapes)
         specs: list[TargetSpec] = []
         problems: list[tuple[str, str]] = []
         permuted = 0
         dropped: list[str] = []
         for tensor in layout.tensors.values():
+            if _EXPERT_BIAS.match(tensor.fqn):
+                dropped.append(tensor.fqn)
+                continue
+            experts = _experts(tensor) if moe else None
+            if experts is not None:
+                specs.extend(experts)
+                continue
             hf, rope = _hf_name(tensor.fqn)
             if hf is None:
                 problems.append((tensor.fqn, f"'{tensor.fqn}': not a torchtitan name ckpttool maps to HuggingFace "
@@ -113,12 +148,31 @@ class TorchtitanConvention(Convention):
         if permuted:
             notes.append(f"Q/K rows of {permuted} tensors permuted from Meta's interleaved RoPE pairs to HF's halves "
                          f"(head_dim {head_dim}), as torchtitan's state-dict adapter does")
-        if dropped:
-            notes.append(f"dropped {', '.join(dropped)}: the config ties lm_head to the embeddings")
+        tied = [name for name in dropped if not _EXPERT_BIAS.match(name)]
+        if tied:
+            notes.append(f"dropped {', '.join(tied)}: the config ties lm_head to the embeddings")
+        biases = [name for name in dropped if _EXPERT_BIAS.match(name)]
+        if biases:
+            notes.append(f"dropped {len(biases)} MoE load-balancing expert_bias tensors ({biases[0]}...): HF's "
+                         f"{info.model_type} routes without one (torchtitan's own to_hf drops them too)")
         return specs, notes, problems
 
     def describe(self, info: ModelInfo, family: FamilyAdapter, known: bool) -> str:
         return f"{info.model_type} (torchtitan convention)"
+
+
+def _experts(tensor: TensorLayout) -> list[TargetSpec] | None:
+    """A stacked expert tensor of torchtitan's MoE (``[E, ...]``) cut into HF's per-expert on-disk tensors
+    (``model.layers.N.mlp.experts.E.gate_proj.weight``: expert ``E`` is the tensor's slab ``E``, no transpose:
+    torchtitan's ``w1_EFD``/``w3_EFD`` are ``[E, ffn, dim]`` and ``w2_EDF`` ``[E, dim, ffn]``, HF's Linear layout);
+    None for any other tensor."""
+    match = _EXPERT.match(tensor.fqn)
+    if match is None:
+        return None
+    layer, weight = match.group(1), match.group(2)
+    prefix = f"model.layers.{layer}.mlp.experts"
+    return cut_by_rules(tensor, f"{prefix}.{weight}", (Unstack(rf"^({re.escape(prefix)})\.{weight}$",
+                                                      (f"{{prefix}}.{{expert}}.{_EXPERT_HF[weight]}",)),))
 
 
 def _hf_name(fqn: str) -> tuple[str | None, str]:
@@ -154,3 +208,162 @@ def _head_dim(info: ModelInfo) -> tuple[int, str]:
 
 
 CONVENTION = TorchtitanConvention()
+
+
+#: the torchtitan releases whose names a split writes (``--names torchtitan`` is the first, the newest)
+RELEASES = ("0.3", "0.2")
+#: the model types torchtitan builds that a split writes in its names (Llama 3 and Qwen3 dense)
+FAMILIES = ("llama", "qwen3", "qwen3_moe")
+#: torchtitan's stacked experts by release, and its load-balancing bias
+_STACKED = {"0.3": {w: f"routed_experts.inner_experts.{w}_{'EDF' if w == 'w2' else 'EFD'}" for w in ("w1", "w2", "w3")},
+            "0.2": {w: f"experts.{w}" for w in ("w1", "w2", "w3")}}
+_BIAS = {"0.3": "expert_bias_E", "0.2": "expert_bias"}
+_SHARD0, _SHARD1, _REPLICATE = Placement("shard", 0), Placement("shard", 1), Placement("replicate")
+#: torchtitan's tensor-parallel plan (``parallelize_llama`` / ``parallelize_qwen3``), by the name's last two parts
+_TP = {
+    "tok_embeddings.weight": _SHARD0, "lm_head.weight": _SHARD0, "output.weight": _SHARD0,
+    "wq.weight": _SHARD0, "wk.weight": _SHARD0, "wv.weight": _SHARD0, "wo.weight": _SHARD1,
+    "w1.weight": _SHARD0, "w3.weight": _SHARD0, "w2.weight": _SHARD1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TorchtitanNames:
+    """A model's in-memory tensors as torchtitan ``release`` saves them (:func:`to_torchtitan`).
+
+    Attributes:
+        tensors: every tensor under its torchtitan name, Q/K through the inverse RoPE permutation.
+        whole: names saved whole, one chunk on one rank, whatever the mesh (0.3's Q, K and V, the MoE's
+            ``expert_bias_E``).
+        zeros: names written as zeros, made of no HF tensor (the MoE's load-balancing ``expert_bias_E``, float32:
+            HF's model has none; torchtitan's loader asks for it).
+        notes: what was done, for the user.
+    """
+
+    tensors: list[MemoryTensor]
+    whole: frozenset[str]
+    notes: list[str]
+    zeros: frozenset[str] = frozenset()
+
+
+def release_of(names: str) -> str:
+    """The torchtitan release of a split's ``names`` option: ``"torchtitan"`` is the newest (:data:`RELEASES`),
+    ``"torchtitan-0.2"`` names one.
+
+    Raises:
+        ArgumentError: ``names`` is neither.
+    """
+    release = RELEASES[0] if names == NAME else names.removeprefix(f"{NAME}-")
+    if not names.startswith(NAME) or release not in RELEASES:
+        raise ArgumentError(f"names={names!r}: a split writes torchtitan's names of release "
+                            f"{', '.join(RELEASES)} (names='torchtitan' is {RELEASES[0]}, or 'torchtitan-RELEASE')")
+    return release
+
+
+def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str = RELEASES[0]) -> TorchtitanNames:
+    """The in-memory tensors of a transformers model (``memory``: HF names, slices of the on-disk tensors) as
+    torchtitan ``release``'s model saves them: torchtitan's names, Q/K rows from HF's RoPE halves back to Meta's
+    pairs (none for Qwen3), a tied head kept as torchtitan's state dict holds it.
+
+    Raises:
+        ConfigError: a model type torchtitan has no model of here (:data:`FAMILIES`), or tensors with no torchtitan
+            name (all listed), or a head_dim the rows cannot be permuted by.
+    """
+    if info.model_type not in FAMILIES:
+        raise ConfigError(
+            f"names='torchtitan': torchtitan {release} has no {info.model_type} model ckpttool writes its names for "
+            f"(it writes {', '.join(FAMILIES)}: Llama 3, Qwen3 and Qwen3-MoE); split without --names, or merge to another "
+            "family first")
+    head_dim, problem = _head_dim(info)
+    permute = info.model_type not in _HALVES
+    back = {hf: (titan, rope) for titan, (hf, rope) in _LAYER.items()}
+    tensors, unnamed, whole, permuted = [], [], set(), 0
+    zeros: list[str] = []
+    for tensor in memory:
+        experts = _stacked_back(tensor, release)
+        if experts:
+            tensors.extend(experts)
+            if tensor.name.endswith(".down_proj"):  # one load-balancing bias per MoE layer, zeros, float32
+                bias = re.sub(r"^model\.layers\.(\d+)\..*$", rf"layers.\1.moe.{_BIAS[release]}", tensor.name)
+                tensors.append(replace(tensor, name=bias, shape=tensor.shape[:1], slices=(), stacked=False))
+                zeros.append(bias)
+                whole.add(bias)
+            continue
+        name, rope = _titan_name(tensor.name, back, release)
+        if name is None:
+            unnamed.append(tensor.name)
+            continue
+        transform = None
+        if rope and permute:
+            if problem:
+                raise ConfigError(f"'{tensor.name}': {problem}")
+            transform, permuted = rope_halves(head_dim).inverse(), permuted + 1
+        if release == "0.3" and ".qkv_linear." in name:
+            whole.add(name)
+        tensors.append(replace(tensor, name=name, transform=transform))
+    if unnamed:
+        raise ConfigError(
+            f"names='torchtitan': {len(unnamed)} tensor{'s' if len(unnamed) != 1 else ''} of the {info.model_type} "
+            f"model {'have' if len(unnamed) != 1 else 'has'} no name in torchtitan {release}'s model: "
+            f"{', '.join(unnamed[:5])}{' ...' if len(unnamed) > 5 else ''}; nothing was written")
+    notes = [f"written in torchtitan {release}'s names ({len(tensors)} tensors)"]
+    if permuted:
+        notes.append(f"Q/K rows of {permuted} tensors permuted from HF's RoPE halves back to Meta's interleaved pairs "
+                     f"(head_dim {head_dim}), as torchtitan's state-dict adapter's from_hf does")
+    if zeros:
+        notes.append(f"wrote {len(zeros)} MoE load-balancing {_BIAS[release]} tensors as zeros (float32; HF's "
+                     f"{info.model_type} has none): torchtitan's loader asks for them, and training updates them")
+    return TorchtitanNames(tensors, frozenset(whole), notes, frozenset(zeros))
+
+
+def _stacked_back(tensor: MemoryTensor, release: str) -> list[MemoryTensor]:
+    """transformers' fused in-memory experts as torchtitan ``release`` stacks them: ``gate_up_proj`` ``[E, 2 ffn,
+    dim]`` is ``w1_EFD`` (its gate rows) and ``w3_EFD`` (its up rows), ``down_proj`` ``[E, dim, ffn]`` is
+    ``w2_EDF``; 0.2 names them ``moe.experts.w1``/``w3``/``w2``. Empty for any other tensor.
+
+    Raises:
+        ConfigError: a slice of ``gate_up_proj`` straddles the gate and up halves.
+    """
+    match = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", tensor.name)
+    if match is None or len(tensor.shape) != 3:
+        return []
+    layer, fused = match.groups()
+    names = _STACKED[release]
+    if fused == "down_proj":
+        return [replace(tensor, name=f"layers.{layer}.moe.{names['w2']}")]
+    half = tensor.shape[1] // 2
+    parts: dict[str, list] = {"w1": [], "w3": []}
+    for sl in tensor.slices:
+        start, size = sl.dst.offsets[1], sl.dst.sizes[1]
+        if start < half < start + size or tensor.shape[1] % 2:
+            raise ConfigError(f"'{tensor.name}': a slice of rows {start}..{start + size} straddles its gate and up "
+                              f"halves ({half} rows each); torchtitan stacks them apart")
+        part, shift = ("w1", 0) if start < half else ("w3", half)
+        dst = type(sl.dst)((sl.dst.offsets[0], start - shift, *sl.dst.offsets[2:]), sl.dst.sizes)
+        parts[part].append(replace(sl, dst=dst))
+    shape = (tensor.shape[0], half, *tensor.shape[2:])
+    return [replace(tensor, name=f"layers.{layer}.moe.{names[w]}", shape=shape, slices=tuple(parts[w]))
+            for w in ("w1", "w3")]
+
+
+def tp_placement(name: str) -> Placement:
+    """The tensor-parallel placement torchtitan's plan gives torchtitan tensor ``name``: embeddings and head
+    ``Shard(0)`` (``RowwiseParallel`` embedding, ``ColwiseParallel`` head), ``wq``/``wk``/``wv``/``w1``/``w3``
+    ``Shard(0)``, ``wo``/``w2`` ``Shard(1)``, norms replicated."""
+    return _TP.get(".".join(name.split(".")[-2:]), _REPLICATE)
+
+
+def _titan_name(hf: str, back: dict[str, tuple[str, str]], release: str) -> tuple[str | None, str]:
+    """torchtitan ``release``'s name of in-memory HF tensor ``hf`` and its RoPE mark, or (None, "")."""
+    top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "lm_head.weight" if release == "0.3" else "output.weight"}.get(hf)
+    if top is not None:
+        return top, ""
+    match = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
+    found = back.get(match.group(2)) if match else None
+    if match is None or found is None:
+        return None, ""
+    titan, rope = found
+    if release == "0.3" and titan in ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"):
+        titan = titan.replace("attention.", "attention.qkv_linear.")
+    return f"layers.{match.group(1)}.{titan}", rope
