@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from ckpttool.execute.executor import Reader, build, chunks, piece_uses
 from ckpttool.lora.adapter import read_adapter
-from ckpttool.lora.delta import AdapterTensor, LoraDelta, fuse_rows
+from ckpttool.plan.lora import AdapterTensor, LoraDelta, fuse_rows
 from conftest import assert_failed_cleanly, fixture_dir, load_output, tree_digest
 
 LLAMA, MIXTRAL = fixture_dir("lora_llama"), fixture_dir("lora_mixtral")

@@ -148,7 +148,7 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
         extra = target.transform.scratch_bytes(transformed_shape(target), a, b, itemsize(target.source_dtype))
         for name, n in extra.items():
             sizes[name] = max(sizes.get(name, 0), n)
-    if target.lora:  # the adapter's A, B's rows and the float32 temporaries of the fuse (ckpttool.lora.delta)
+    if target.lora:  # the adapter's A, B's rows and the float32 temporaries of the fuse (ckpttool.plan.lora)
         cols = math.prod(target.shape[1:])
         rows = chunk.stop - chunk.start
         sizes["lora"] = max(d.product_bytes(rows, cols) for d in target.lora)

@@ -57,7 +57,7 @@ from ckpttool.layout.layout import RAW, Box, Piece, Shape
 from ckpttool.plan.plan import Copy, Target
 from ckpttool.execute.reads import Reader
 from ckpttool.layout.regions import dim_map, map_region
-from ckpttool.lora.delta import ROW_ALIGN, fuse_rows
+from ckpttool.plan.lora import ROW_ALIGN, fuse_rows
 
 __all__ = ["CHUNK_BYTES", "Chunk", "Reader", "buffer_sizes", "build", "chunks", "file_digest", "piece_uses",
            "predict_peak_bytes", "write_file"]
@@ -110,7 +110,7 @@ def _granule(target: Target) -> int:
 
 def _compute_row_bytes(target: Target, row: int) -> int:
     """Bytes one row of ``target`` takes at its largest: an encoder's float32 copy of its source rows, or a fused
-    target's float32 product, delta and sum (:mod:`ckpttool.lora.delta`)."""
+    target's float32 product, delta and sum (:mod:`ckpttool.plan.lora`)."""
     if target.lora:
         return max(row, 8 * math.prod(target.shape[1:]))
     if target.dequant is None or not target.dequant.stored:

@@ -28,7 +28,7 @@ from ckpttool.io import torch_save
 from ckpttool.io.jsonfile import loads
 from ckpttool.io.paths import open_source, read_source_text
 from ckpttool.io.safetensors_format import read_header
-from ckpttool.lora.delta import AdapterTensor, LoraDelta
+from ckpttool.plan.lora import AdapterTensor, LoraDelta
 
 CONFIG = "adapter_config.json"
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")

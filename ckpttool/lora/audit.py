@@ -1,6 +1,6 @@
 """The proof of a fuse: the output of ``merge --adapter`` read back against its base and adapters, on sampled rows.
 
-For every fused target, the first block of :data:`~ckpttool.lora.delta.ROW_ALIGN` rows and the block holding its last
+For every fused target, the first block of :data:`~ckpttool.plan.lora.ROW_ALIGN` rows and the block holding its last
 row are rebuilt from the source (the base's rows, plus each adapter's ``scaling * B @ A``, as the executor computes
 them) and must equal the written bytes exactly; every other target's first and last rows must equal the source's.
 An adapter whose ``lora_B`` weights are all zero was never trained (PEFT starts B at zero): the fuse changed nothing,
@@ -19,7 +19,7 @@ from ckpttool.fast.deferred import torch
 from ckpttool.findings import Finding, finding
 from ckpttool.io.dtypes import torch_dtype
 from ckpttool.io.safetensors_format import read_header
-from ckpttool.lora.delta import ROW_ALIGN, AdapterTensor, LoraDelta, fuse_rows
+from ckpttool.plan.lora import ROW_ALIGN, AdapterTensor, LoraDelta, fuse_rows
 from ckpttool.plan.plan import Plan, Target
 
 

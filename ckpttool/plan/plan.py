@@ -23,8 +23,8 @@ from ckpttool.layout.regions import uncovered
 from ckpttool.plan.tiling import Copy, Slice, check_tiling
 from ckpttool.plan.transforms import Transform
 
-if TYPE_CHECKING:  # data of the lora room, only named here
-    from ckpttool.lora.delta import LoraDelta
+if TYPE_CHECKING:  # a fused target's deltas (.lora), only named here: the plan does not compute them
+    from ckpttool.plan.lora import LoraDelta
 
 __all__ = [  # Copy, Slice, check_tiling and uncovered live in .tiling and .regions; offered here from the start
     "Copy", "Dequantize", "Plan", "Slice", "Target", "TargetSpec", "Transform", "check_tiling", "identity_specs",
@@ -80,7 +80,7 @@ class Target:
     #: a transformed target: its copies fill ``transform.source_shape(shape)``, and it is ``transform`` of that
     #: (checked against ``shape``, its dims plain: see :meth:`~ckpttool.plan.transforms.Permute.bound`)
     transform: Transform | None = None
-    #: a fused target: the LoRA deltas (:class:`ckpttool.lora.delta.LoraDelta`) added to its rows, in order, in its
+    #: a fused target: the LoRA deltas (:class:`ckpttool.plan.lora.LoraDelta`) added to its rows, in order, in its
     #: source dtype, before any cast (see :mod:`ckpttool.lora`)
     lora: tuple[LoraDelta, ...] = ()
     #: a dequantized target's whole small inputs besides its scales (:attr:`Dequantize.aux`), in that order
