@@ -133,3 +133,23 @@ def test_the_lost_processes_are_named_by_node_host_and_rank():
                                          "[10.0.0.2]:23955: Connection reset by peer. That node stopped")
     group.places = [("0", "a")] * 4  # one node: all the others are named
     assert "lost contact with node 0 on a (ranks 1, 2, 3): " in group.lost(error)
+
+
+def test_rank_0_lost_the_survivor_tells_and_the_next_run_takes_over(tmp_path, one_merge):
+    dest = tmp_path / "out"
+    shutil.copytree(one_merge, dest)
+    before = tree_digest(dest)
+    nodes = two_nodes("merge", str(MIXTRAL / "checkpoint"), str(dest), "--max-shard-size", "100KB", "--force",
+                      die_rank=0)
+    assert [n.returncode for n in nodes] == [1, 1], "".join(n.stdout + n.stderr for n in nodes)
+    told = [m.group(1) for n in nodes for m in re.finditer(r"(?:^|\s)Error: (.*)", n.stderr, re.MULTILINE)]
+    assert len(told) == 1 and told[0].startswith(  # rank 1 speaks: rank 0, who would, is gone
+        f"rank 1 (node 1) lost contact with node 0 on {socket.gethostname()} (rank 0): "), told
+    assert told[0].endswith("; nothing was published")
+    assert tree_digest(dest) == before
+    # the lost rank 0's staging directory and lock stay beside the destination, clearly named, never published
+    left = neighbours(dest)
+    assert len(left) == 2 and left[0] == ".out.ckpttool-lock" and left[1].startswith(".out.ckpttool-partial-"), left
+    ckpttool.merge(MIXTRAL / "checkpoint", dest, max_shard_size="100KB", force=True)  # its flock died with it
+    assert neighbours(dest) == []
+    assert every_file(dest) == every_file(one_merge)
