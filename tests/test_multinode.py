@@ -133,6 +133,8 @@ def test_the_lost_processes_are_named_by_node_host_and_rank():
                                          "[10.0.0.2]:23955: Connection reset by peer. That node stopped")
     group.places = [("0", "a")] * 4  # one node: all the others are named
     assert "lost contact with node 0 on a (ranks 1, 2, 3): " in group.lost(error)
+    group.world, group.places = 2, [("0", ""), ("1", "")]  # a running job's group (the live gather): hosts unknown
+    assert "lost contact with node 1 (rank 1): Read error" in group.lost(error)
 
 
 def test_rank_0_lost_the_survivor_tells_and_the_next_run_takes_over(tmp_path, one_merge):

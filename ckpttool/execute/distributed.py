@@ -35,6 +35,10 @@ class LostProcessError(ProcessGroupError):
 
     every_rank_tells = True
 
+    def __init__(self, message: str, transport: BaseException) -> None:
+        super().__init__(message)
+        self.transport = transport  # the collective's own error (the live gather names the silent rank from it)
+
 
 class Group:
     """This process's place among the processes of one merge; a group of one outside ``torchrun``."""
@@ -62,8 +66,12 @@ class Group:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # where every rank runs, so that a lost one can be named by its node and host (torchrun's GROUP_RANK is
         # the node's index in the rendezvous; node_rank is ignored by a c10d rendezvous)
-        self.places = self.places * self.world
-        self.places = [tuple(p) for p in self._gather(self.places[0])]
+        if self._owned:  # init_process_group met every rank already: one more exchange cannot wait on a missing one
+            self.places = self.places * self.world  # what lost() names if this very exchange fails
+            self.places = [tuple(p) for p in self._gather(self.places[0])]
+        else:  # a running job (the live gather): no collective here, the hosts are unknown; torchrun's nodes are even
+            per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+            self.places = [(str(r // per_node), "") for r in range(self.world)]
 
     @property
     def gloo(self) -> Any:
@@ -104,7 +112,7 @@ class Group:
         try:
             dist.broadcast_object_list(box, src=0, group=self._group)
         except RuntimeError as e:  # gloo's errors (DistBackendError too) are RuntimeErrors
-            raise LostProcessError(self.lost(e)) from None
+            raise LostProcessError(self.lost(e), e) from None
         return box[0]
 
     def _gather(self, value: Any) -> list[Any]:
@@ -114,7 +122,7 @@ class Group:
         try:
             dist.all_gather_object(everyone, value, group=self._group)
         except RuntimeError as e:
-            raise LostProcessError(self.lost(e)) from None
+            raise LostProcessError(self.lost(e), e) from None
         return everyone
 
     def lost(self, error: BaseException) -> str:
@@ -125,7 +133,7 @@ class Group:
             [r for r in range(self.world) if r != self.rank]
         nodes = sorted({self.places[r] for r in others}, key=lambda p: (len(p[0]), p))
         named = "; ".join(
-            f"node {node} on {host} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+            f"node {node}{f' on {host}' if host else ''} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
             for node, host in nodes
             for ranks in [[r for r in others if self.places[r] == (node, host)]]
         )
