@@ -131,13 +131,12 @@ class Group:
         mine = self.places[self.rank] if self.rank < len(self.places) else ("0", "")
         others = [r for r in range(self.world) if r != self.rank and self.places[r] != mine] or \
             [r for r in range(self.world) if r != self.rank]
-        nodes = sorted({self.places[r] for r in others}, key=lambda p: (len(p[0]), p))
-        named = "; ".join(
-            f"node {node}{f' on {host}' if host else ''} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
-            for node, host in nodes
-            for ranks in [[r for r in others if self.places[r] == (node, host)]]
-        )
-        return (f"rank {self.rank} (node {mine[0]}) lost contact with {named}: {_transport(error)}. That node stopped "
+        named = []
+        for node, host in sorted({self.places[r] for r in others}, key=lambda p: (len(p[0]), p)):
+            ranks = [str(r) for r in others if self.places[r] == (node, host)]
+            where = f" on {host}" if host else ""
+            named.append(f"node {node}{where} (rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})")
+        return (f"rank {self.rank} (node {mine[0]}) lost contact with {'; '.join(named)}: {_transport(error)}. That node stopped "
                 "(killed, out of memory, its network down) or did not answer within "
                 f"{TIMEOUT} s (CKPTTOOL_DIST_TIMEOUT); nothing was published")
 
