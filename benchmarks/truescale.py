@@ -5,8 +5,10 @@ The files hold DeepSeek-V3's real tensors, shapes and ``config.json`` (hidden 71
 routed experts + 1 shared; MLA with q_lora 1536 and kv_lora 512; vocab 129280; the MTP layer 61; every linear
 weight FP8 e4m3 with a float32 ``weight_scale_inv`` per 128 x 128 block), in 163 ``model-*-of-00163.safetensors``
 files and ``model.safetensors.index.json``. Each file is a real safetensors header followed by a hole of the size
-its data would take (``os.truncate``): about 690 GB apparent, a few MB on disk. No free space is needed and the
-data is never read: the commands timed here read headers and metadata only. The names come from
+its data would take (``os.truncate``), but for the block scales: ``audit --no-data`` reads them (they are
+metadata of the FP8 weights: NaN, zero or negative scales lose their blocks), so they hold a valid value, 1/4096
+of the FP8 bytes. About 690 GB apparent then takes a few MB of headers and ~170 MB of scales on disk; the weights
+are never read by the commands timed here. The names come from
 ``many_tensors_bench.release`` (the same checkpoint at tiny dims), so the two benchmarks describe one layout.
 
 Each command runs in a fresh process (``many_tensors_bench.timed``: wall, CPU, peak RSS) twice: the first with an
@@ -60,6 +62,8 @@ FILES = 163
 #: the file this script leaves in its workdir, so that it never deletes a folder it did not make
 MARKER = ".ckpttool-truescale"
 ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
+#: every block scale: 2**-10 as float32 (a scale of a trained model's order; any positive finite value is valid)
+SCALE = struct.pack("<f", 2.0**-10)
 
 
 def config(layers: int = 61, dense: int = 3) -> dict:
@@ -111,7 +115,11 @@ def generate(root: Path, cfg: dict, files: int = FILES) -> dict:
         path = root / file
         with open(path, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
-        os.truncate(path, 8 + len(raw) + offset)  # the data: a hole
+            for name in part:  # the scales hold values (an audit reads them even with --no-data); the rest: holes
+                if name.endswith("weight_scale_inv"):
+                    f.seek(8 + len(raw) + header[name]["data_offsets"][0])
+                    f.write(SCALE * (sizes[name] // 4))
+        os.truncate(path, 8 + len(raw) + offset)  # the data up to the file's end: a hole
         weight_map.update(dict.fromkeys(part, file))
     (root / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
