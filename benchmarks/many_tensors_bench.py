@@ -72,13 +72,14 @@ def shapes(config: dict | None = None) -> dict[str, tuple[int, ...]]:
 def release(config: dict | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every tensor of the FP8 release of ``config`` (default :data:`CONFIG`): name -> (safetensors dtype, shape).
     The linear weights are ``F8_E4M3``, each with its ``F32`` ``weight_scale_inv`` of one value per block of
-    ``quantization_config.weight_block_size``; the router bias is ``F32``; the rest ``BF16``. Shared by
+    ``quantization_config.weight_block_size`` (a config without one: all ``BF16``); the router bias is ``F32``;
+    the rest ``BF16``. Shared by
     :func:`build` and ``benchmarks/truescale.py`` (the same names at DeepSeek-V3's real dims)."""
     config = config or CONFIG
-    block = config["quantization_config"]["weight_block_size"]
+    block = config.get("quantization_config", {}).get("weight_block_size")  # none: a BF16 release
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, shape in shapes(config).items():
-        if name.endswith(QUANTIZED) and not name.endswith(KEPT):
+        if block and name.endswith(QUANTIZED) and not name.endswith(KEPT):
             found[name] = ("F8_E4M3", shape)
             scales = tuple(-(-n // b) for n, b in zip(shape, block))
             found[name.removesuffix("weight") + "weight_scale_inv"] = ("F32", scales)

@@ -23,7 +23,7 @@ empty description cache (``CKPTTOOL_CACHE``, as on a user's first run), the seco
 Everything is written under ``--workdir`` (default ``/tmp/ckpttool-truescale``); the script refuses a workdir that
 holds anything but its own earlier output.
 
-    python benchmarks/truescale.py [--workdir /tmp/ckpttool-truescale] [--keep] [--layers 61]
+    python benchmarks/truescale.py [--workdir /tmp/ckpttool-truescale] [--keep] [--layers 61] [--bf16]
 """
 
 from __future__ import annotations
@@ -68,10 +68,14 @@ ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
 SCALE = struct.pack("<f", 2.0**-10)
 
 
-def config(layers: int = 61, dense: int = 3) -> dict:
+def config(layers: int = 61, dense: int = 3, bf16: bool = False) -> dict:
     """DeepSeek-V3's config with ``layers`` decoder layers of which the first ``dense`` are dense (a cut-down
-    variant keeps every dim of the real one; its MTP layer then sits at index ``layers``)."""
-    return {**CONFIG, "num_hidden_layers": layers, "first_k_dense_replace": dense}
+    variant keeps every dim of the real one; its MTP layer then sits at index ``layers``); ``bf16``: without its
+    ``quantization_config`` (the release dequantized, as ``merge --dtype bfloat16`` writes it: 1.3 TB apparent)."""
+    found = {**CONFIG, "num_hidden_layers": layers, "first_k_dense_replace": dense}
+    if bf16:
+        del found["quantization_config"]
+    return found
 
 
 def _order(name: str) -> tuple:
@@ -189,6 +193,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=16)
     parser.add_argument("--ep", type=int, default=64)
     parser.add_argument("--keep", action="store_true", help="reuse the release in --workdir if it is there")
+    parser.add_argument("--bf16", action="store_true", help="the release dequantized to BF16 (what split takes)")
     args = parser.parse_args()
     workdir = _claim(args.workdir)
     src, cache = _inside(workdir / "src", workdir), _inside(workdir / "cache", workdir)
@@ -198,7 +203,7 @@ def main() -> None:
     if not (args.keep and (src / "model.safetensors.index.json").exists()):
         shutil.rmtree(src, ignore_errors=True)
         start = time.perf_counter()
-        made = generate(src, config(args.layers), args.files)
+        made = generate(src, config(args.layers, bf16=args.bf16), args.files)
         print(f"built in {time.perf_counter() - start:.1f} s: {made['tensors']} tensors in {made['files']} files, "
               f"{made['apparent_bytes'] / 1e9:.1f} GB apparent, {made['disk_bytes'] / 1e6:.1f} MB on disk")
     tool = [sys.executable, "-m", "ckpttool"]
