@@ -52,13 +52,42 @@ CONFIG = {
 }
 #: linear weights DeepSeek-V3 stores in FP8 (the router ``mlp.gate``, norms, embeddings and head stay as they are)
 QUANTIZED = ("proj.weight", "proj_with_mqa.weight")
+#: an MTP layer's ``eh_proj`` (it joins the embedding and the hidden state) ends like them but stays BF16
+KEPT = ("eh_proj.weight",)
 
 
-def shapes() -> dict[str, tuple[int, ...]]:
-    """On-disk names and shapes of the bf16 model, as transformers saves it (ckpttool's own description)."""
+def shapes(config: dict | None = None) -> dict[str, tuple[int, ...]]:
+    """On-disk names and shapes of the bf16 model, as transformers saves it (ckpttool's own description), with
+    the MTP layers ``config`` declares as a release stores them (none for :data:`CONFIG`)."""
+    from ckpttool.families import mtp
     from ckpttool.model.architecture import model_info
 
-    return dict(model_info(CONFIG).disk_shapes)
+    info = model_info(config or CONFIG)
+    found = dict(info.disk_shapes)
+    for layer in mtp.expected(info).values():
+        found.update(layer)
+    return found
+
+
+def release(config: dict | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of the FP8 release of ``config`` (default :data:`CONFIG`): name -> (safetensors dtype, shape).
+    The linear weights are ``F8_E4M3``, each with its ``F32`` ``weight_scale_inv`` of one value per block of
+    ``quantization_config.weight_block_size`` (a config without one: all ``BF16``); the router bias is ``F32``;
+    the rest ``BF16``. Shared by
+    :func:`build` and ``benchmarks/truescale.py`` (the same names at DeepSeek-V3's real dims)."""
+    config = config or CONFIG
+    block = config.get("quantization_config", {}).get("weight_block_size")  # none: a BF16 release
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, shape in shapes(config).items():
+        if block and name.endswith(QUANTIZED) and not name.endswith(KEPT):
+            found[name] = ("F8_E4M3", shape)
+            scales = tuple(-(-n // b) for n, b in zip(shape, block))
+            found[name.removesuffix("weight") + "weight_scale_inv"] = ("F32", scales)
+        elif "e_score_correction_bias" in name:
+            found[name] = ("F32", shape)
+        else:
+            found[name] = ("BF16", shape)
+    return found
 
 
 def build(root: Path) -> tuple[int, int]:
@@ -70,11 +99,11 @@ def build(root: Path) -> tuple[int, int]:
     (root / "config.json").write_text(json.dumps(CONFIG, indent=2))
     tensors: dict[str, torch.Tensor] = {}
     g = torch.Generator().manual_seed(0)
-    for name, shape in sorted(shapes().items()):
-        if name.endswith(QUANTIZED):
+    for name, (dtype, shape) in sorted(release().items()):
+        if dtype == "F8_E4M3":
             tensors[name] = (0.5 * torch.randn(shape, generator=g)).to(torch.float8_e4m3fn)
-            blocks = tuple(-(-n // BLOCK) for n in shape)
-            tensors[name.removesuffix("weight") + "weight_scale_inv"] = 0.01 + torch.rand(blocks, generator=g) / 100
+        elif name.endswith("weight_scale_inv"):
+            tensors[name] = 0.01 + torch.rand(shape, generator=g) / 100
         elif "e_score_correction_bias" in name:
             tensors[name] = torch.randn(shape, generator=g)
         elif "norm" in name:  # RMSNorm weights near 1, as trained (the audit flags norms near 0)

@@ -114,9 +114,8 @@ def test_raw_names_keep_megatron_names_and_warn_exactly_once(cli, tmp_path):
 
 # 2. PEFT adapters --------------------------------------------------------------------------------------------------
 
-ADAPTER_REFUSAL = ("ckpttool does not merge adapters yet: {base} would write the base without it. Fuse the adapter "
-                   "into its base with peft first (PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()"
-                   ".save_pretrained(DIR)) and give DIR as the source\n")
+ADAPTER_REFUSAL = ("ckpttool fuses an adapter only when asked: {base} would write the base without it. Fuse it with "
+                   "--adapter: ckpttool merge BASE OUT --adapter '{folder}', BASE a folder holding the base alone\n")
 
 
 def _adapter(folder: Path, weights: str = "adapter_model.safetensors") -> Path:
@@ -143,7 +142,7 @@ def test_an_adapter_folder_is_refused_naming_its_weights(cli, tmp_path, weights)
     result = cli("merge", adapter.parent, out)
     assert_failed_cleanly(result, out)
     assert result.stderr == (f"Error: '{adapter}': a PEFT adapter (adapter_config.json beside it). "
-                             + ADAPTER_REFUSAL.format(base="a merge"))
+                             + ADAPTER_REFUSAL.format(base="a merge", folder=adapter.parent))
 
 
 def test_a_base_holding_an_adapter_is_refused_even_with_its_format_named(cli, tmp_path):
@@ -155,7 +154,7 @@ def test_a_base_holding_an_adapter_is_refused_even_with_its_format_named(cli, tm
         result = cli("merge", base, out, *extra)
         assert_failed_cleanly(result, out)
         assert result.stderr == (f"Error: '{adapter}': a PEFT adapter (adapter_config.json beside it). "
-                                 + ADAPTER_REFUSAL.format(base="a merge"))
+                                 + ADAPTER_REFUSAL.format(base="a merge", folder=adapter.parent))
     assert tree_digest(base) == before
 
 
@@ -167,7 +166,7 @@ def test_the_folder_above_an_adapter_is_refused_rather_than_pointing_at_the_base
     result = cli("merge", run, out)
     assert_failed_cleanly(result, out)
     assert result.stderr == (f"Error: '{adapter}': a PEFT adapter (adapter_config.json beside it). "
-                             + ADAPTER_REFUSAL.format(base=f"a merge of '{base}'"))
+                             + ADAPTER_REFUSAL.format(base=f"a merge of '{base}'", folder=adapter.parent))
     assert "give it as the source" not in result.stderr
 
 

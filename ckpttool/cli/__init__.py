@@ -43,8 +43,9 @@ def _speaks() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _fail(message: str, as_json: bool, code: int = EXIT_ERROR) -> None:
-    if not _speaks():
+def _fail(message: str, as_json: bool, code: int = EXIT_ERROR, tell: bool = False) -> None:
+    """Print ``message`` (rank 0 only under torchrun, or every rank when ``tell``) and exit with ``code``."""
+    if not (tell or _speaks()):
         sys.exit(code)
     if as_json:
         click.echo(json.dumps({"status": "error", "error": message}))
@@ -97,7 +98,8 @@ def _run(as_json: bool, call: Callable[[], Any], bar: Bar | None = None) -> Any:
     except CkptError as e:
         if os.environ.get("CKPTTOOL_DEBUG") == "1":
             traceback.print_exc()
-        _fail(_as_flags(str(e)), as_json)
+        # a lost process is told by every survivor: rank 0 may be the one lost
+        _fail(_as_flags(str(e)), as_json, tell=getattr(e, "every_rank_tells", False))
     except KeyboardInterrupt as e:
         _fail(_interrupted(e), as_json, EXIT_INTERRUPTED)
     except Exception as e:  # bad input is a CkptError: anything else is a bug in ckpttool; no traceback unless asked

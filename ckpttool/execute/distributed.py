@@ -10,6 +10,8 @@ its message instead of waiting forever.
 from __future__ import annotations
 
 import os
+import re
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -27,11 +29,23 @@ class ProcessGroupError(CkptError):
     """Another process of the merge failed; the message names it and says why."""
 
 
+class LostProcessError(ProcessGroupError):
+    """Another process stopped answering (its node killed, out of memory, the network down): the collective
+    failed instead of returning. Every surviving process says so, rank 0 or not, since rank 0 may be the lost one."""
+
+    every_rank_tells = True
+
+    def __init__(self, message: str, transport: BaseException) -> None:
+        super().__init__(message)
+        self.transport = transport  # the collective's own error (the live gather names the silent rank from it)
+
+
 class Group:
     """This process's place among the processes of one merge; a group of one outside ``torchrun``."""
 
     def __init__(self, timeout: float | None = None) -> None:
         self.rank, self.world = 0, 1
+        self.places = [(os.environ.get("GROUP_RANK", "0"), socket.gethostname())]  # (node, host) of each rank
         self._group: Any = None
         self._owned = False
         # a group can run only once torch.distributed is imported: a merge outside torchrun (a dry run, an HF
@@ -50,6 +64,14 @@ class Group:
         else:  # a running job's group may be NCCL: objects travel on a gloo group of the same processes
             self._group = dist.new_group(backend="gloo", timeout=wait)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # where every rank runs, so that a lost one can be named by its node and host (torchrun's GROUP_RANK is
+        # the node's index in the rendezvous; node_rank is ignored by a c10d rendezvous)
+        if self._owned:  # init_process_group met every rank already: one more exchange cannot wait on a missing one
+            self.places = self.places * self.world  # what lost() names if this very exchange fails
+            self.places = [tuple(p) for p in self._gather(self.places[0])]
+        else:  # a running job (the live gather): no collective here, the hosts are unknown; torchrun's nodes are even
+            per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+            self.places = [(str(r // per_node), "") for r in range(self.world)]
 
     @property
     def gloo(self) -> Any:
@@ -87,15 +109,36 @@ class Group:
         import torch.distributed as dist
 
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        try:
+            dist.broadcast_object_list(box, src=0, group=self._group)
+        except RuntimeError as e:  # gloo's errors (DistBackendError too) are RuntimeErrors
+            raise LostProcessError(self.lost(e), e) from None
         return box[0]
 
     def _gather(self, value: Any) -> list[Any]:
         import torch.distributed as dist
 
         everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, value, group=self._group)
+        try:
+            dist.all_gather_object(everyone, value, group=self._group)
+        except RuntimeError as e:
+            raise LostProcessError(self.lost(e), e) from None
         return everyone
+
+    def lost(self, error: BaseException) -> str:
+        """What to say when a collective failed: the processes this one lost contact with (those on other nodes;
+        all others when every rank runs on this node), by rank, node and host, and the transport's own words."""
+        mine = self.places[self.rank] if self.rank < len(self.places) else ("0", "")
+        others = [r for r in range(self.world) if r != self.rank and self.places[r] != mine] or \
+            [r for r in range(self.world) if r != self.rank]
+        named = []
+        for node, host in sorted({self.places[r] for r in others}, key=lambda p: (len(p[0]), p)):
+            ranks = [str(r) for r in others if self.places[r] == (node, host)]
+            where = f" on {host}" if host else ""
+            named.append(f"node {node}{where} (rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})")
+        return (f"rank {self.rank} (node {mine[0]}) lost contact with {'; '.join(named)}: {_transport(error)}. That node stopped "
+                "(killed, out of memory, its network down) or did not answer within "
+                f"{TIMEOUT} s (CKPTTOOL_DIST_TIMEOUT); nothing was published")
 
 
 def share_out(sizes: Sequence[int], world: int) -> list[int]:
@@ -124,6 +167,13 @@ def _settle(mine: tuple[Any, Exception | None], everyone: list[tuple[Any, Any]])
         if error is not None:
             raise ProcessGroupError(f"rank {rank} failed: {error}")
     return [result for result, _ in everyone]
+
+
+def _transport(error: BaseException) -> str:
+    """gloo's message without its source path and its closing advice: '... Connection reset by peer'."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^\[[^\]]*\.cc:\d+\]\s*", "", text)
+    return text.split(". This is typically caused")[0].rstrip(". ")
 
 
 def _describe(error: BaseException | None) -> str | None:

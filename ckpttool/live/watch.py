@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckpttool.execute.distributed import Group, ProcessGroupError
+from ckpttool.execute.distributed import Group, LostProcessError, ProcessGroupError
 from ckpttool.errors import CkptError
 
 #: how long the ranks that noticed a failure watch the others' heartbeats before naming the silent ones
@@ -28,6 +28,8 @@ def collect(group: Group, watch: Watch, step: str, work: Callable[[], Any], *, r
     """``work`` on every rank (or rank 0), its results shared; a rank that fails, dies or does not arrive is named."""
     try:
         return [group.on_rank0(work)] if rank0 else group.on_all(work)
+    except LostProcessError as e:  # the heartbeats name the silent rank better than the broken connection does
+        raise watch.failure(step, e.transport) from None
     except (CkptError, ProcessGroupError):
         raise
     except Exception as e:  # a collective broke: a peer died, or one did not arrive in time

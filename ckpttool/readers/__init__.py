@@ -3,8 +3,9 @@
 Each reader module defines ``READER``, a :class:`~.base.Reader` (``name``, ``looks_for``, ``options``,
 ``matches(root)``, ``read(root, model, **options)``; the call order is in :mod:`.base`). :data:`READERS` lists
 them in detection order; :func:`detect_format` picks one (:mod:`.claims` when several claim a directory) and
-:func:`read_layout` runs it. A PEFT adapter is no format read yet: :func:`find_adapter` finds one, and a source
-that is one, holds one beside the base or holds one in a subfolder is refused (the base would come out without it).
+:func:`read_layout` runs it. A PEFT adapter is no source format (``merge --adapter`` fuses one: :mod:`ckpttool.lora`):
+:func:`find_adapter` finds one, and a source that is one, holds one beside the base or holds one in a subfolder is
+refused (the base would come out without it).
 
 Format knowledge lives only here; the plan and executor see pieces and boxes, and what tensor names mean for a
 model family is :mod:`ckpttool.families`' business.
@@ -98,9 +99,9 @@ def _refuse_adapter(root: Path, adapter: Path | None, below: Sequence[tuple[Path
         return
     base = f"a merge of '{below[0][0]}'" if below else "a merge"
     raise SourceError(
-        f"'{adapter}': a PEFT adapter ({ADAPTER_CONFIG} beside it). ckpttool does not merge adapters yet: {base} "
-        "would write the base without it. Fuse the adapter into its base with peft first "
-        "(PeftModel.from_pretrained(base, ADAPTER).merge_and_unload().save_pretrained(DIR)) and give DIR as the source"
+        f"'{adapter}': a PEFT adapter ({ADAPTER_CONFIG} beside it). ckpttool fuses an adapter only when asked: {base} "
+        "would write the base without it. Fuse it with --adapter: ckpttool merge BASE OUT --adapter "
+        f"'{adapter.parent}', BASE a folder holding the base alone"
     )
 
 
