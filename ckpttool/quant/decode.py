@@ -161,8 +161,25 @@ def _first_bad(scales: torch.Tensor, mask: torch.Tensor, e8m0_bytes: bool) -> tu
     return local, "NaN" if math.isnan(value) else repr(value), int(mask.sum())
 
 
+class RowForRow:
+    """The row methods every decoder has, as identities: output row ``k`` reads stored row ``k`` and scale row ``k``
+    (experts of MXFP4, rows of packed 4-bit weights), so a chunk may start and stop at any row. A decoder whose scale
+    row covers several rows (FP8 blocks) redefines :meth:`scale_rows`."""
+
+    __slots__ = ()
+
+    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
+        return start, stop
+
+    def align(self, rows: int) -> int:
+        return rows
+
+    def scale_rows(self, start: int, stop: int) -> tuple[int, int]:
+        return start, stop
+
+
 @dataclass(frozen=True, slots=True)
-class Fp8Blocks:
+class Fp8Blocks(RowForRow):
     """FP8 values with one scale per ``block`` (rows x columns) of the last two dims, edge blocks cropped.
 
     A 2-D weight's rows map to scale rows ``start // B0 .. ceil(stop / B0)``; a stacked ``[E, O, I]`` weight's
@@ -172,12 +189,6 @@ class Fp8Blocks:
     block: tuple[int, int]
     ndim: int = 2
     ue8m0_bytes: bool = False
-
-    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
-        return start, stop
-
-    def align(self, rows: int) -> int:
-        return rows
 
     def scale_rows(self, start: int, stop: int) -> tuple[int, int]:
         if self.ndim > 2:
@@ -270,21 +281,12 @@ def scale_blocks(work: torch.Tensor, scales: torch.Tensor, start: int, block: tu
 
 
 @dataclass(frozen=True, slots=True)
-class Mxfp4Groups:
+class Mxfp4Groups(RowForRow):
     """MXFP4: ``[E, R, G, 16]`` bytes (two FP4 values each, low nibble first) and ``[E, R, G]`` E8M0 exponents give
     ``[E, R, G*32]`` values, written transposed as ``[E, G*32, R]`` when ``transpose`` (transformers' names for
     gpt-oss's experts). Rows are experts: one expert's rows of scales go with its blocks."""
 
     transpose: bool = True
-
-    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
-        return start, stop
-
-    def align(self, rows: int) -> int:
-        return rows
-
-    def scale_rows(self, start: int, stop: int) -> tuple[int, int]:
-        return start, stop
 
     def bad_scale(self, scales: torch.Tensor, start: int, stored: tuple[int, ...]) -> BadScale | None:
         """The first E8M0 byte 0xFF (NaN) among the scales of experts ``start..``, with the group of values it

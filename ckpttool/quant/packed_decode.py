@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from ckpttool.fast.deferred import torch
-from ckpttool.quant.decode import BadScale, Scratch, fp4_pairs
+from ckpttool.quant.decode import BadScale, RowForRow, Scratch, fp4_pairs
 from ckpttool.quant.packed import NVFP4_GROUP
 
 PACKED_INT_GROUPS = "ct-int"
@@ -53,7 +53,7 @@ def _shape_problem(aux: torch.Tensor, shape: tuple[int, ...]) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class PackedInt:
+class PackedInt(RowForRow):
     """compressed-tensors ``pack-quantized``: int32 words of ``32 / bits`` values (the first in the lowest bits,
     each ``q + 2 ** (bits - 1)``), ``[O, G]`` scales (``group`` values each; 0: one per row) and, when not
     ``symmetric``, ``[ceil(O * bits / 32), G]`` zero points packed along the rows. ``aux``: ``(weight_shape,)`` or
@@ -62,15 +62,6 @@ class PackedInt:
     bits: int
     group: int
     symmetric: bool = True
-
-    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
-        return start, stop
-
-    def align(self, rows: int) -> int:
-        return rows
-
-    def scale_rows(self, start: int, stop: int) -> tuple[int, int]:
-        return start, stop
 
     def bad_scale(self, scales: torch.Tensor, start: int, stored: tuple[int, ...]) -> BadScale | None:
         """The first NaN or infinite scale among the chunk's rows, with the group it scales."""
@@ -124,20 +115,11 @@ class PackedInt:
 
 
 @dataclass(frozen=True, slots=True)
-class Nvfp4:
+class Nvfp4(RowForRow):
     """NVFP4: bytes of two FP4 E2M1 codes (low nibble first), one F8_E4M3 scale per 16 values, and one float32
     global scale (``aux[-1]``), which compressed-tensors divides by (``divide``) and ModelOpt multiplies by."""
 
     divide: bool
-
-    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
-        return start, stop
-
-    def align(self, rows: int) -> int:
-        return rows
-
-    def scale_rows(self, start: int, stop: int) -> tuple[int, int]:
-        return start, stop
 
     def bad_scale(self, scales: torch.Tensor, start: int, stored: tuple[int, ...]) -> BadScale | None:
         """The first NaN F8_E4M3 scale among the chunk's rows, with its 16 values."""
