@@ -26,4 +26,5 @@ python3 -m venv .venv
 . .venv/bin/activate
 pip install -q torch==2.13.0
 pip install -q -c .ci/constraints.txt -e ".[test]"
-pytest -q "$@"
+# The 25 slowest tests are listed at the end, so that a CI log shows where the suite's time goes.
+pytest -q --durations=25 "$@"
