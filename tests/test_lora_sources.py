@@ -172,6 +172,15 @@ def test_a_fuse_that_left_the_delta_out_fails_the_audit(cli, tmp_path, monkeypat
                           f"are not the base's plus scaling * B @ A of '{SOURCE}'")
 
 
+def test_the_audit_of_such_a_source_is_its_base_and_says_the_adapter_is_set_aside(cli):
+    result = cli("audit", SOURCE, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["summary"]["errors"] == 0
+    assert ("a LoRA adapter ('default', 14 modules) saved with the base: set aside from the base, whose names are "
+            "transformers' ('base_model.model.' and '.base_layer' dropped)") in [f["message"] for f in report["findings"]]
+
+
 def _copy_without_config(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     shutil.copytree(SOURCE, src)
