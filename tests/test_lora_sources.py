@@ -92,6 +92,17 @@ def test_the_exported_adapter_loads_in_peft_with_the_original_adapters_logits(ou
         assert torch.equal(model(saved["tokens"]).logits, saved["peft"])
 
 
+def test_the_python_api_exports_the_adapter(tmp_path):
+    import ckpttool
+
+    result = ckpttool.export_adapter(SOURCE, tmp_path / "adapter")
+    assert result.to_json() == {"status": "ok", "source": str(SOURCE), "output": str(tmp_path / "adapter"),
+                                "files": ["adapter_config.json", "adapter_model.safetensors"], "modules": 14,
+                                "ranks": "8", "restored": None}
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == \
+        (LLAMA / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
 def test_an_adapter_config_can_be_given_when_none_is_beside_the_checkpoint(cli, tmp_path):
     src = _copy_without_config(tmp_path)
     result = cli("merge", src, "--dry-run", "--json", "--adapter-config", LLAMA / "adapter" / "adapter_config.json")
