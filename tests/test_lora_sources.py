@@ -192,6 +192,20 @@ def test_the_audit_of_such_a_source_is_its_base_and_says_the_adapter_is_set_asid
             "transformers' ('base_model.model.' and '.base_layer' dropped)") in [f["message"] for f in report["findings"]]
 
 
+def test_an_untrained_adapter_saved_with_the_base_stops_the_merge(cli, tmp_path, monkeypatch):
+    """verl #7285: a run whose lora_B never left zero; the fused output would silently be the base."""
+    from ckpttool.lora.embedded import SourceTensor
+
+    read = SourceTensor.read_rows
+    monkeypatch.setattr(SourceTensor, "read_rows", lambda self, start, stop: read(self, start, stop).zero_()
+                        if ".lora_B." in self.key else read(self, start, stop))
+    out = tmp_path / "out"
+    result = cli("merge", SOURCE, out)
+    assert_failed_cleanly(result, out, "Error: the merged checkpoint fails its audit (1 error); nothing was published",
+                          f"  - [lora-untrained] '{SOURCE}': every lora_B of the adapter is zero (14 modules): it was "
+                          "never trained, and the fused output equals the base. Is it the adapter of the last step?")
+
+
 def _copy_without_config(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     shutil.copytree(SOURCE, src)
