@@ -21,7 +21,7 @@ from ckpttool.fast.jsontext import dumps as json_text
 from ckpttool.commands.source import plan_source_and_adapter
 from ckpttool.families.source import Planned
 from ckpttool.quant.encode import RoundTrip
-from ckpttool.lora.adapter import read_adapter
+from ckpttool.lora.adapter import Adapter, read_adapter
 from ckpttool.lora.attach import attach_adapters
 from ckpttool.lora.embedded import Embedded, embedded_adapter
 from ckpttool.families.registry import adapter_for
@@ -266,10 +266,13 @@ def merge(
         if not raw_names:
             prepared.refuse_raw_names()
         plan = prepared.plan
-        read = [*own_adapter(root, embedded, adapter_config), *map(read_adapter, adapters)]
+        own = own_adapter(root, embedded, adapter_config)
+        read = [*own, *map(read_adapter, adapters)]
         if read and quantizing is not None:
             raise ArgumentError("quantize='fp8' with adapters: fuse first (a merge given adapters=), then quantize")
         plan = attach_adapters(plan, read, adapter_for(prepared.model).rules if prepared.model is not None else ())
+        # attach_adapters appends one note per adapter, in order: the source's own comes first
+        own_note = plan.notes[len(plan.notes) - len(read)] if own else None
         if not plan.targets:
             raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
         files = tuple(assign_files(plan, max_shard_size))
@@ -325,12 +328,11 @@ def merge(
         adapter=prepared.adapter,
         round_trips=round_trips,
         raw_names=prepared.raw_names,
-        embedded=next((n for n in plan.notes if embedded is not None and n.startswith(f"LoRA adapter '{root}'")),
-                      None),
+        embedded=own_note,
     )
 
 
-def own_adapter(root: Path, embedded: Embedded | None, config: str | Path | None) -> list:
+def own_adapter(root: Path, embedded: Embedded | None, config: str | Path | None) -> list[Adapter]:
     """The adapter ``root`` holds with its base, read with its config (``config``, or the one beside it), as a
     list of none or one.
 
