@@ -21,9 +21,9 @@ from ckpttool.fast.jsontext import dumps as json_text
 from ckpttool.commands.source import plan_source_and_adapter
 from ckpttool.families.source import Planned
 from ckpttool.quant.encode import RoundTrip
-from ckpttool.lora.adapter import Adapter, read_adapter
+from ckpttool.lora.adapter import read_adapter
 from ckpttool.lora.attach import attach_adapters
-from ckpttool.lora.embedded import Embedded, embedded_adapter
+from ckpttool.lora.embedded import Embedded, source_adapter
 from ckpttool.families.registry import adapter_for
 from ckpttool.writers.destination import AUDIT_FILE, Staging, check_destination
 from ckpttool.writers.hf import (
@@ -266,7 +266,7 @@ def merge(
         if not raw_names:
             prepared.refuse_raw_names()
         plan = prepared.plan
-        own = own_adapter(root, embedded, adapter_config)
+        own = source_adapter(root, embedded, adapter_config)
         read = [*own, *map(read_adapter, adapters)]
         if read and quantizing is not None:
             raise ArgumentError("quantize='fp8' with adapters: fuse first (a merge given adapters=), then quantize")
@@ -330,23 +330,6 @@ def merge(
         raw_names=prepared.raw_names,
         embedded=own_note,
     )
-
-
-def own_adapter(root: Path, embedded: Embedded | None, config: str | Path | None) -> list[Adapter]:
-    """The adapter ``root`` holds with its base, read with its config (``config``, or the one beside it), as a
-    list of none or one.
-
-    Raises:
-        ArgumentError: ``config`` given for a source that holds no adapter.
-        SourceError: as :func:`ckpttool.lora.embedded.embedded_adapter`.
-    """
-    if embedded is None:
-        if config is not None:
-            raise ArgumentError(f"'{root}' holds no LoRA adapter with its base (no lora_A / lora_B tensor), so the "
-                                f"adapter config '{config}' applies to nothing; a PEFT adapter folder is fused with "
-                                "--adapter")
-        return []
-    return [embedded_adapter(embedded, root, config)]
 
 
 def _enter(staging: Staging, identity: str) -> tuple[str, str | None]:

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckpttool.errors import SourceError
+from ckpttool.errors import ArgumentError, SourceError
 from ckpttool.execute.buffers import Chunk
 from ckpttool.execute.executor import Reader, build, piece_uses
 from ckpttool.fast.deferred import torch
@@ -168,3 +168,20 @@ def embedded_adapter(embedded: Embedded, root: str | Path, config: str | Path | 
     tensors = {t.name: SourceTensor(str(source), t, embedded.lora[t.name].fqn) for t in planned.targets}
     deltas = lora_deltas(str(source), read, str(path), tensors, str(source))
     return Adapter(str(source), str(source), read, deltas, target_modules(read))
+
+
+def source_adapter(root: Path, embedded: Embedded | None, config: str | Path | None) -> list[Adapter]:
+    """The adapter ``root`` holds with its base, read with its config (``config``, or the one beside it), as a
+    list of none or one.
+
+    Raises:
+        ArgumentError: ``config`` given for a source that holds no adapter.
+        SourceError: as :func:`embedded_adapter`.
+    """
+    if embedded is None:
+        if config is not None:
+            raise ArgumentError(f"'{root}' holds no LoRA adapter with its base (no lora_A / lora_B tensor), so the "
+                                f"adapter config '{config}' applies to nothing; a PEFT adapter folder is fused with "
+                                "--adapter")
+        return []
+    return [embedded_adapter(embedded, root, config)]
