@@ -33,6 +33,7 @@ _HOMES = {
     "READERS": ".readers", "detect_format": ".readers", "read_layout": ".commands.source", "PieceSpec": ".io.sidecar",
     "save_shard": ".io.sidecar", "SplitResult": ".commands.split", "split": ".commands.split", "Tolerance": ".verify",
     "VerifyResult": ".verify", "verify": ".commands.verify",
+    "AdapterExport": ".commands.adapter_only", "export_adapter": ".commands.adapter_only",
     **dict.fromkeys(("Box", "Fusion", "Layout", "Padding", "Piece", "TensorLayout"), ".layout.layout"),
     **dict.fromkeys(("Copy", "Plan", "Slice", "Target", "TargetSpec", "plan_merge"), ".plan.plan"),
     **dict.fromkeys((
@@ -88,6 +89,7 @@ if TYPE_CHECKING:
     )
     from ckpttool.findings import Finding, Report
     from ckpttool.commands.merge import MergeResult, merge, prepare
+    from ckpttool.commands.adapter_only import AdapterExport, export_adapter
     from ckpttool.commands.source import read_layout
     from ckpttool.readers import READERS, detect_format
     from ckpttool.io.sidecar import PieceSpec, save_shard
@@ -102,4 +104,5 @@ __all__ = [
     "SourceNotFoundError", "Target", "TargetSpec", "TensorLayout", "UnsafePickleError", "detect_format", "merge",
     "plan_merge", "prepare", "read_layout", "save_shard", "split", "SplitResult", "ForwardError", "Tolerance",
     "VerifyResult", "verify",
+    "AdapterExport", "export_adapter",
 ]

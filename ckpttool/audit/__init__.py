@@ -37,6 +37,7 @@ from ckpttool.families import READER_TABLES, mtp_missing_note
 from ckpttool.families.quantized import companion_names, scale_names
 from ckpttool.findings import Finding, Report, TensorStats, finding, sort_findings
 from ckpttool.families.source import plan_layout
+from ckpttool.lora.embedded import split_embedded
 from ckpttool.readers import census, detect_format, hf, hf_distributed, read_layout
 from ckpttool.audit.causes import group_findings
 from ckpttool.audit.config import (
@@ -138,6 +139,8 @@ def check(
         found.extend(scan.findings)
     else:
         layout = read_layout(root, format=fmt, model=model, tables=READER_TABLES)  # what the conventions tell readers
+        embedded = split_embedded(layout)  # a PEFT model saved whole: its base audited, the LoRA tensors set aside
+        layout = embedded.base if embedded is not None else layout
     found.extend(finding("source-note", note) for note in layout.notes)
     found.extend(_padding(layout))
 

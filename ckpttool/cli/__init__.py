@@ -187,6 +187,12 @@ def main() -> None:
 @click.option("--adapter", "adapters", multiple=True, metavar="ADAPTER", type=click.Path(path_type=str),
               help="Fuse this PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors or .bin) into "
               "the weights, as PEFT's merge_and_unload does (repeatable: fused in the order given).")
+@click.option("--adapter-config", type=click.Path(path_type=str), help="The adapter_config.json of a LoRA adapter SRC "
+              "holds with its base (a PEFT model saved by FSDP2/DCP or verl), fused by default (default: the one "
+              "beside SRC).")
+@click.option("--adapter-only", is_flag=True, help="Write only the LoRA adapter SRC holds with its base, as a PEFT "
+              "adapter folder OUT (adapter_config.json + adapter_model.safetensors) that PeftModel.from_pretrained "
+              "loads.")
 @click.option("--workers", type=click.IntRange(1, 256), default=DEFAULT_WORKERS, show_default=True, help="Threads reading and writing at once.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout; no progress bar.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing on success: no progress bar, no summary; warnings and errors "
@@ -197,6 +203,7 @@ def merge_command(
     dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, workers: int, as_json: bool, quiet: bool,
     verbose: int, quantize: str | None = None, block: tuple[int, int] | None = None, verify_forward: bool = False,
     raw_names: bool = False, drop: tuple[str, ...] = (), adapters: tuple[str, ...] = (),
+    adapter_config: str | None = None, adapter_only: bool = False,
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT.
 
@@ -204,6 +211,10 @@ def merge_command(
     """
     if out is None and not dry_run:
         raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
+    if adapter_only:
+        _export_adapter(src, out, fmt, config, adapter_config, force, dry_run, as_json, quiet, verbose,
+                        dtype=dtype, quantize=quantize, adapters=adapters, drop=drop)
+        return
     if block is not None and quantize is None:
         raise click.UsageError("--block is the FP8 block size of --quantize fp8; give --quantize fp8 too.")
     if block is not None and quantize == "mxfp4":
@@ -219,7 +230,10 @@ def merge_command(
         force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar, weights=weights,
         quantize=quantize, block=block, verify_forward=verify_forward, raw_names=raw_names, drop=drop,
         **({"adapters": adapters} if adapters else {}),
+        **({"adapter_config": adapter_config} if adapter_config else {}),
     ), bar)
+    if result.embedded is not None and not quiet:  # the output is not the base alone: say so, whatever the mode
+        click.echo(f"note: {result.embedded}, as it was saved with the base", err=True)
     if _printed_as_json(result, as_json):
         return
     if not quiet:  # -q: nothing on success but a warning (errors never reach here)
@@ -228,6 +242,25 @@ def merge_command(
         click.echo(f"warning: {generic_warning(result)}", err=True)
     if result.audit is not None and not quiet:
         print_summary(result.audit, f" (report: {result.output}/ckpttool-audit.json)")
+
+
+def _export_adapter(src: str, out: str | None, fmt: str | None, config: str | None, adapter_config: str | None,
+                    force: bool, dry_run: bool, as_json: bool, quiet: bool, verbose: int, **others: object) -> None:
+    """``merge --adapter-only``: the options that do not apply are usage errors; then the API's export."""
+    given = [f"--{name.replace('_', '-')}" for name, value in others.items() if value] + ["--dry-run"] * dry_run
+    if given:
+        raise click.UsageError(f"--adapter-only writes the adapter SRC holds as it was saved; {', '.join(given)} "
+                               "does not apply to it.")
+    from ckpttool.commands.adapter_only import export_adapter
+
+    _setup_logging(verbose, quiet or as_json)
+    result = _run(as_json, lambda: export_adapter(src, out, format=fmt, config=config, adapter_config=adapter_config,
+                                                  force=force), None)
+    if _printed_as_json(result, as_json):
+        return
+    if not quiet:
+        click.echo(f"wrote the LoRA adapter of '{src}' ({result.modules} modules, rank {result.ranks}) to '{out}': "
+                   f"{', '.join(result.files)}")
 
 
 @main.command("audit")

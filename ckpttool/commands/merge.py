@@ -18,11 +18,12 @@ from ckpttool.quant.formats import MXFP4
 from ckpttool.families.quantized import output_config, scale_names
 from ckpttool.findings import Finding, Report, sort_findings
 from ckpttool.fast.jsontext import dumps as json_text
-from ckpttool.commands.source import plan_source
+from ckpttool.commands.source import plan_source_and_adapter
 from ckpttool.families.source import Planned
 from ckpttool.quant.encode import RoundTrip
 from ckpttool.lora.adapter import read_adapter
 from ckpttool.lora.attach import attach_adapters
+from ckpttool.lora.embedded import Embedded, source_adapter
 from ckpttool.families.registry import adapter_for
 from ckpttool.writers.destination import AUDIT_FILE, Staging, check_destination
 from ckpttool.writers.hf import (
@@ -69,6 +70,8 @@ class MergeResult:
     raw_names: str | None = None
     #: quantize="fp8" or "mxfp4": per quantized weight this process wrote, its round trip against the source
     round_trips: dict[str, RoundTrip] = field(default_factory=dict)
+    #: the source held a LoRA adapter saved with the base, fused by default: what was fused, in words; else None
+    embedded: str | None = None
 
     def worst_round_trip(self) -> tuple[str, RoundTrip] | None:
         """The quantized weight whose dequantized values are furthest from the source (relative RMS error)."""
@@ -106,6 +109,7 @@ class MergeResult:
             "quantization": self._quantization_json(),
             "kept_files": self.kept_files,
             "restored": self.restored,
+            "embedded_adapter": self.embedded,
         }
 
 
@@ -130,12 +134,22 @@ def prepare(
     Raises:
         ConfigError: tensors that do not fit the config; CoverageError: targets not covered exactly once.
     """
+    return prepare_and_adapter(src, format=format, config=config, dtype=dtype, weights=weights, quantize=quantize,
+                               drop=drop)[0]
+
+
+def prepare_and_adapter(
+    src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
+    weights: str | None = None, quantize: tuple[int, int] | str | None = None, drop: Sequence[str] = (),
+) -> tuple[Planned, Embedded | None]:
+    """:func:`prepare`, and the LoRA adapter the source holds with its base (:mod:`ckpttool.lora.embedded`), or None."""
     root = Path(src)
     cast = cast_dtype(dtype)  # checked before anything is read
-    planned = plan_source(root, format=format, config=config, dtype=cast, weights=weights, quantize=quantize, drop=drop)
+    planned, embedded = plan_source_and_adapter(root, format=format, config=config, dtype=cast, weights=weights,
+                                                quantize=quantize, drop=drop)
     planned.refuse()
     skipped = find_extras(extras_search(root, planned.config_path))[1].values()  # files not copied, and why
-    return replace(planned, plan=replace(planned.plan, notes=(*planned.plan.notes, *skipped)))
+    return replace(planned, plan=replace(planned.plan, notes=(*planned.plan.notes, *skipped))), embedded
 
 
 def extras_search(root: Path, config_path: Path | None) -> list[Path]:
@@ -165,6 +179,7 @@ def merge(
     raw_names: bool = False,
     drop: Sequence[str] = (),
     adapters: Sequence[str | Path] = (),
+    adapter_config: str | Path | None = None,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
 
@@ -207,6 +222,10 @@ def merge(
         adapters: PEFT LoRA adapter folders to fuse into the weights, in order (see :mod:`ckpttool.lora`): each
             targeted weight is written as ``W + scaling * B @ A`` computed as PEFT 0.21's ``merge_and_unload``
             computes it, chunk by chunk; the plan's notes name each adapter and the tensors it changed.
+            A source that holds a LoRA adapter with its base (a PEFT-wrapped model saved by FSDP2 / DCP or verl:
+            ``base_layer`` and ``lora_A`` / ``lora_B`` names) has it fused first, by default
+            (:attr:`MergeResult.embedded` says so).
+        adapter_config: that adapter's ``adapter_config.json`` (its scaling); by default the one beside ``src``.
 
     Under ``torchrun --nproc_per_node N`` every process calls this; output files are shared out among them
     by bytes (see :mod:`ckpttool.execute.distributed`) and every process returns the same result.
@@ -222,7 +241,8 @@ def merge(
             ConfigError too, without ``raw_names``, for a source whose names are not HuggingFace's and that no
             config maps.
         SourceError: too for an adapter that cannot be read or fused (a module not in the base, shapes that do
-            not fit, DoRA); the message names its file and tensor.
+            not fit, DoRA); the message names its file and tensor. And for a source holding an adapter with its
+            base but no ``adapter_config.json`` beside it and none given (the scaling is only there).
         ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``; ``quantize``
             unknown, ``"fp8"`` given with ``dtype``, or ``"mxfp4"`` with ``block``.
 
@@ -241,15 +261,18 @@ def merge(
     round_trips: dict[str, RoundTrip] = {}
     group = Group()
     try:
-        prepared = prepare(root, format=format, config=config, dtype=dtype, weights=weights, quantize=quantizing,
-                           drop=drop)
+        prepared, embedded = prepare_and_adapter(root, format=format, config=config, dtype=dtype, weights=weights,
+                                                 quantize=quantizing, drop=drop)
         if not raw_names:
             prepared.refuse_raw_names()
         plan = prepared.plan
-        read = [read_adapter(a) for a in adapters]
+        own = source_adapter(root, embedded, adapter_config)
+        read = [*own, *map(read_adapter, adapters)]
         if read and quantizing is not None:
             raise ArgumentError("quantize='fp8' with adapters: fuse first (a merge given adapters=), then quantize")
         plan = attach_adapters(plan, read, adapter_for(prepared.model).rules if prepared.model is not None else ())
+        # attach_adapters appends one note per adapter, in order: the source's own comes first
+        own_note = plan.notes[len(plan.notes) - len(read)] if own else None
         if not plan.targets:
             raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
         files = tuple(assign_files(plan, max_shard_size))
@@ -305,6 +328,7 @@ def merge(
         adapter=prepared.adapter,
         round_trips=round_trips,
         raw_names=prepared.raw_names,
+        embedded=own_note,
     )
 
 

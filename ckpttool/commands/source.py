@@ -13,6 +13,7 @@ from pathlib import Path
 from ckpttool.families import READER_TABLES
 from ckpttool.families.source import Planned, plan_layout
 from ckpttool.layout.layout import Layout
+from ckpttool.lora.embedded import Embedded, split_embedded
 from ckpttool.model.architecture import ModelInfo, find_config, model_info, read_config
 from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool import readers
@@ -51,9 +52,26 @@ def plan_source(
 ) -> Planned:
     """Find and read the config, read the source's layout, and plan it (see :func:`plan_layout`).
 
+    A source holding a PEFT-wrapped model (base and LoRA adapter saved together) is planned as its base, under
+    transformers' names, the LoRA tensors set aside (see :func:`plan_source_and_adapter`, which gives them).
+
     Raises:
         SourceError, ConfigError: the source or the config cannot be read (not what merely does not fit:
             that is data in the result).
+    """
+    return plan_source_and_adapter(src, format=format, config=config, dtype=dtype, weights=weights,
+                                   quantize=quantize, drop=drop)[0]
+
+
+def plan_source_and_adapter(
+    src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
+    weights: str | None = None, quantize: tuple[int, int] | str | None = None, drop: Sequence[str] = (),
+) -> tuple[Planned, Embedded | None]:
+    """:func:`plan_source`, and the LoRA adapter saved with the base when the source holds one
+    (:func:`ckpttool.lora.embedded.split_embedded`), else None.
+
+    Raises:
+        SourceError, ConfigError: as :func:`plan_source`; SourceError too for a PEFT model ckpttool does not fuse.
     """
     root = Path(src)
     config_path = find_config(root, config)
@@ -65,5 +83,8 @@ def plan_source(
         if model is None and (format or detect_format(root)) == hf_distributed.NAME:  # needs the shapes it gives
             raise hf_distributed.undescribed(root, str(config_path), config_dict.get("model_type"))
     layout = read_layout(root, format=format, model=model, weights=weights)
+    embedded = split_embedded(layout)
+    if embedded is not None:
+        layout = embedded.base
     return plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype, quantize=quantize,
-                       drop=drop)
+                       drop=drop), embedded

@@ -81,13 +81,18 @@ def read_adapter(folder: str | Path) -> Adapter:
     if weights is None:
         raise SourceNotFoundError(f"'{root}': {CONFIG} but no {' or '.join(WEIGHTS)} beside it; "
                                   "the adapter's weights are missing")
-    config = _read_config(config_path)
+    config = read_adapter_config(config_path)
     tensors = _tensors(weights)
-    return Adapter(str(root), str(weights), config, _deltas(str(root), config, str(config_path), tensors, str(weights)),
-                   _target_modules(config))
+    return Adapter(str(root), str(weights), config, lora_deltas(str(root), config, str(config_path), tensors, str(weights)),
+                   target_modules(config))
 
 
-def _read_config(path: Path) -> dict[str, object]:
+def read_adapter_config(path: Path) -> dict[str, object]:
+    """``adapter_config.json`` read and checked: LoRA, nothing ckpttool cannot fuse, ranks and alphas positive.
+
+    Raises:
+        SourceError: not a JSON object, another PEFT method, or what ckpttool refuses (DoRA, biases, ...), naming it.
+    """
     try:
         config = loads(read_source_text(path, str(path), limit=2**20))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -122,7 +127,8 @@ def _read_config(path: Path) -> dict[str, object]:
     return config
 
 
-def _target_modules(config: Mapping[str, object]) -> tuple[str, ...] | str:
+def target_modules(config: Mapping[str, object]) -> tuple[str, ...] | str:
+    """The config's ``target_modules``: a tuple of names, or PEFT's regular expression as a string."""
     found = config.get("target_modules") or ()
     return found if isinstance(found, str) else tuple(str(m) for m in found)  # type: ignore[union-attr]
 
@@ -151,8 +157,16 @@ def pattern_key(patterns: Mapping[str, object], module: str) -> str | None:
     return next((key for key in patterns if re.match(rf"(.*\.)?({key})$", module)), None)
 
 
-def _deltas(root: str, config: Mapping[str, object], config_label: str, tensors: Mapping[str, AdapterTensor],
-            label: str) -> dict[str, LoraDelta]:
+def lora_deltas(root: str, config: Mapping[str, object], config_label: str, tensors: Mapping[str, AdapterTensor],
+                label: str) -> dict[str, LoraDelta]:
+    """Per module, its delta: ``tensors`` by their key as ``save_pretrained`` writes it (``<module>.lora_A.weight``,
+    with or without :data:`PREFIX`; any object with ``AdapterTensor``'s attributes and ``read_rows``), each pair
+    checked and scaled as ``config`` says. ``root``: the adapter, for messages; ``label``: where the tensors are.
+
+    Raises:
+        SourceError: a key that is no LoRA weight, an A without its B, shapes or dtypes that do not fit, a rank the
+            config does not state; the message names ``label`` and the tensor.
+    """
     pairs: dict[str, dict[str, AdapterTensor]] = {}
     for key, tensor in tensors.items():
         name = key[len(PREFIX):] if key.startswith(PREFIX) else key
