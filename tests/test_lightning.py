@@ -219,3 +219,17 @@ def test_a_historical_buffer_is_a_note_of_the_merge_and_a_warning_of_the_audit_i
         ("warning", "tensor-unexpected", ROTARY.format(i),
          f"'{ROTARY.format(i)}': a rotary buffer of the attention layers, which {words}; a merge does not read it")
         for i in range(2)]
+
+
+def test_a_missing_rank_file_or_a_truncated_ckpt_fails_cleanly_naming_it(reference, tmp_path, cli):
+    src = tmp_path / "run"
+    shutil.copytree(fixture_dir("lightning_model_parallel_llama") / "checkpoint", src)
+    (src / CKPT / "__1_0.distcp").unlink()
+    out = tmp_path / "hf"
+    assert_failed_cleanly(cli("merge", src, out), out, f"'{CKPT}/__1_0.distcp'")
+    tensors, config = reference
+    cut = lightning_ckpt(tmp_path / "cut", tensors, config)
+    (cut / CKPT).write_bytes((cut / CKPT).read_bytes()[:50_000])
+    before = tree_digest(cut)
+    assert_failed_cleanly(cli("merge", cut, out), out, f"'{CKPT}': cannot read it as a torch.save archive")
+    assert tree_digest(cut) == before

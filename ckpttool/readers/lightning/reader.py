@@ -146,11 +146,16 @@ def _read_sharded(root: Path, folder: Path, model: ModelInfo | None, within: Pat
     others = sorted({fqn.partition(".")[0] for fqn in layout.tensors if not fqn.startswith(head)})
     attribute = _attribute(label, [fqn[len(head):] for fqn in ours])
     cut = len(head) + len(attribute) + 1
-    tensors = {fqn[cut:]: replace(layout.tensors[fqn], fqn=fqn[cut:]) for fqn in ours}
-    absent = {fqn[cut:]: pieces for fqn, pieces in layout.absent.items() if fqn.startswith(head)}
+    under = f"{folder.name}/" if within is not None else ""
+    moved = (lambda p: replace(p, file=under + p.file)) if under else (lambda p: p)
+    # the layout's root is the source given, so every file is judged (links) and named from there
+    tensors = {fqn[cut:]: replace(layout.tensors[fqn], fqn=fqn[cut:], pieces=tuple(map(moved, layout.tensors[fqn].pieces)))
+               for fqn in ours}
+    absent = {fqn[cut:]: tuple(map(moved, pieces)) for fqn, pieces in layout.absent.items() if fqn.startswith(head)}
     skipped = [f"{', '.join(others)}, {len(layout.tensors) - len(ours)} tensors"] if others else []
     note = _note(label, f"{DCP_MODEL[heads[0]]}'s DCP folder, key '{heads[0]}'", version, attribute, skipped)
-    return replace(layout, format=NAME, tensors=tensors, absent=absent,
+    missing = tuple(under + m for m in layout.missing)
+    return replace(layout, root=str(root), format=NAME, tensors=tensors, absent=absent, missing=missing,
                    notes=(note, *(n for n in layout.notes if "optimizer/training-state" not in n)))
 
 
