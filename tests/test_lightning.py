@@ -2,7 +2,8 @@
 (``families/buffers.py``) that merge and audit share whatever the reader.
 
 The ``lightning_*`` fixtures were written by Lightning itself (``fixtures/make_lightning.py`` under torchrun, gloo):
-``DDPStrategy`` (one ``.ckpt`` file) and ``ModelParallelStrategy`` (a ``.ckpt`` DCP folder with ``meta.pt``).
+``DDPStrategy`` (one ``.ckpt`` file) and ``ModelParallelStrategy`` (a ``.ckpt`` DCP folder with ``meta.pt``) by
+Lightning 2.6.6, ``DDPStrategy`` by Lightning 2.4.0 (``lightning_v2_4_*``).
 ``FSDPStrategy`` refuses a CPU; its sharded folder is made here the way Lightning's ``FSDPStrategy.save_checkpoint``
 writes it (``torch.distributed.checkpoint.save`` of ``{"model": ..., "optimizer_0": ...}`` plus ``meta.pt``).
 """
@@ -64,7 +65,7 @@ def lightning_ckpt(folder: Path, tensors: dict[str, torch.Tensor], config: Path,
 
 
 def test_the_fixtures_are_lightnings_own():
-    assert LIGHTNING == ["lightning_ddp_llama", "lightning_model_parallel_llama"]
+    assert LIGHTNING == ["lightning_ddp_llama", "lightning_model_parallel_llama", "lightning_v2_4_ddp_llama"]
     for name in LIGHTNING:
         producer = json.loads((fixture_dir(name) / "producer.json").read_text())
         assert producer["versions"]["lightning"] in classes.RELEASES and producer["backend"] == "gloo (CPU)"
@@ -75,10 +76,11 @@ def test_a_lightning_checkpoint_merges_bit_for_bit_loads_strictly_and_audits(nam
     from transformers import AutoModelForCausalLM
 
     src = fixture_dir(name) / "checkpoint"
+    version = json.loads((fixture_dir(name) / "producer.json").read_text())["versions"]["lightning"]
     before = tree_digest(src)
     result = ckpttool.merge(src, tmp_path / "hf")
     assert tree_digest(src) == before
-    assert any(n.startswith(f"read '{CKPT}' (") and "Lightning 2.6.6" in n and "prefix 'model.' stripped" in n
+    assert any(n.startswith(f"read '{CKPT}' (") and f"Lightning {version}" in n and "prefix 'model.' stripped" in n
                and "(training state, never a model)" in n for n in result.plan.notes), result.plan.notes
     got, want = load_output(tmp_path / "hf"), load_output(fixture_dir(name) / "reference")
     assert sorted(got) == sorted(want)  # the optimizer's state is no model tensor

@@ -4,7 +4,7 @@ A Lightning ``.ckpt`` file (and the ``meta.pt`` of a sharded ``.ckpt`` folder) i
 dict. Besides the tensors, Lightning pickles its training state there: ``loops`` (progress counters), ``callbacks``
 (``ModelCheckpoint``'s state: paths, scores), ``hyper_parameters`` (what ``save_hyperparameters`` captured),
 ``optimizer_states`` and ``lr_schedulers`` (their ``state_dict()``). :data:`TABLE` lists every class the fixtures show
-a release writing (``lightning_*``, made by ``fixtures/make_lightning.py``; ``tests/test_lightning.py`` checks both
+a release writing (``lightning_*``, made by ``fixtures/make_lightning.py`` under each release; ``tests/test_lightning.py`` checks both
 ways): with plain hyper-parameters, Lightning writes nothing but dicts, lists, numbers, strings, tensors and the
 state dict's ``OrderedDict``. Any other class (a config object or an ``argparse.Namespace`` a LightningModule put in
 its hyper-parameters, a class of a newer release) is refused by :class:`CkptAllow`, naming it and the Lightning
@@ -27,7 +27,7 @@ from ckpttool.fast.deferred import torch
 from ckpttool.io.torch_save import accepted_classes
 
 #: the Lightning releases whose checkpoints the fixtures hold (``lightning_*``)
-RELEASES = ("2.6.6",)
+RELEASES = ("2.4.0", "2.6.6")
 #: the key of the checkpoint dict that records the release that wrote it
 VERSION_KEY = "pytorch-lightning_version"
 #: how much of a pickle :func:`recorded_version` walks: Lightning writes the version among the dict's first keys
