@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import json
 import pickletools
 import shutil
 import zipfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import ckpttool
@@ -28,6 +32,8 @@ from ckpttool.families.buffers import HISTORICAL
 from ckpttool.model.architecture import DESCRIBE_ENV
 from ckpttool.readers import read_layout
 from ckpttool.readers.lightning import classes
+from test_fuzz import only_ckpt_errors
+from test_fuzz_readers import VALUES, mutate, paths
 
 LIGHTNING = sorted(p.name for p in FIXTURES.glob("lightning_*") if (p / "producer.json").is_file())
 TOKENS = torch.tensor([[5, 17, 199, 3, 250, 42, 7, 100, 11, 128, 64, 2]])
@@ -235,3 +241,38 @@ def test_a_missing_rank_file_or_a_truncated_ckpt_fails_cleanly_naming_it(referen
     before = tree_digest(cut)
     assert_failed_cleanly(cli("merge", cut, out), out, f"'{CKPT}': cannot read it as a torch.save archive")
     assert tree_digest(cut) == before
+
+
+# ------------------------------------------------------------------------------------------ any values
+
+
+_TREE: list = []
+
+
+def _ddp_tree():
+    """The object tree the DDP fixture's ``.ckpt`` pickle holds, as the reader sees it (read once)."""
+    if not _TREE:
+        from ckpttool.io.torch_save import scan
+
+        with open(fixture_dir("lightning_ddp_llama") / "checkpoint" / CKPT, "rb") as f:
+            _TREE.append(scan(f, label=CKPT, allow=classes.CkptAllow(CKPT, "2.6.6")))
+    return _TREE[0]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(mutations=st.lists(st.tuples(st.integers(0, 2**20), VALUES, st.booleans()), min_size=1, max_size=3))
+def test_any_values_in_a_ckpts_pickle_are_read_or_refused_cleanly(mutations):
+    """``None`` for the state dict, a number as a key, a tensor's shape of 2**62...: a CkptError or a plan."""
+    from ckpttool.readers.lightning import reader
+
+    tree = _ddp_tree()
+    places = paths(tree)
+
+    def scan(f, start=0, length=None, *, label, allow=None):
+        obj = copy.deepcopy(tree)
+        for where, value, rename in mutations:
+            obj = mutate(obj, places[where % len(places)], value, rename)
+        return obj
+
+    with mock.patch.object(reader, "scan", scan):
+        only_ckpt_errors(lambda: ckpttool.prepare(fixture_dir("lightning_ddp_llama") / "checkpoint"))
