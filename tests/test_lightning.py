@@ -173,8 +173,8 @@ def test_a_class_no_release_writes_is_refused_naming_it_and_the_recorded_version
     assert tree_digest(src) == before
     newer = lightning_ckpt(tmp_path / "newer", tensors, config, version="9.1.0", hparams={"a": argparse.Namespace()})
     result = cli("audit", newer)
-    assert result.exit_code == 1 and "records Lightning 9.1.0 (pytorch-lightning_version), not one ckpttool has run" in (
-        result.stderr)
+    assert result.exit_code == 1
+    assert "records Lightning 9.1.0 (pytorch-lightning_version), not one ckpttool has run" in result.stderr
 
 
 def test_several_checkpoints_or_attributes_are_refused_by_name(reference, tmp_path, cli):

@@ -4,10 +4,10 @@ A Lightning ``.ckpt`` file (and the ``meta.pt`` of a sharded ``.ckpt`` folder) i
 dict. Besides the tensors, Lightning pickles its training state there: ``loops`` (progress counters), ``callbacks``
 (``ModelCheckpoint``'s state: paths, scores), ``hyper_parameters`` (what ``save_hyperparameters`` captured),
 ``optimizer_states`` and ``lr_schedulers`` (their ``state_dict()``). :data:`TABLE` lists every class the fixtures show
-a release writing (``lightning_*``, made by ``fixtures/make_lightning.py`` under each release; ``tests/test_lightning.py`` checks both
-ways): with plain hyper-parameters, Lightning writes nothing but dicts, lists, numbers, strings, tensors and the
-state dict's ``OrderedDict``. Any other class (a config object or an ``argparse.Namespace`` a LightningModule put in
-its hyper-parameters, a class of a newer release) is refused by :class:`CkptAllow`, naming it and the Lightning
+a release writing (``lightning_*``, made by ``fixtures/make_lightning.py`` under each release;
+``tests/test_lightning.py`` checks both ways): with plain hyper-parameters, Lightning writes nothing but dicts,
+lists, numbers, strings, tensors and the state dict's ``OrderedDict``. Any other class (a config object or an
+``argparse.Namespace`` a LightningModule put in its hyper-parameters, a class of a newer release) is refused by :class:`CkptAllow`, naming it and the Lightning
 version the checkpoint records (its ``pytorch-lightning_version`` key, read by :func:`recorded_version` without
 unpickling anything). Nothing in a checkpoint runs.
 """
@@ -55,7 +55,7 @@ TABLE: tuple[Allowed, ...] = (
     Allowed("collections", "OrderedDict", RELEASES, "the LightningModule's state_dict (and its optimizer's)"),
     Allowed("torch._utils", "_rebuild_tensor_v2", RELEASES, "every tensor: weights, optimizer state"),
     Allowed("torch", "FloatStorage", RELEASES, "the tensors of an fp32 model (precision='32-true')"),
-    Allowed("torch", "BFloat16Storage", (), "the tensors of a bf16 model (precision='bf16-true'; the fixtures are fp32)"),
+    Allowed("torch", "BFloat16Storage", (), "the tensors of a bf16 model (precision='bf16-true'; the fixtures: fp32)"),
     Allowed("torch", "HalfStorage", (), "the tensors of an fp16 model (precision='16-true'; the fixtures are fp32)"),
     Allowed("torch", "LongStorage", (), "an int64 buffer or optimizer step count (the fixtures' SGD keeps none)"),
 )

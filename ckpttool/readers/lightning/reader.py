@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from ckpttool.console.terminal import escaped
 from ckpttool.errors import SourceError, SourceNotFoundError
 from ckpttool.io.dtypes import itemsize
 from ckpttool.io.paths import contained, open_inside
@@ -73,7 +74,7 @@ def _the_ckpt(root: Path) -> Path:
     found = _ckpts(root)
     distinct = {contained(root, p.name).resolve(): p for p in reversed(found)}
     if len(distinct) != 1:
-        listed = "\n".join(f"  - '{p}'" for p in found)
+        listed = "\n".join(f"  - '{escaped(str(p))}'" for p in found)
         raise SourceError(
             f"'{root}': holds {len(found)} Lightning checkpoints; ckpttool merges one. Move the one to merge into a "
             f"folder of its own (with config.json), or give a .ckpt folder itself as the source:\n{listed}")
@@ -96,11 +97,12 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     ckpt = _the_ckpt(root)
     if ckpt.is_dir():
         return _read_sharded(root, ckpt, model, within=root)
-    return _read_file(root, ckpt.name, model)
+    return _read_file(root, ckpt.name)
 
 
 def _scan(root: Path, rel: str, within: Path | None = None) -> tuple[dict, str | None]:
-    """The checkpoint dict pickled in ``rel`` (tensors as :class:`StoredTensor`) and the Lightning version it records."""
+    """The checkpoint dict pickled in ``rel`` (tensors as :class:`StoredTensor`), and the Lightning version it
+    records."""
     with open_inside(root, rel, within=within) as f:
         version = recorded_version(f, rel)
         state = scan(f, label=rel, allow=CkptAllow(rel, version))
@@ -109,11 +111,11 @@ def _scan(root: Path, rel: str, within: Path | None = None) -> tuple[dict, str |
     return state, version
 
 
-def _read_file(root: Path, rel: str, model: ModelInfo | None) -> Layout:
+def _read_file(root: Path, rel: str) -> Layout:
     state, version = _scan(root, rel)
     tensors = state.get("state_dict")
     if not isinstance(tensors, dict):
-        keys = ", ".join(repr(k) for k in list(state)[:6])
+        keys = ", ".join(repr(k)[:40] for k in list(state)[:6])
         raise SourceError(f"'{rel}': no 'state_dict' in it (keys: {keys}); not a Lightning checkpoint")
     for key, tensor in tensors.items():
         if not isinstance(key, str) or not isinstance(tensor, StoredTensor):
@@ -149,8 +151,8 @@ def _read_sharded(root: Path, folder: Path, model: ModelInfo | None, within: Pat
     under = f"{folder.name}/" if within is not None else ""
     moved = (lambda p: replace(p, file=under + p.file)) if under else (lambda p: p)
     # the layout's root is the source given, so every file is judged (links) and named from there
-    tensors = {fqn[cut:]: replace(layout.tensors[fqn], fqn=fqn[cut:], pieces=tuple(map(moved, layout.tensors[fqn].pieces)))
-               for fqn in ours}
+    tensors = {fqn[cut:]: replace(t, fqn=fqn[cut:], pieces=tuple(map(moved, t.pieces)))
+               for fqn, t in layout.tensors.items() if fqn.startswith(head)}
     absent = {fqn[cut:]: tuple(map(moved, pieces)) for fqn, pieces in layout.absent.items() if fqn.startswith(head)}
     skipped = [f"{', '.join(others)}, {len(layout.tensors) - len(ours)} tensors"] if others else []
     note = _note(label, f"{DCP_MODEL[heads[0]]}'s DCP folder, key '{heads[0]}'", version, attribute, skipped)
@@ -170,7 +172,7 @@ def _attribute(label: str, keys: list[str]) -> str:
         counts[head if dot else ""] = counts.get(head if dot else "", 0) + 1
     if len(counts) == 1 and "" not in counts:
         return next(iter(counts))
-    listed = ", ".join(f"'{a}' ({n} tensor{'s' if n > 1 else ''})" if a else f"top-level ({n})"
+    listed = ", ".join(f"'{escaped(a[:60])}' ({n} tensor{'s' if n > 1 else ''})" if a else f"top-level ({n})"
                        for a, n in sorted(counts.items()))
     raise SourceError(
         f"'{label}': the LightningModule's state dict holds tensors under {len(counts)} attributes: {listed}; "
@@ -182,8 +184,9 @@ def _note(label: str, how: str, version: str | None, attribute: str, skipped: li
     """What the user reads about the checkpoint ``label`` (``how`` it was saved) and what was taken from it."""
     written = f"Lightning {version}" if version else "no pytorch-lightning_version recorded"
     rest = f"; not read: {', '.join(skipped)} (training state, never a model)" if skipped else ""
-    return (f"read '{label}' ({how}; {written}): the LightningModule's '{attribute}' attribute, its prefix "
-            f"'{attribute}.' stripped from every name{rest}")
+    shown = escaped(attribute)
+    return (f"read '{escaped(label)}' ({how}; {escaped(written)}): the LightningModule's '{shown}' attribute, its "
+            f"prefix '{shown}.' stripped from every name{rest}")
 
 
 READER = FormatReader(NAME, LOOKS_FOR, matches, read)
