@@ -5,11 +5,11 @@ dict. Besides the tensors, Lightning pickles its training state there: ``loops``
 (``ModelCheckpoint``'s state: paths, scores), ``hyper_parameters`` (what ``save_hyperparameters`` captured),
 ``optimizer_states`` and ``lr_schedulers`` (their ``state_dict()``). :data:`TABLE` lists every class the fixtures show
 a release writing (``lightning_*``, made by ``fixtures/make_lightning.py`` under each release;
-``tests/test_lightning.py`` checks both ways): with plain hyper-parameters, Lightning writes nothing but dicts,
-lists, numbers, strings, tensors and the state dict's ``OrderedDict``. Any other class (a config object or an
-``argparse.Namespace`` a LightningModule put in its hyper-parameters, a class of a newer release) is refused by :class:`CkptAllow`, naming it and the Lightning
-version the checkpoint records (its ``pytorch-lightning_version`` key, read by :func:`recorded_version` without
-unpickling anything). Nothing in a checkpoint runs.
+``tests/test_lightning.py`` checks both ways): with plain hyper-parameters, Lightning writes nothing but dicts, lists,
+numbers, strings, tensors and the state dict's ``OrderedDict``. Any other class (a config object or an
+``argparse.Namespace`` a LightningModule put in its hyper-parameters, a class of a newer release) is refused by
+:class:`CkptAllow`, naming it and the Lightning version the checkpoint records (its ``pytorch-lightning_version`` key,
+read by :func:`recorded_version` without unpickling anything). Nothing in a checkpoint runs.
 """
 
 from __future__ import annotations
