@@ -276,3 +276,11 @@ def test_any_values_in_a_ckpts_pickle_are_read_or_refused_cleanly(mutations):
 
     with mock.patch.object(reader, "scan", scan):
         only_ckpt_errors(lambda: ckpttool.prepare(fixture_dir("lightning_ddp_llama") / "checkpoint"))
+
+
+@pytest.mark.parametrize("other", ["lightning_model_parallel_llama", "lightning_v2_4_ddp_llama"])
+def test_diff_finds_one_run_equal_across_strategies_and_releases(other, cli):
+    """The same seed, data and step: DDP's .ckpt file against FSDP2's DCP folder, and Lightning 2.6.6 against 2.4.0."""
+    result = cli("diff", fixture_dir("lightning_ddp_llama") / "checkpoint", fixture_dir(other) / "checkpoint")
+    assert result.exit_code == 0, result.output
+    assert "equal: 21 tensors identical" in result.stdout
