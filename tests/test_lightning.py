@@ -284,3 +284,15 @@ def test_diff_finds_one_run_equal_across_strategies_and_releases(other, cli):
     result = cli("diff", fixture_dir("lightning_ddp_llama") / "checkpoint", fixture_dir(other) / "checkpoint")
     assert result.exit_code == 0, result.output
     assert "equal: 21 tensors identical" in result.stdout
+
+
+def test_a_sharded_folders_meta_pt_is_read_through_the_same_allow_list(tmp_path, cli):
+    src = tmp_path / "run"
+    shutil.copytree(fixture_dir("lightning_model_parallel_llama") / "checkpoint", src)
+    meta = {"pytorch-lightning_version": "2.6.6", "hyper_parameters": {"args": argparse.Namespace(lr=0.1)}}
+    torch.save(meta, src / CKPT / "meta.pt")
+    before = tree_digest(src)
+    out = tmp_path / "hf"
+    assert_failed_cleanly(cli("merge", src, out), out, f"'{CKPT}/meta.pt': refused to unpickle: it asks for "
+                          "'argparse.Namespace'", "the checkpoint records Lightning 2.6.6")
+    assert tree_digest(src) == before

@@ -100,14 +100,15 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
     return _read_file(root, ckpt.name)
 
 
-def _scan(root: Path, rel: str, within: Path | None = None) -> tuple[dict, str | None]:
+def _scan(root: Path, rel: str, within: Path | None = None, label: str | None = None) -> tuple[dict, str | None]:
     """The checkpoint dict pickled in ``rel`` (tensors as :class:`StoredTensor`), and the Lightning version it
-    records."""
-    with open_inside(root, rel, within=within) as f:
-        version = recorded_version(f, rel)
-        state = scan(f, label=rel, allow=CkptAllow(rel, version))
+    records; ``label`` names the file in messages (default ``rel``)."""
+    label = rel if label is None else label
+    with open_inside(root, rel, label, within=within) as f:
+        version = recorded_version(f, label)
+        state = scan(f, label=label, allow=CkptAllow(label, version))
     if not isinstance(state, dict):
-        raise SourceError(f"'{rel}': holds a {type(state).__name__}, not a Lightning checkpoint dict")
+        raise SourceError(f"'{label}': holds a {type(state).__name__}, not a Lightning checkpoint dict")
     return state, version
 
 
@@ -134,7 +135,8 @@ def _read_file(root: Path, rel: str) -> Layout:
 
 
 def _read_sharded(root: Path, folder: Path, model: ModelInfo | None, within: Path | None) -> Layout:
-    _, version = _scan(folder, META, within=within)  # refuses a class outside the table before any tensor is read
+    named = f"{folder.name}/{META}" if within is not None else META
+    _, version = _scan(folder, META, within=within, label=named)  # a class outside the table: refused before the DCP
     layout = dcp.read(folder, model, within=within)
     label = folder.name if within is not None else str(folder)
     heads = sorted({fqn.partition(".")[0] for fqn in layout.tensors} & set(DCP_MODEL))
