@@ -25,7 +25,7 @@ EXPECTED = {
     "gemma3_vl_fsdp2_dcp": "dcp", "qwen3_vl_": "dcp", "qwen2_5_vl_hf_tp2": "hf-distributed",
     "hf_tf4_": "hf", "hf_accelerate_": "hf", "gpt_oss_fsdp2_dcp": "dcp", "gpt_oss_hf_ep2": "hf-distributed",
     "megatron_v": "megatron-dist",  # megatron_v<major>_<minor>_<case>: torch_dist/ (and legacy/), no checkpoint/
-    "torchtitan_": "dcp", "lora_": "hf", "peft_": "dcp",
+    "torchtitan_": "dcp", "lora_": "hf", "peft_": "dcp", "lightning_": "lightning",
     "qwen3_next_fsdp2_dcp": "dcp", "qwen3_next_hf_tp2": "hf-distributed", "nemotron_h_fsdp2_dcp": "dcp",
 }
 

@@ -67,6 +67,8 @@ CASES = {
                             "iter_0000010/mp_rank_01_001", "megatron_tp2_pp2/config.json"),
     "megatron-legacy-iteration": Case("megatron_tp2_pp2/legacy", "iter_0000010/mp_rank_00_000/model_optim_rng.pt",
                                       "iter_0000010", "megatron_tp2_pp2/config.json"),
+    "lightning": Case("lightning_model_parallel_llama/checkpoint", "epoch=0-step=1.ckpt/__1_0.distcp",
+                      "epoch=0-step=1.ckpt"),
     "dcp": Case("llama_fsdp2_dcp/checkpoint", "__2_0.distcp"),
     "dcp-metadata": Case("llama_fsdp2_dcp/checkpoint", ".metadata"),
     "hf-distributed": Case("llama_hf_tp2/checkpoint", "shard-00002-model-00001-of-00001.safetensors"),

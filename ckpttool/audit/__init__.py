@@ -147,6 +147,8 @@ def check(
     planned = plan_layout(layout, config_path=config_path, config=dict(config) if config is not None else None,
                           model=model, keep_specs=data)  # the specs: the dequantized targets of data_plan
     tied = list(planned.tied)
+    # the merge leaves these out with a note in the same words; the source as it stands holds them (a warning)
+    found.extend(finding("tensor-unexpected", message, tensor=name) for name, message in planned.historical)
     if model is not None:
         found.extend(finding("source-note", note) for note in planned.adapter_notes)
         found.extend(finding("shape-mismatch", message, tensor=fqn) for fqn, message in planned.unplaced)

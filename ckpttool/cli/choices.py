@@ -11,7 +11,8 @@ from __future__ import annotations
 
 #: reader names, in the detection order of :data:`ckpttool.readers.READERS`
 FORMAT_NAMES = (
-    "sidecar", "deepspeed", "verl", "colossalai", "megatron-dist", "megatron-legacy", "dcp", "hf-distributed", "hf",
+    "sidecar", "deepspeed", "verl", "colossalai", "megatron-dist", "megatron-legacy", "lightning", "dcp", "hf-distributed",
+    "hf",
 )
 #: what ``split --to`` writes: :data:`ckpttool.commands.split.TARGETS`
 SPLIT_TARGETS = ("dcp", "megatron")

@@ -32,6 +32,9 @@ from ckpttool.families import (
     refusal,
     tied_on_disk,
 )
+from ckpttool.families.buffers import message as historical_message
+from ckpttool.families.buffers import note as historical_note
+from ckpttool.families.buffers import split_historical
 from ckpttool.families.quantize import quantized_specs
 from ckpttool.families.quantized import dequantized, with_quantized
 from ckpttool.families.quantized import problems as quantization_problems
@@ -58,6 +61,8 @@ class Planned:
         quantization: what is wrong with a quantized checkpoint (scales, block size, quantization_config).
         mtp_missing: the MTP layers the config declares that the source does not hold at all (indices of
             ``model.layers``): not a refusal, a note on the plan and an ``mtp-missing`` warning in an audit.
+        historical: ``(tensor, message)`` for the historical non-persistent buffers left out of the plan
+            (:mod:`ckpttool.families.buffers`): a note on the plan, a ``tensor-unexpected`` warning in an audit.
     """
 
     layout: Layout
@@ -73,6 +78,7 @@ class Planned:
     uncovered: tuple[tuple[TargetSpec, list[str]], ...] = ()
     mtp_missing: tuple[int, ...] = ()
     quantization: tuple[Problem, ...] = ()
+    historical: tuple[tuple[str, str], ...] = ()
     #: the family's targets before they were planned (quantized weights and scales apart), when asked for
     #: (``keep_specs``: the audit's :func:`dequantized_targets`); None otherwise (a merge frees them)
     specs: tuple[TargetSpec, ...] | None = None
@@ -153,6 +159,7 @@ def plan_layout(
         mismatches: list[Mismatch] = []
         tied: list[TargetSpec] = []
         mtp_missing: list[int] = []
+        specs, _, historical = _historical(specs, [], own)
         specs, _ = _dropped(specs, [], drop, own)
     else:
         mapping = map_to_hf(layout, model)
@@ -164,6 +171,7 @@ def plan_layout(
             adapter_notes.append(f"dropped {_listed(buffers)}: {'buffers' if len(buffers) > 1 else 'a buffer'} the "
                                  f"{model.model_type} model does not save (non-persistent), written by the saver anyway")
         own = list(adapter_notes)
+        specs, unplaced, historical = _historical(specs, unplaced, own)
         if tied:
             dropped = [s.name for s in tied]
             own.append(f"dropped {', '.join(dropped)}: tied to {', '.join(tied_on_disk(model)[n] for n in dropped)} "
@@ -199,7 +207,8 @@ def plan_layout(
     plan, uncovered = plan_covered(layout, specs, dtype=dtype, notes=[*own, *notes], keep_dtype=keep)
     planned()  # the command's collector runs again, and never walks this plan (ckpttool.console.startup)
     return Planned(layout, config_path, config, model, plan, tuple(tied), adapter, tuple(adapter_notes), tuple(unplaced),
-                   tuple(mismatches), tuple(uncovered), tuple(mtp_missing), quantization=tuple(quant_problems), specs=mapped)
+                   tuple(mismatches), tuple(uncovered), tuple(mtp_missing), quantization=tuple(quant_problems), specs=mapped,
+                   historical=tuple(historical))
 
 
 def _carried(shapes: dict[str, object], model: ModelInfo) -> list[str]:
@@ -241,6 +250,19 @@ def dequantized_targets(planned: Planned, dtype: str) -> tuple[Target, ...]:
 def _listed(names: Sequence[str], shown: int = 3) -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
+
+
+def _historical(specs: Sequence[TargetSpec], unplaced: Sequence[tuple[str, str]], notes: list[str],
+                ) -> tuple[list[TargetSpec], list[tuple[str, str]], list[tuple[str, str]]]:
+    """``specs`` and ``unplaced`` without the historical buffers (:mod:`ckpttool.families.buffers`), a note for
+    each kind appended to ``notes``, and ``(name, message)`` for each buffer, for the audit."""
+    found = split_historical([*(s.name for s in specs), *(name for name, _ in unplaced)])
+    if not found:
+        return list(specs), list(unplaced), []
+    gone = {name for names in found.values() for name in names}
+    notes.extend(historical_note(entry, names) for entry, names in found.items())
+    messages = sorted((name, historical_message(entry, name)) for entry, names in found.items() for name in names)
+    return ([s for s in specs if s.name not in gone], [(n, m) for n, m in unplaced if n not in gone], messages)
 
 
 def _dropped(specs: Sequence[TargetSpec], unplaced: Sequence[tuple[str, str]], patterns: Sequence[str],

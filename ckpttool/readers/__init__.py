@@ -27,6 +27,7 @@ from ckpttool.readers import dcp
 from ckpttool.readers.deepspeed import reader as deepspeed
 from ckpttool.readers import hf
 from ckpttool.readers import hf_distributed
+from ckpttool.readers.lightning import reader as lightning
 from ckpttool.readers.megatron import dist as megatron_dist
 from ckpttool.readers.megatron import legacy as megatron_legacy
 from ckpttool.readers import sidecar
@@ -37,7 +38,8 @@ from ckpttool.readers.claims import claimed_format
 #: in detection order: the most specific first
 READERS: dict[str, Reader] = {
     module.READER.name: module.READER
-    for module in (sidecar, deepspeed, verl, colossalai, megatron_dist, megatron_legacy, dcp, hf_distributed, hf)
+    for module in (sidecar, deepspeed, verl, colossalai, megatron_dist, megatron_legacy, lightning, dcp, hf_distributed,
+                   hf)
 }
 
 

@@ -20,6 +20,7 @@ from ckpttool.readers.base import Reader
 CONTAINS: dict[str, tuple[str, ...]] = {
     "megatron-dist": ("dcp",),
     "colossalai": ("hf",),
+    "lightning": ("dcp",),
 }
 
 #: format -> the names of the entries of its directory that made it recognisable, to say what was found
@@ -30,6 +31,7 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "colossalai": ("tmp_index_files", "*-stage-*-shard-*", "*.index.json"),
     "megatron-dist": ("latest_checkpointed_iteration.txt", "iter_*", "release", "metadata.json", ".metadata"),
     "megatron-legacy": ("latest_checkpointed_iteration.txt", "iter_*", "release", "mp_rank_*"),
+    "lightning": ("*.ckpt", "meta.pt"),
     "dcp": (".metadata", "*.distcp"),
     "hf-distributed": ("shard-*-model-*-of-*.safetensors",),
     "hf": ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"),

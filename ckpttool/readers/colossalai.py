@@ -55,7 +55,6 @@ _STAGE_SHARD = re.compile(
     r"^((?:pytorch_model|model)(?:\.[^/]+)?)-stage-(\d{5})(?:-(\d{5}))?-shard-(\d{5})\.(bin|safetensors)$")
 _PLAIN_SHARD = re.compile(r"^(?:pytorch_model|model)(?:\.[^/]+)?-(\d{5})\.(bin|safetensors)$")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
-_OLDER_ROTARY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.(?:inv_freq|cos_cached|sin_cached)")
 #: a shard's tensors: name -> (shape, dtype, byte offset, byte length)
 _Found = dict[str, tuple[tuple[int, ...], str, int, int]]
 #: ColossalAI's total_size is a float sum of MiB; allow for the order of summation
@@ -122,11 +121,6 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
         raise SourceNotFoundError(f"'{root}': no ColossalAI index (pytorch_model.bin.index.json, "
                                   f"model.safetensors.index.json or {TMP}/*-stage-*.json)")
     notes.extend(_check_orphans(root, sources, cache))
-    older = sorted(name for name in sources if _OLDER_ROTARY.fullmatch(name))
-    if older:  # 0.4.9's MoE IO saves every buffer; transformers <= 4.39 kept these in each attention layer
-        sources = {name: holders for name, holders in sources.items() if name not in set(older)}
-        notes.append(f"not read: {len(older)} rotary buffers of the attention layers ({older[0]}, ...), which "
-                     "transformers 4.39 and older kept there: non-persistent, never weights")
     tensors = _read_shards(root, sources, index_label, cache)
     stages, eps = set(), set()
     for name, holders in sources.items():
