@@ -14,6 +14,7 @@ from ckpttool.plan.plan import Plan
 from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError, Interrupted, SourceError
 from ckpttool.families.quantize import output_config as quantized_config
 from ckpttool.families.quantize import MXFP4_DTYPE, quantize_block
+from ckpttool.families.quantize_packed import IntScheme
 from ckpttool.quant.formats import MXFP4
 from ckpttool.families.quantized import output_config, scale_names
 from ckpttool.findings import Finding, Report, sort_findings
@@ -67,7 +68,7 @@ class MergeResult:
     #: a generic merge of a source named in a convention of its own: that convention (``"Megatron-Core"``), whose
     #: names were written as they are (transformers loads none of them); None otherwise (see merge's raw_names)
     raw_names: str | None = None
-    #: quantize="fp8" or "mxfp4": per quantized weight this process wrote, its round trip against the source
+    #: quantize="fp8", "mxfp4" or "int4": per quantized weight this process wrote, its round trip against the source
     round_trips: dict[str, RoundTrip] = field(default_factory=dict)
 
     def worst_round_trip(self) -> tuple[str, RoundTrip] | None:
@@ -119,7 +120,7 @@ class MergeResult:
 
 def prepare(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None, quantize: tuple[int, int] | str | None = None, drop: Sequence[str] = (),
+    weights: str | None = None, quantize: tuple[int, int] | str | IntScheme | None = None, drop: Sequence[str] = (),
 ) -> Planned:
     """Read the source's layout and the config, and build the coverage-checked plan. Reads no tensor data.
 
@@ -165,6 +166,7 @@ def merge(
     raw_names: bool = False,
     drop: Sequence[str] = (),
     adapters: Sequence[str | Path] = (),
+    group: int | None = None,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
 
@@ -193,7 +195,11 @@ def merge(
             ``quantization_config``; the round trip of each is in :attr:`MergeResult.round_trips`.
             ``"mxfp4"`` (gpt-oss): its experts as the release's MXFP4 ``_blocks`` and ``_scales``, everything
             else in ``dtype`` (bfloat16 when None, the release's), and the release's ``quantization_config``.
+            ``"int4"`` / ``"int4-asym"``: the same weights as FP8 does, packed as compressed-tensors
+            ``pack-quantized`` INT4 (W4A16) in ``group``s, bit for bit what compressed-tensors' observer and
+            compressor write (:mod:`ckpttool.quant.pack_encode`), and its ``quantization_config``.
         block: the FP8 block size, rows and columns (an int for both; default 128x128).
+        group: the INT4 group size, values per scale along a row (default 32; 0: one scale per row).
         verify_forward: before publishing, load the output with transformers strictly and run a forward
             (:func:`ckpttool.verify.forward.check_output`); a problem stops the publish. Needs a config.
         raw_names: for a source named in a convention of its own (Megatron-Core, Megatron legacy, DeepSpeed
@@ -232,12 +238,13 @@ def merge(
     if out is None and not dry_run:
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)
-    quantizing = quantize_block(quantize, block)
+    quantizing = quantize_block(quantize, block, group)
     if quantizing == MXFP4:  # the release's layout: everything but the experts in bfloat16, unless told otherwise
         dtype = dtype or MXFP4_DTYPE
     elif quantizing is not None and dtype is not None:
-        raise ArgumentError(f"quantize='fp8' and dtype={dtype!r} together: quantize writes FP8 weights and keeps every "
-                            "other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
+        what = "FP8" if quantize == "fp8" else "packed INT4"
+        raise ArgumentError(f"quantize={quantize!r} and dtype={dtype!r} together: quantize writes {what} weights and "
+                            "keeps every other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
     round_trips: dict[str, RoundTrip] = {}
     group = Group()
     try:
@@ -248,7 +255,7 @@ def merge(
         plan = prepared.plan
         read = [read_adapter(a) for a in adapters]
         if read and quantizing is not None:
-            raise ArgumentError("quantize='fp8' with adapters: fuse first (a merge given adapters=), then quantize")
+            raise ArgumentError(f"quantize={quantize!r} with adapters: fuse first (a merge given adapters=), then quantize")
         plan = attach_adapters(plan, read, adapter_for(prepared.model).rules if prepared.model is not None else ())
         if not plan.targets:
             raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")

@@ -1,0 +1,226 @@
+"""Packing of a range of rows to compressed-tensors ``pack-quantized`` INT4 (or INT8): the pure functions the
+streaming executor calls for ``quantize="int4"``.
+
+A packed weight ``X.weight [O, I]`` is up to four output tensors computed from the same source rows
+(:mod:`ckpttool.quant.packed` has the layout): ``X.weight_packed`` (:class:`IntPacked`), ``X.weight_scale``
+(:class:`IntScales`), ``X.weight_zero_point`` when asymmetric (:class:`IntZeroPoints`: packed along the rows, one
+int32 row per ``32 / bits`` source rows) and ``X.weight_shape`` (:class:`WeightShape`). Each computes the scales
+of the rows it reads, the same way, so they agree without sharing state; every row is its own groups, so a chunk
+may start and stop at any row (a zero-point chunk at a multiple of ``32 / bits`` source rows).
+
+The arithmetic is compressed-tensors' (0.20), in its order and its dtypes, so results are bit for bit those of
+its min-max observer (``compute_dynamic_scales_and_zp``, ``calculate_qparams``) followed by its compressor
+(``PackedQuantizationCompressor.compress``: ``quantize`` then ``pack_to_int32``), all in the weight's dtype,
+bfloat16 (the source is rounded to bfloat16 first, the dtype every such release holds):
+
+- per group of ``group`` values of a row (``group`` 0: the whole row, the ``channel`` strategy):
+  ``lo = min(min(w), 0)``, ``hi = max(max(w), 0)``; symmetric: ``scale = max(|lo|, |hi|) / 7.5`` (half the
+  range ``7 - (-8)``), asymmetric: ``scale = (hi - lo) / 15`` and ``zero = round(clamp(-8 - lo / scale, -8, 7))``,
+  each operation rounded to bfloat16; a zero scale becomes bfloat16's epsilon (2**-7);
+- ``q = round(clamp(bf16(w / scale) [+ zero, rounded to bfloat16], -8, 7))``, ties to even;
+- ``q + 8`` packed eight to an int32, the first in the lowest bits (zero points the same way down the rows).
+
+Example: a symmetric group whose largest magnitude is 0.75 gets the scale 0.1 (bfloat16's 0.10009765625), and
+0.75 is written as round(7.49...) = 7.
+
+The scales come from the values, as the producer's observer computes them, not from a release: values that lie on
+a release's grid (a dequantized release) get the scales ``max|q * s| / 7.5``, which are not the release's ``s``
+(its largest code was 7 or -8, not 7.5), so their bytes differ from the release's (see docs/formats.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ckpttool.fast.deferred import torch
+from ckpttool.quant.decode import RowForRow, Scratch
+from ckpttool.quant.encode import RoundTrip
+
+INT_PACKED = "int-pack"
+INT_SCALES = "int-scales"
+INT_ZERO_POINTS = "int-zero-points"
+WEIGHT_SHAPE = "weight-shape"
+#: the methods of this module, for a plan's :func:`encoded` check
+METHODS = (INT_PACKED, INT_SCALES, INT_ZERO_POINTS, WEIGHT_SHAPE)
+
+
+def _limits(bits: int) -> tuple[int, int]:
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+
+def int_qparams(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The bfloat16 scales ``[r, G]`` of bfloat16 rows ``w`` ``[r, I]`` (``G = I / group``; 1 for ``group`` 0) and,
+    when not ``symmetric``, their zero points (bfloat16 integers), as compressed-tensors' ``calculate_qparams``
+    computes them from each group's minimum and maximum."""
+    rows, cols = w.shape
+    values = w.view(rows, cols // (group or cols), group or cols)
+    lo = torch.clamp(values.amin(-1), max=0)
+    hi = torch.clamp(values.amax(-1), min=0)
+    qmin, qmax = _limits(bits)
+    span = torch.tensor(float(qmax - qmin), dtype=w.dtype)
+    zero = None
+    if symmetric:
+        scale = torch.maximum(lo.abs_(), hi).div_(span / 2)
+    else:
+        scale = hi.sub_(lo).div_(span)
+        zero = lo.div_(scale).neg_().add_(qmin)  # qmin - lo / scale
+        # an all-zero group's 0 / 0: the producer's NaN becomes the int8 zero point 0 (its float-to-int cast)
+        zero = zero.nan_to_num_(0.0).clamp_(qmin, qmax).round_()
+    eps = torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype)
+    return torch.where(scale == 0, eps, scale), zero
+
+
+def int_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int) -> torch.Tensor:
+    """The integer codes (bfloat16 integers ``[r, I]``) of rows ``w`` given their ``scale`` and ``zero``: compressed-
+    tensors' ``_quantize``, in the rows' dtype."""
+    rows, cols = w.shape
+    scaled = w.view(rows, cols // (group or cols), group or cols) / scale.unsqueeze(-1)
+    if zero is not None:
+        scaled.add_(zero.unsqueeze(-1))
+    qmin, qmax = _limits(bits)
+    return scaled.clamp_(qmin, qmax).round_().view(rows, cols)
+
+
+def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[r, n]`` (any dtype holding integers in range) as int32 words ``[r, ceil(n * bits / 32)]``: each
+    ``code + 2 ** (bits - 1)``, ``32 / bits`` to a word, the first in the lowest bits (``pack_to_int32``)."""
+    per = 32 // bits
+    rows, cols = codes.shape
+    unsigned = codes.to(torch.int64).add_(1 << (bits - 1))
+    if cols % per:  # the last word's unused bits are zeros
+        unsigned = torch.nn.functional.pad(unsigned, (0, per - cols % per))
+    words = unsigned.view(rows, -1, per).bitwise_left_shift_(torch.arange(0, 32, bits)).sum(-1)
+    return words.sub_(words.ge(1 << 31).to(torch.int64) << 32).to(torch.int32)  # two's complement of bit 31
+
+
+def _bfloat16(stored: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    if stored.dtype == torch.bfloat16:
+        return stored
+    return scratch("bf16", tuple(stored.shape), "BF16").copy_(stored)
+
+
+@dataclass(frozen=True, slots=True)
+class IntPacked(RowForRow):
+    """``X.weight_packed`` (int32 ``[O, ceil(I * bits / 32)]``) of a ``[O, I]`` weight, row for row."""
+
+    bits: int
+    group: int
+    symmetric: bool
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
+               scratch: Scratch) -> RoundTrip:
+        """Writes the packed codes of ``stored``'s rows into ``out``; returns their round trip: the codes
+        dequantized as compressed-tensors' ``_dequantize`` does (in bfloat16) against the bfloat16 source."""
+        del scales, start  # the scales are computed here, from the rows themselves
+        w = _bfloat16(stored, scratch)
+        scale, zero = int_qparams(w, self.bits, self.group, self.symmetric)
+        codes = int_codes(w, scale, zero, self.bits, self.group)
+        out.copy_(pack_int32(codes, self.bits))
+        rows, cols = w.shape
+        grouped = codes.view(rows, scale.shape[1], -1)
+        if zero is not None:
+            grouped.sub_(zero.unsqueeze(-1))
+        decoded = grouped.mul_(scale.unsqueeze(-1)).view(rows, cols).float()
+        source = w.float()
+        error = decoded.sub_(source).reshape(-1)
+        flat = source.reshape(-1)
+        return RoundTrip(float(error.abs().max()) if error.numel() else 0.0, float(torch.dot(error, error)),
+                         float(torch.dot(flat, flat)), float(flat.abs().max()) if flat.numel() else 0.0, flat.numel())
+
+    def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
+        del scales, out_dtype
+        return _scratch(stored, packed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class IntScales(RowForRow):
+    """``X.weight_scale`` (bfloat16 ``[O, G]``) of a ``[O, I]`` weight, row for row."""
+
+    bits: int
+    group: int
+    symmetric: bool
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
+               scratch: Scratch) -> None:
+        del scales, start
+        out.copy_(int_qparams(_bfloat16(stored, scratch), self.bits, self.group, self.symmetric)[0])
+
+    def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
+        del scales, out_dtype
+        return _scratch(stored, packed=False)
+
+
+@dataclass(frozen=True, slots=True)
+class IntZeroPoints:
+    """``X.weight_zero_point`` (int32 ``[ceil(O * bits / 32), G]``) of a ``[O, I]`` weight of ``rows`` rows: its
+    row ``k`` packs the zero points of source rows ``k * 32 / bits ..`` (``pack_to_int32(..., packed_dim=0)``)."""
+
+    bits: int
+    group: int
+    rows: int
+
+    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
+        per = 32 // self.bits
+        return start * per, min(stop * per, self.rows)
+
+    def align(self, rows: int) -> int:
+        return max(1, rows)
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
+               scratch: Scratch) -> None:
+        del scales, start
+        zero = int_qparams(_bfloat16(stored, scratch), self.bits, self.group, False)[1]
+        assert zero is not None  # asymmetric by construction (a bug otherwise, not data)
+        out.copy_(pack_int32(zero.t(), self.bits).t())
+
+    def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
+        del scales, out_dtype
+        return _scratch(stored, packed=False)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightShape:
+    """``X.weight_shape`` (int64 ``[2]``): the logical shape, a constant; reads one source row (none is used)."""
+
+    shape: tuple[int, ...]
+
+    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
+        del start, stop
+        return 0, 1
+
+    def align(self, rows: int) -> int:
+        return max(1, rows)
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
+               scratch: Scratch) -> None:
+        del stored, scales, scratch
+        out.copy_(torch.tensor(self.shape[start: start + out.shape[0]], dtype=out.dtype))
+
+    def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
+        del stored, scales, out_dtype
+        return {}
+
+
+def _scratch(stored: tuple[int, ...], packed: bool) -> dict[str, int]:
+    """The temporaries of packing ``stored`` rows, counted on buffers of their own (an upper bound): the bfloat16
+    copy of a float32 source, the group minima and maxima, the scaled values; for the packed values also their
+    int64 codes and words, and the float32 round trip (decoded values and source)."""
+    n = math.prod(stored)
+    sizes = {"bf16": n * 2, "int-qparams": n // 2 * 2 + 64, "int-scaled": n * 2}
+    if packed:
+        sizes["int-pack-temporaries"] = n * (8 + 8) + n * (4 + 4)
+    return sizes
+
+
+def pack_encoder(method: str, params: dict[str, object]) -> IntPacked | IntScales | IntZeroPoints | WeightShape | None:
+    """The encoder ``method`` names with ``params``, or None for a method of another module."""
+    if method == WEIGHT_SHAPE:
+        return WeightShape(tuple(params["shape"]))  # type: ignore[arg-type]
+    if method not in METHODS:
+        return None
+    bits, group = int(params["bits"]), int(params["group"])  # type: ignore[call-overload]
+    if method == INT_ZERO_POINTS:
+        return IntZeroPoints(bits, group, int(params["rows"]))  # type: ignore[call-overload]
+    symmetric = bool(params.get("symmetric", True))
+    return IntPacked(bits, group, symmetric) if method == INT_PACKED else IntScales(bits, group, symmetric)

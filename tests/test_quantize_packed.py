@@ -1,0 +1,205 @@
+"""``merge --quantize int4`` / ``int4-asym``: BF16 weights packed as compressed-tensors ``pack-quantized`` INT4,
+bit for bit what compressed-tensors' own observer and compressor write (the oracle: fixtures/int4_encode_oracle,
+made by fixtures/make_int4_oracle.py in compressed-tensors 0.20), streamed in row chunks within the predicted
+buffers, with the release's layout and config; refusals with their message, exit code and nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers  # imported first, as in the whole suite: each architecture is described in this process
+from conftest import FIXTURES, assert_failed_cleanly, load_output
+from safetensors.torch import load_file
+
+import ckpttool
+from ckpttool.errors import ArgumentError
+from ckpttool.families.quantize_packed import IntScheme
+from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+from ckpttool.quant.codecs import codec
+from ckpttool.quant.pack_encode import INT_PACKED, INT_SCALES, INT_ZERO_POINTS, WEIGHT_SHAPE
+
+ORACLE = FIXTURES / "int4_encode_oracle" / "tensors.safetensors"
+RELEASE = FIXTURES / "quantized_qwen3_int4" / "checkpoint"
+#: the oracle's schemes: (group, symmetric)
+SCHEMES = {"g32": (32, True), "g128": (128, True), "asym_g32": (32, False), "channel": (0, True)}
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict[str, torch.Tensor]:
+    return load_file(ORACLE)
+
+
+def _scratch(name, shape, dtype):
+    return torch.empty(shape, dtype={"BF16": torch.bfloat16, "F32": torch.float32}[dtype])
+
+
+def _encode(method: str, params: tuple, w: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, step: int):
+    """The target ``method`` computes from ``w``, in chunks of ``step`` target rows, as the executor calls it."""
+    compute = codec(method, params)
+    out = torch.empty(shape, dtype=dtype)
+    for start in range(0, shape[0], step):
+        stop = min(start + step, shape[0])
+        a, b = compute.stored_rows(start, stop)
+        compute.decode(w[a:b], None, start, out[start:stop], _scratch)
+    return out
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_int4_encoders_are_bit_exact_with_compressed_tensors_in_row_chunks(oracle, scheme):
+    """Every input (random at four scales, all-positive rows, rounding ties, clamps, signed zeros, a zero row):
+    packed values, scales, zero points and weight_shape equal compressed-tensors' own, chunk by chunk (5 rows;
+    zero points one packed row, 8 source rows, at a time)."""
+    group, symmetric = SCHEMES[scheme]
+    names = [k for k in oracle if "." not in k.removeprefix("random.")]
+    assert len(names) == 6
+    for name in names:
+        w, want = oracle[name], {k.rsplit(".", 1)[-1]: v for k, v in oracle.items() if k.startswith(f"{name}.{scheme}.")}
+        common = (("bits", 4), ("group", group))
+        values = (*common, ("symmetric", symmetric))
+        got = {"weight_packed": _encode(INT_PACKED, values, w, want["weight_packed"].shape, torch.int32, 5),
+               "weight_scale": _encode(INT_SCALES, values, w, want["weight_scale"].shape, torch.bfloat16, 5),
+               "weight_shape": _encode(WEIGHT_SHAPE, (("shape", tuple(w.shape)),), w, (2,), torch.int64, 2)}
+        if not symmetric:
+            got["weight_zero_point"] = _encode(INT_ZERO_POINTS, (*common, ("rows", w.shape[0])), w,
+                                               want["weight_zero_point"].shape, torch.int32, 1)
+        assert sorted(got) == sorted(want), name
+        for key, tensor in want.items():
+            assert torch.equal(got[key], tensor), (name, scheme, key)
+
+
+def test_a_float32_source_is_rounded_to_bfloat16_first(oracle):
+    """The encoder rounds a float32 source to bfloat16 (the release's dtype) before it observes and packs."""
+    w = oracle["random.1"]
+    params = (("bits", 4), ("group", 32), ("symmetric", True))
+    wide = w.float() + torch.finfo(torch.bfloat16).eps * w.float() / 8  # rounds back to w
+    assert torch.equal(_encode(INT_PACKED, params, wide, (24, 32), torch.int32, 24),
+                       oracle["random.1.g32.weight_packed"])
+
+
+# ---------------------------------------------------------------------------------------------- merge
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> dict[str, Path]:
+    """The INT4 release dequantized to BF16 by ckpttool, then packed again symmetric (g32) and asymmetric (g16)."""
+    root = tmp_path_factory.mktemp("packed")
+    ckpttool.merge(RELEASE, root / "bf16", dtype="bfloat16", audit=False)
+    out = {"bf16": root / "bf16"}
+    out["int4"] = root / "int4"
+    out["result"] = ckpttool.merge(root / "bf16", out["int4"], quantize="int4", group=32)  # type: ignore[assignment]
+    out["asym"] = root / "asym"
+    ckpttool.merge(root / "bf16", out["asym"], quantize="int4-asym", group=16, audit=False)
+    return out
+
+
+def test_merge_int4_writes_the_release_layout_and_config(packed):
+    """The same tensors (names, shapes, dtypes) and the same quantization_config as compressed-tensors' release,
+    the kept tensors byte for byte; a round trip reported per packed weight; its own audit clean."""
+    release, ours = load_file(RELEASE / "model.safetensors"), load_output(packed["int4"])
+    assert {k: (tuple(v.shape), v.dtype) for k, v in ours.items()} == {k: (tuple(v.shape), v.dtype)
+                                                                       for k, v in release.items()}
+    for name, tensor in release.items():
+        if not name.rsplit(".", 1)[-1].startswith("weight_"):
+            assert torch.equal(ours[name], tensor), name
+    config = json.loads((packed["int4"] / "config.json").read_text())
+    assert transformers.AutoConfig.from_pretrained(packed["int4"]).quantization_config == config["quantization_config"]
+    assert config["quantization_config"] == json.loads((RELEASE / "config.json").read_text())["quantization_config"]
+    result = packed["result"]
+    assert len(result.round_trips) == 14 and result.audit is not None and not result.audit.errors
+    worst = result.to_json()["quantization"]["worst"]
+    assert worst["name"].endswith(".weight_packed") and 0 < worst["relative_error"] < 0.1
+    assert any("pack-quantized INT4 symmetric in groups of 32" in n for n in result.plan.notes)
+
+
+def test_packed_output_reads_back_as_the_encoders_round_trip(packed):
+    """ckpttool reads its own output as a pack-quantized release: its dequantized weights are what the encoder
+    measured its round trip against (bfloat16 codes times scales), within the reported error."""
+    back = packed["int4"].parent / "back"
+    ckpttool.merge(packed["int4"], back, dtype="bfloat16", audit=False)
+    source, decoded = load_output(packed["bf16"]), load_output(back)
+    errors = packed["result"].round_trips
+    for name, measured in errors.items():
+        weight = name.removesuffix("_packed")
+        gap = (decoded[weight].float() - source[weight].float()).abs().max()
+        assert float(gap) == measured.max_abs_error, weight
+
+
+def test_asymmetric_packing_writes_zero_points_and_reads_back(packed):
+    ours = load_output(packed["asym"])
+    q = "model.layers.0.self_attn.q_proj"
+    assert ours[q + ".weight_zero_point"].shape == (8, 4) and ours[q + ".weight_scale"].shape == (64, 4)
+    weights = json.loads((packed["asym"] / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert weights["group_0"]["weights"] == {"dynamic": False, "group_size": 16, "num_bits": 4, "strategy": "group",
+                                             "symmetric": False, "type": "int"}
+    back = packed["asym"].parent / "asym-back"
+    ckpttool.merge(packed["asym"], back, dtype="bfloat16", audit=False)
+    source, decoded = load_output(packed["bf16"]), load_output(back)
+    w = source[q + ".weight"].float()
+    assert float((decoded[q + ".weight"].float() - w).abs().max()) <= float(w.abs().max()) / 15
+
+
+def test_packing_streams_in_row_chunks_within_the_predicted_buffers(packed):
+    """Chunks of 3 rows (3 zero-point rows: 24 source rows): the bytes of the whole merge; each buffer allocated at
+    the size buffer_sizes predicts; a dry run's predicted peak counts the encoders' buffers."""
+    plan = ckpttool.prepare(packed["bf16"], quantize=IntScheme(4, 16, symmetric=False)).plan
+    targets = [t for t in plan.targets if t.dequant is not None]
+    assert len(targets) == 14 * 4
+    small = [c for t in targets for c in chunks(t, 0, rows=3)]
+    sizes = buffer_sizes(small)
+    reader = Reader(plan.root, piece_uses(small), sizes)
+    parts: dict[str, list[torch.Tensor]] = {t.name: [] for t in targets}
+    try:
+        for chunk in small:
+            parts[chunk.target.name].append(build(chunk, reader).clone())
+        allocated = {n: len(b) for n, b in reader._local.buffers.items() if n in sizes}
+    finally:
+        reader.close()
+    assert allocated == {n: max(sizes[n], 1) for n in allocated}
+    whole = load_output(packed["asym"])
+    for name, pieces in parts.items():
+        assert torch.equal(torch.cat(pieces), whole[name]), name
+    dry = ckpttool.merge(packed["bf16"], None, dry_run=True, quantize="int4")
+    plain = ckpttool.merge(packed["bf16"], None, dry_run=True)
+    assert dry.to_json()["predicted_peak_bytes"] > plain.to_json()["predicted_peak_bytes"]
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def test_a_group_that_does_not_divide_the_columns_is_refused(packed, cli, tmp_path):
+    out = tmp_path / "out"
+    result = cli("merge", packed["bf16"], out, "--quantize", "int4", "--group", "48")
+    assert_failed_cleanly(result, out, "'model.layers.0.mlp.down_proj.weight' [64, 128] has 128 columns, not a "
+                          "whole number of groups of 48")
+
+
+def test_packing_a_quantized_source_is_refused(cli, tmp_path):
+    out = tmp_path / "out"
+    result = cli("merge", RELEASE, out, "--quantize", "int4")
+    assert_failed_cleanly(result, out, "quantize='int4':", "is quantized already", "Dequantize it first")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--group", "32"], "--group is the INT4 group size of --quantize int4"),
+    (["--quantize", "fp8", "--group", "32"], "--group is the INT4 group size of --quantize int4"),
+    (["--quantize", "int4", "--block", "128"], "--block is the FP8 block size of --quantize fp8; INT4 scales"),
+    (["--quantize", "int4", "--dtype", "bfloat16"], "--quantize and --dtype are exclusive"),
+    (["--quantize", "int4", "--group", "-1"], "--group"),
+])
+def test_option_misuse_is_a_usage_error(cli, tmp_path, args, message):
+    out = tmp_path / "out"
+    result = cli("merge", RELEASE, out, *args)
+    assert result.exit_code == 2 and message in result.output and not out.exists()
+
+
+def test_api_misuse_raises_argument_errors(tmp_path):
+    with pytest.raises(ArgumentError, match=r"group=32 is the INT4 group size of quantize='int4'"):
+        ckpttool.merge(RELEASE, tmp_path / "a", quantize="fp8", group=32)
+    with pytest.raises(ArgumentError, match=r"group=-8: the INT4 group size is 1 to 65536 values"):
+        ckpttool.merge(RELEASE, tmp_path / "b", quantize="int4", group=-8)
+    with pytest.raises(ArgumentError, match=r"quantize='int4' and dtype='bf16' together: quantize writes packed INT4"):
+        ckpttool.merge(RELEASE, tmp_path / "c", quantize="int4", dtype="bf16")
+    assert not list(tmp_path.iterdir())
