@@ -16,13 +16,14 @@ from safetensors.torch import load_file
 
 import ckpttool
 from ckpttool.errors import ArgumentError
-from ckpttool.families.quantize_packed import IntScheme
+from ckpttool.families.quantize_packed import PackScheme
 from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
 from ckpttool.quant.codecs import codec
-from ckpttool.quant.pack_encode import INT_PACKED, INT_SCALES, INT_ZERO_POINTS, WEIGHT_SHAPE
+from ckpttool.quant.pack_encode import INT_PACKED, INT_SCALES, INT_ZERO_POINTS, NVFP4_PART, WEIGHT_SHAPE
 
 ORACLE = FIXTURES / "int4_encode_oracle" / "tensors.safetensors"
 RELEASE = FIXTURES / "quantized_qwen3_int4" / "checkpoint"
+NVFP4_RELEASE = FIXTURES / "quantized_qwen3_nvfp4" / "checkpoint"
 #: the oracle's schemes: (group, symmetric)
 SCHEMES = {"g32": (32, True), "g128": (128, True), "asym_g32": (32, False), "channel": (0, True)}
 
@@ -70,6 +71,20 @@ def test_int4_encoders_are_bit_exact_with_compressed_tensors_in_row_chunks(oracl
             assert torch.equal(got[key], tensor), (name, scheme, key)
 
 
+def test_nvfp4_encoder_is_bit_exact_with_compressed_tensors(oracle):
+    """Global scale, E4M3 scales and packed E2M1 codes equal compressed-tensors' own for every input (a ``-0``
+    written as code 0, a negative value rounded to zero as code 8, as its compressor does)."""
+    names = [k for k in oracle if "." not in k.removeprefix("random.")]
+    for name in names:
+        w, rows = oracle[name], oracle[name].shape[0]
+        for part, suffix, dtype in (("packed", "weight_packed", torch.uint8),
+                                    ("scales", "weight_scale", torch.float8_e4m3fn),
+                                    ("global", "weight_global_scale", torch.float32)):
+            want = oracle[f"{name}.nvfp4.{suffix}"]
+            got = _encode(NVFP4_PART, (("part", part), ("rows", rows)), w, want.shape, dtype, want.shape[0])
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (name, part)
+
+
 def test_a_float32_source_is_rounded_to_bfloat16_first(oracle):
     """The encoder rounds a float32 source to bfloat16 (the release's dtype) before it observes and packs."""
     w = oracle["random.1"]
@@ -92,6 +107,9 @@ def packed(tmp_path_factory) -> dict[str, Path]:
     out["result"] = ckpttool.merge(root / "bf16", out["int4"], quantize="int4", group=32)  # type: ignore[assignment]
     out["asym"] = root / "asym"
     ckpttool.merge(root / "bf16", out["asym"], quantize="int4-asym", group=16, audit=False)
+    ckpttool.merge(NVFP4_RELEASE, root / "nv-bf16", dtype="bfloat16", audit=False)
+    out["nv-bf16"], out["nvfp4"] = root / "nv-bf16", root / "nvfp4"
+    out["nv-result"] = ckpttool.merge(root / "nv-bf16", out["nvfp4"], quantize="nvfp4")  # type: ignore[assignment]
     return out
 
 
@@ -141,12 +159,15 @@ def test_asymmetric_packing_writes_zero_points_and_reads_back(packed):
     assert float((decoded[q + ".weight"].float() - w).abs().max()) <= float(w.abs().max()) / 15
 
 
-def test_packing_streams_in_row_chunks_within_the_predicted_buffers(packed):
-    """Chunks of 3 rows (3 zero-point rows: 24 source rows): the bytes of the whole merge; each buffer allocated at
-    the size buffer_sizes predicts; a dry run's predicted peak counts the encoders' buffers."""
-    plan = ckpttool.prepare(packed["bf16"], quantize=IntScheme(4, 16, symmetric=False)).plan
+@pytest.mark.parametrize("scheme, source, output, per", [
+    (PackScheme(4, 16, symmetric=False), "bf16", "asym", 4), (PackScheme(4, 16, nvfp4=True), "nv-bf16", "nvfp4", 3)])
+def test_packing_streams_in_row_chunks_within_the_predicted_buffers(packed, scheme, source, output, per):
+    """Chunks of 3 rows (3 zero-point rows: 24 source rows; NVFP4: whole tensors, its global scale is the tensor's):
+    the bytes of the whole merge; each buffer allocated at the size buffer_sizes predicts; a dry run's predicted
+    peak counts the encoders' buffers."""
+    plan = ckpttool.prepare(packed[source], quantize=scheme).plan
     targets = [t for t in plan.targets if t.dequant is not None]
-    assert len(targets) == 14 * 4
+    assert len(targets) == 14 * per
     small = [c for t in targets for c in chunks(t, 0, rows=3)]
     sizes = buffer_sizes(small)
     reader = Reader(plan.root, piece_uses(small), sizes)
@@ -158,12 +179,49 @@ def test_packing_streams_in_row_chunks_within_the_predicted_buffers(packed):
     finally:
         reader.close()
     assert allocated == {n: max(sizes[n], 1) for n in allocated}
-    whole = load_output(packed["asym"])
+    whole = load_output(packed[output])
     for name, pieces in parts.items():
-        assert torch.equal(torch.cat(pieces), whole[name]), name
-    dry = ckpttool.merge(packed["bf16"], None, dry_run=True, quantize="int4")
-    plain = ckpttool.merge(packed["bf16"], None, dry_run=True)
+        assert torch.equal(torch.cat(pieces).view(torch.uint8), whole[name].view(torch.uint8)), name
+    assert max(len(p) for p in parts.values()) == (43 if not scheme.nvfp4 else 1)  # gate_proj's 128 rows, 3 at a time
+    method = "nvfp4" if scheme.nvfp4 else "int4-asym"
+    dry = ckpttool.merge(packed[source], None, dry_run=True, quantize=method, group=None if scheme.nvfp4 else 16)
+    plain = ckpttool.merge(packed[source], None, dry_run=True)
     assert dry.to_json()["predicted_peak_bytes"] > plain.to_json()["predicted_peak_bytes"]
+
+
+def test_nvfp4_repack_of_the_dequantized_release_gives_its_bytes_but_signed_zeros(packed):
+    """Values on the release's grid (the NVFP4 release dequantized by ckpttool) pack again to the release: its
+    config, global scales and scales byte for byte, every value code too, but for the codes of negative values the
+    producer rounded to zero (code 8, dequantized to -0.0), which its own compressor writes as code 0 when given
+    -0.0 again; the round trip is exact."""
+    result = packed["nv-result"]
+    assert result.audit is not None and not result.audit.errors
+    assert {r.max_abs_error for r in result.round_trips.values()} == {0.0} and len(result.round_trips) == 14
+    config = json.loads((packed["nvfp4"] / "config.json").read_text())["quantization_config"]
+    assert config == json.loads((NVFP4_RELEASE / "config.json").read_text())["quantization_config"]
+    release, ours = load_file(NVFP4_RELEASE / "model.safetensors"), load_output(packed["nvfp4"])
+    assert sorted(ours) == sorted(release)
+    signed_zeros = 0
+    for name, tensor in release.items():
+        if not name.endswith("weight_packed"):
+            assert torch.equal(ours[name].view(torch.uint8), tensor.view(torch.uint8)), name
+            continue
+        for shift in (0, 4):
+            mine, theirs = (ours[name].int() >> shift) & 15, (tensor.int() >> shift) & 15
+            differ = mine != theirs
+            assert bool(((mine == 0) & (theirs == 8))[differ].all()), name
+            signed_zeros += int(differ.sum())
+    assert signed_zeros > 0
+
+
+def test_int4_repack_of_the_dequantized_release_observes_new_scales(packed):
+    """INT4's min-max scale is max|w| / 7.5: a group of the release, whose largest code is 7 or -8, dequantized
+    and packed again gets 7/7.5 or 8/7.5 of its scale (rounded to bfloat16), so the bytes differ from the release's
+    (compressed-tensors' own compressor does the same); the values decode within half a new step."""
+    release, ours = load_file(RELEASE / "model.safetensors"), load_output(packed["int4"])
+    q = "model.layers.0.self_attn.q_proj.weight_scale"
+    ratio = ours[q].float() / release[q].float()
+    assert bool(((ratio - 8 / 7.5).abs() < 0.01).logical_or_((ratio - 7 / 7.5).abs() < 0.01).all())
 
 
 # ---------------------------------------------------------------------------------------------- refusals
@@ -188,6 +246,8 @@ def test_packing_a_quantized_source_is_refused(cli, tmp_path):
     (["--quantize", "int4", "--block", "128"], "--block is the FP8 block size of --quantize fp8; INT4 scales"),
     (["--quantize", "int4", "--dtype", "bfloat16"], "--quantize and --dtype are exclusive"),
     (["--quantize", "int4", "--group", "-1"], "--group"),
+    (["--quantize", "nvfp4", "--group", "16"], "--group is the INT4 group size of --quantize int4"),
+    (["--quantize", "nvfp4", "--dtype", "bfloat16"], "--quantize and --dtype are exclusive"),
 ])
 def test_option_misuse_is_a_usage_error(cli, tmp_path, args, message):
     out = tmp_path / "out"
@@ -202,4 +262,6 @@ def test_api_misuse_raises_argument_errors(tmp_path):
         ckpttool.merge(RELEASE, tmp_path / "b", quantize="int4", group=-8)
     with pytest.raises(ArgumentError, match=r"quantize='int4' and dtype='bf16' together: quantize writes packed INT4"):
         ckpttool.merge(RELEASE, tmp_path / "c", quantize="int4", dtype="bf16")
+    with pytest.raises(ArgumentError, match=r"group=16: quantize='nvfp4' scales groups of 16 values and takes no group"):
+        ckpttool.merge(RELEASE, tmp_path / "d", quantize="nvfp4", group=16)
     assert not list(tmp_path.iterdir())

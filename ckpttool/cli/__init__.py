@@ -166,12 +166,13 @@ def main() -> None:
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
 @click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast); config.json follows. "
               "On an FP8 or MXFP4 checkpoint: dequantize its weights (without --dtype they stay quantized).")
-@click.option("--quantize", type=click.Choice(["fp8", "mxfp4", "int4", "int4-asym"]), help="fp8: write the Linear "
+@click.option("--quantize", type=click.Choice(["fp8", "mxfp4", "int4", "int4-asym", "nvfp4"]), help="fp8: write the Linear "
               "weights of the decoder layers as FP8 E4M3 with a float32 weight_scale_inv per block, and a "
               "quantization_config; norms, embeddings, lm_head, routers and biases are kept. mxfp4 (gpt-oss): its "
               "experts as the release's _blocks and _scales, everything else in bfloat16 (or --dtype). int4, "
               "int4-asym: the same weights packed as compressed-tensors pack-quantized INT4 (W4A16), symmetric or "
-              "with zero points, one bfloat16 scale per --group values. Reports each weight's round-trip error.")
+              "with zero points, one bfloat16 scale per --group values; nvfp4: as compressed-tensors "
+              "nvfp4-pack-quantized. Reports each weight's round-trip error.")
 @click.option("--block", callback=_check_block, help="FP8 block size for --quantize: 128 (the default, 128x128) or ROWSxCOLS.")
 @click.option("--group", type=click.IntRange(0, 1 << 16), help="INT4 group size for --quantize int4: values per scale "
               "along a row (default 32, Kimi K2's; 0: one scale per row).")
@@ -212,11 +213,12 @@ def merge_command(
         raise click.UsageError("--block is the FP8 block size of --quantize fp8; give --quantize fp8 too.")
     if block is not None and quantize == "mxfp4":
         raise click.UsageError("--block is the FP8 block size of --quantize fp8; MXFP4 scales groups of 32 values.")
-    if block is not None and quantize in ("int4", "int4-asym"):
-        raise click.UsageError("--block is the FP8 block size of --quantize fp8; INT4 scales --group values of a row.")
+    if block is not None and quantize in ("int4", "int4-asym", "nvfp4"):
+        raise click.UsageError("--block is the FP8 block size of --quantize fp8; INT4 scales --group values of a row, "
+                               "NVFP4 16.")
     if group is not None and quantize not in ("int4", "int4-asym"):
         raise click.UsageError("--group is the INT4 group size of --quantize int4; give --quantize int4 too.")
-    if quantize in ("fp8", "int4", "int4-asym") and dtype is not None:
+    if quantize in ("fp8", "int4", "int4-asym", "nvfp4") and dtype is not None:
         raise click.UsageError(f"--quantize and --dtype are exclusive: --quantize writes {quantize.upper()} weights and keeps "
                                "every other tensor's dtype (cast first with a merge given --dtype, then quantize).")
     quiet = quiet or not _speaks()

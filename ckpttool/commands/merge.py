@@ -14,7 +14,7 @@ from ckpttool.plan.plan import Plan
 from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError, Interrupted, SourceError
 from ckpttool.families.quantize import output_config as quantized_config
 from ckpttool.families.quantize import MXFP4_DTYPE, quantize_block
-from ckpttool.families.quantize_packed import IntScheme
+from ckpttool.families.quantize_packed import PackScheme
 from ckpttool.quant.formats import MXFP4
 from ckpttool.families.quantized import output_config, scale_names
 from ckpttool.findings import Finding, Report, sort_findings
@@ -120,7 +120,7 @@ class MergeResult:
 
 def prepare(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None, quantize: tuple[int, int] | str | IntScheme | None = None, drop: Sequence[str] = (),
+    weights: str | None = None, quantize: tuple[int, int] | str | PackScheme | None = None, drop: Sequence[str] = (),
 ) -> Planned:
     """Read the source's layout and the config, and build the coverage-checked plan. Reads no tensor data.
 
@@ -197,7 +197,8 @@ def merge(
             else in ``dtype`` (bfloat16 when None, the release's), and the release's ``quantization_config``.
             ``"int4"`` / ``"int4-asym"``: the same weights as FP8 does, packed as compressed-tensors
             ``pack-quantized`` INT4 (W4A16) in ``group``s, bit for bit what compressed-tensors' observer and
-            compressor write (:mod:`ckpttool.quant.pack_encode`), and its ``quantization_config``.
+            compressor write (:mod:`ckpttool.quant.pack_encode`), and its ``quantization_config``; ``"nvfp4"``:
+            the same weights as compressed-tensors ``nvfp4-pack-quantized``.
         block: the FP8 block size, rows and columns (an int for both; default 128x128).
         group: the INT4 group size, values per scale along a row (default 32; 0: one scale per row).
         verify_forward: before publishing, load the output with transformers strictly and run a forward
@@ -242,7 +243,7 @@ def merge(
     if quantizing == MXFP4:  # the release's layout: everything but the experts in bfloat16, unless told otherwise
         dtype = dtype or MXFP4_DTYPE
     elif quantizing is not None and dtype is not None:
-        what = "FP8" if quantize == "fp8" else "packed INT4"
+        what = {"fp8": "FP8", "nvfp4": "NVFP4"}.get(str(quantize), "packed INT4")
         raise ArgumentError(f"quantize={quantize!r} and dtype={dtype!r} together: quantize writes {what} weights and "
                             "keeps every other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
     round_trips: dict[str, RoundTrip] = {}

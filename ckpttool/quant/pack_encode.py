@@ -1,5 +1,6 @@
-"""Packing of a range of rows to compressed-tensors ``pack-quantized`` INT4 (or INT8): the pure functions the
-streaming executor calls for ``quantize="int4"``.
+"""Packing of a range of rows to compressed-tensors ``pack-quantized`` INT4 (or INT8) and of a tensor to
+``nvfp4-pack-quantized``: the pure functions the streaming executor calls for ``quantize="int4"`` and
+``quantize="nvfp4"``.
 
 A packed weight ``X.weight [O, I]`` is up to four output tensors computed from the same source rows
 (:mod:`ckpttool.quant.packed` has the layout): ``X.weight_packed`` (:class:`IntPacked`), ``X.weight_scale``
@@ -23,6 +24,15 @@ bfloat16 (the source is rounded to bfloat16 first, the dtype every such release 
 Example: a symmetric group whose largest magnitude is 0.75 gets the scale 0.1 (bfloat16's 0.10009765625), and
 0.75 is written as round(7.49...) = 7.
 
+NVFP4 (:class:`Nvfp4Part`) is compressed-tensors' ``generate_gparam``, ``compute_dynamic_scales_and_zp`` (strategy
+``tensor_group``, groups of 16) and ``NVFP4PackedCompressor.compress``: ``global = bf16(2688 / max(|w|))`` in
+float32 (448 * 6: the largest E4M3 scale times the largest E2M1 value); per group ``scale =
+e4m3(global * bf16(max|w| / 6))`` (0 becomes 0.125); ``q = clamp(w / (scale / global), -6, 6)`` in float32,
+rounded to the nearest E2M1 value with ties to the even code (:func:`~ckpttool.quant.encode.e2m1_codes`), a zero
+without sign (the compressor multiplies by ``sign(x)``: ``-0`` is code 0, a negative value rounded to 0 code 8);
+two codes per byte, the low nibble first. The global scale is the whole tensor's, so each of the three targets
+reads its whole source tensor in one chunk (memory: one tensor, not the model).
+
 The scales come from the values, as the producer's observer computes them, not from a release: values that lie on
 a release's grid (a dequantized release) get the scales ``max|q * s| / 7.5``, which are not the release's ``s``
 (its largest code was 7 or -8, not 7.5), so their bytes differ from the release's (see docs/formats.md).
@@ -35,14 +45,18 @@ from dataclasses import dataclass
 
 from ckpttool.fast.deferred import torch
 from ckpttool.quant.decode import RowForRow, Scratch
-from ckpttool.quant.encode import RoundTrip
+from ckpttool.quant.encode import RoundTrip, e2m1_codes
+from ckpttool.quant.packed import NVFP4_GROUP
 
 INT_PACKED = "int-pack"
 INT_SCALES = "int-scales"
 INT_ZERO_POINTS = "int-zero-points"
 WEIGHT_SHAPE = "weight-shape"
-#: the methods of this module, for a plan's :func:`encoded` check
-METHODS = (INT_PACKED, INT_SCALES, INT_ZERO_POINTS, WEIGHT_SHAPE)
+NVFP4_PART = "nvfp4-pack"
+#: the methods of this module
+METHODS = (INT_PACKED, INT_SCALES, INT_ZERO_POINTS, WEIGHT_SHAPE, NVFP4_PART)
+#: the largest E4M3 scale times the largest E2M1 value: what the largest group maps to, globally scaled
+_NVFP4_RANGE = 448.0 * 6.0
 
 
 def _limits(bits: int) -> tuple[int, int]:
@@ -121,12 +135,7 @@ class IntPacked(RowForRow):
         grouped = codes.view(rows, scale.shape[1], -1)
         if zero is not None:
             grouped.sub_(zero.unsqueeze(-1))
-        decoded = grouped.mul_(scale.unsqueeze(-1)).view(rows, cols).float()
-        source = w.float()
-        error = decoded.sub_(source).reshape(-1)
-        flat = source.reshape(-1)
-        return RoundTrip(float(error.abs().max()) if error.numel() else 0.0, float(torch.dot(error, error)),
-                         float(torch.dot(flat, flat)), float(flat.abs().max()) if flat.numel() else 0.0, flat.numel())
+        return _round_trip(grouped.mul_(scale.unsqueeze(-1)).view(rows, cols), w)
 
     def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
         del scales, out_dtype
@@ -202,6 +211,78 @@ class WeightShape:
         return {}
 
 
+def _round_trip(decoded: torch.Tensor, source: torch.Tensor) -> RoundTrip:
+    """How far ``decoded`` is from ``source`` (both bfloat16 rows)."""
+    error, flat = decoded.float().sub_(source.float()).reshape(-1), source.float().reshape(-1)
+    return RoundTrip(float(error.abs().max()) if error.numel() else 0.0, float(torch.dot(error, error)),
+                     float(torch.dot(flat, flat)), float(flat.abs().max()) if flat.numel() else 0.0, flat.numel())
+
+
+def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[1]`` global scale of a bfloat16 weight ``w`` (compressed-tensors' ``generate_gparam``)."""
+    largest = torch.maximum(torch.clamp(w.amin(), max=0).abs(), torch.clamp(w.amax(), min=0))
+    found = _NVFP4_RANGE / torch.clamp(largest, min=torch.finfo(w.dtype).tiny)  # rounded to bfloat16, as there
+    return torch.nan_to_num(found, nan=1.0, posinf=1.0, neginf=1.0).float().reshape(1)
+
+
+def nvfp4_scales(w: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+    """The float32 scales ``[r, I/16]`` (E4M3 values) of bfloat16 rows ``w`` under the global scale ``glob``."""
+    rows, cols = w.shape
+    groups = w.view(rows, cols // NVFP4_GROUP, NVFP4_GROUP)
+    largest = torch.maximum(torch.clamp(groups.amin(-1), max=0).abs_(), torch.clamp(groups.amax(-1), min=0))
+    scale = glob * largest.div_(torch.tensor(6.0, dtype=w.dtype))  # bf16(max / 6), then float32 times the global
+    scale = scale.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return scale.masked_fill_(scale == 0, 0.125)
+
+
+@dataclass(frozen=True, slots=True)
+class Nvfp4Part:
+    """One of an NVFP4 weight's three targets (``part``: ``"packed"``, uint8 ``[O, I/2]``; ``"scales"``, F8_E4M3
+    ``[O, I/16]``; ``"global"``, float32 ``[1]``) computed from the whole ``[O, I]`` weight of ``rows`` rows."""
+
+    part: str
+    rows: int
+
+    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
+        del start, stop
+        return 0, self.rows
+
+    def align(self, rows: int) -> int:
+        del rows
+        return max(1, self.rows) if self.part != "global" else 1
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
+               scratch: Scratch) -> RoundTrip | None:
+        """Writes the part into ``out``; the packed values return their round trip: compressed-tensors'
+        decompressor's ``fp4 * (scale / global)`` in float32, rounded to bfloat16, against the bfloat16 source."""
+        del scales, start
+        w = _bfloat16(stored, scratch)
+        glob = nvfp4_global_scale(w)
+        if self.part == "global":
+            out.copy_(glob)
+            return None
+        scale = nvfp4_scales(w, glob)
+        if self.part == "scales":
+            out.copy_(scale)
+            return None
+        rows, cols = w.shape
+        factor = scale.div_(glob).unsqueeze(-1)
+        q = w.view(rows, -1, NVFP4_GROUP).div(factor).clamp_(-6.0, 6.0).add_(0.0)  # + 0: -0 becomes 0
+        codes = e2m1_codes(q.view(rows, cols), scratch)
+        pairs = codes.view(rows, cols // 2, 2)
+        out.copy_(pairs[..., 0].bitwise_or(pairs[..., 1].bitwise_left_shift(4)))
+        magnitude = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[codes.bitwise_and(7).long()]
+        values = torch.where(codes.ge(8), -magnitude, magnitude).view(rows, -1, NVFP4_GROUP)
+        return _round_trip(values.mul_(factor).view(rows, cols).to(torch.bfloat16), w)
+
+    def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
+        """The temporaries, on buffers of their own (an upper bound): the bfloat16 copy, the scales, the scaled
+        values and :func:`~ckpttool.quant.encode.e2m1_codes`' buffer, its codes and masks, the round trip."""
+        del scales, out_dtype
+        n = math.prod(stored)
+        return {"bf16": n * 2, "e2m1": n * 4, "nvfp4-temporaries": n * (4 + 1 + 1 + 4 + 4 + 4 + 8 + 4 + 4 + 4 + 2)}
+
+
 def _scratch(stored: tuple[int, ...], packed: bool) -> dict[str, int]:
     """The temporaries of packing ``stored`` rows, counted on buffers of their own (an upper bound): the bfloat16
     copy of a float32 source, the group minima and maxima, the scaled values; for the packed values also their
@@ -213,8 +294,11 @@ def _scratch(stored: tuple[int, ...], packed: bool) -> dict[str, int]:
     return sizes
 
 
-def pack_encoder(method: str, params: dict[str, object]) -> IntPacked | IntScales | IntZeroPoints | WeightShape | None:
+def pack_encoder(method: str, params: dict[str, object]) -> (
+        IntPacked | IntScales | IntZeroPoints | WeightShape | Nvfp4Part | None):
     """The encoder ``method`` names with ``params``, or None for a method of another module."""
+    if method == NVFP4_PART:
+        return Nvfp4Part(str(params["part"]), int(params["rows"]))  # type: ignore[call-overload]
     if method == WEIGHT_SHAPE:
         return WeightShape(tuple(params["shape"]))  # type: ignore[arg-type]
     if method not in METHODS:
