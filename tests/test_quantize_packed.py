@@ -265,3 +265,73 @@ def test_api_misuse_raises_argument_errors(tmp_path):
     with pytest.raises(ArgumentError, match=r"group=16: quantize='nvfp4' scales groups of 16 values and takes no group"):
         ckpttool.merge(RELEASE, tmp_path / "d", quantize="nvfp4", group=16)
     assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------- TP-split sources
+
+
+ASYM_RELEASE = FIXTURES / "quantized_llama_int4_asym" / "checkpoint"
+
+
+def write_tp2_packed(release: Path, directory: Path, row_cut: int, column_cut: int | None) -> Path:
+    """A packed release split in 2 as a TP training loop saves it (ckpttool's sidecar API): column-parallel
+    weights at ``row_cut`` rows, row-parallel ones (o_proj, down_proj) at ``column_cut`` values (None: at
+    ``row_cut`` rows too), each weight's scales and zero points cut with it; the rest replicated."""
+    from ckpttool.io.sidecar import PieceSpec, save_shard
+
+    tensors = load_file(release / "model.safetensors")
+    config = json.loads((release / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]
+    ranks: list[tuple[dict, dict]] = [({}, {}), ({}, {})]
+    for name, tensor in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if tensor.ndim < 2 or module + ".weight_packed" not in tensors:
+            for local, specs in ranks:
+                local[name], specs[name] = tensor, PieceSpec.replicated(tuple(tensor.shape))
+            continue
+        dim = 1 if column_cut is not None and module.endswith(("o_proj", "down_proj")) else 0
+        cut = {("weight_packed", 1): (column_cut or 0) // 8, ("weight_scale", 1): (column_cut or 0) // group,
+               ("weight_zero_point", 1): (column_cut or 0) // group, ("weight_packed", 0): row_cut,
+               ("weight_scale", 0): row_cut, ("weight_zero_point", 0): row_cut // 8}[(leaf, dim)]
+        for rank, (local, specs) in enumerate(ranks):
+            lo, hi = (0, cut) if rank == 0 else (cut, tensor.shape[dim])
+            local[name] = tensor.narrow(dim, lo, hi - lo).contiguous()
+            specs[name] = PieceSpec(tuple(tensor.shape), tuple(lo if d == dim else 0 for d in range(2)),
+                                    coordinates=(("tp_rank", rank),))
+    for rank, (local, specs) in enumerate(ranks):
+        save_shard(local, specs, directory, rank=rank, world_size=2)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("release, column_cut", [(RELEASE, 32), (ASYM_RELEASE, None)])
+def test_a_tp_split_int4_release_merges_and_dequantizes_as_the_whole_one(tmp_path, release, column_cut):
+    """Symmetric g32 split at row 32 and value column 32 (packed column 4, scale column 1), asymmetric g128 at row
+    32 (zero-point row 4): kept byte for byte, and dequantized as the whole release is (its reference)."""
+    source = write_tp2_packed(release, tmp_path / "tp2", row_cut=32, column_cut=column_cut)
+    layout = ckpttool.read_layout(source)
+    assert len(layout.tensors["model.layers.0.mlp.down_proj.weight_packed"].pieces) == 2
+    ckpttool.merge(source, tmp_path / "kept", audit=False)
+    whole, kept = load_file(release / "model.safetensors"), load_output(tmp_path / "kept")
+    assert sorted(kept) == sorted(whole) and all(torch.equal(kept[k], v) for k, v in whole.items())
+    ckpttool.merge(source, tmp_path / "bf16", dtype="bfloat16", audit=False)
+    ours, reference = load_output(tmp_path / "bf16"), load_file(release.parent / "reference" / "model.safetensors")
+    assert sorted(ours) == sorted(reference) and all(torch.equal(ours[k], v) for k, v in reference.items())
+
+
+@pytest.mark.parametrize("release, row_cut, column_cut, message", [
+    (RELEASE, 32, 48, "'model.layers.0.self_attn.o_proj.weight_packed' [64, 8] is split at packed column 6 (value "
+                      "column 48) (pieces in 'rank-00000-of-00002.safetensors', 'rank-00001-of-00002.safetensors'), not "
+                      "on a boundary of its 32-value groups (group_size 32 in '"),
+    (ASYM_RELEASE, 12, None, "'model.layers.0.self_attn.q_proj.weight_packed' [128, 16] is split at row 12 (pieces "
+                             "in 'rank-00000-of-00002.safetensors', 'rank-00001-of-00002.safetensors'), not on a "
+                             "multiple of 8 rows, the rows one int32 of its zero points packs (4-bit, asymmetric, in '"),
+])
+def test_a_split_off_the_group_boundaries_is_refused_naming_tensor_split_and_group(tmp_path, cli, release, row_cut,
+                                                                                  column_cut, message):
+    source = write_tp2_packed(release, tmp_path / "tp2", row_cut=row_cut, column_cut=column_cut)
+    out = tmp_path / "out"
+    assert_failed_cleanly(cli("merge", source, out, "--dtype", "bfloat16"), out, message)
+    assert_failed_cleanly(cli("merge", source, out), out, message)
+    findings = [f for f in ckpttool.audit(source, data=False).findings if f.code == "quant-split"]
+    assert any(f.message.startswith(message) for f in findings)
