@@ -16,11 +16,11 @@ from functools import lru_cache
 
 from ckpttool.quant.decode import Fp8Blocks, Mxfp4Groups, decoder
 from ckpttool.quant.encode import Fp8Scales, Fp8Values, encoder
-from ckpttool.quant.pack_encode import IntPacked, IntScales, IntZeroPoints, Nvfp4Part, WeightShape, pack_encoder
+from ckpttool.quant.pack_encode import IntRows, IntZeroPoints, Nvfp4Part, WeightShape, pack_encoder
 from ckpttool.quant.packed_decode import Nvfp4, PackedInt, packed_decoder
 
-Codec = (Fp8Blocks | Mxfp4Groups | Fp8Values | Fp8Scales | PackedInt | Nvfp4 | IntPacked | IntScales | IntZeroPoints | WeightShape
-    | Nvfp4Part)
+Codec = (Fp8Blocks | Mxfp4Groups | Fp8Values | Fp8Scales | PackedInt | Nvfp4 | IntRows | IntZeroPoints | WeightShape
+         | Nvfp4Part)
 
 
 def codec(method: str, params: tuple[tuple[str, object], ...]) -> Codec:

@@ -3,8 +3,8 @@
 ``quantize="nvfp4"``.
 
 A packed weight ``X.weight [O, I]`` is up to four output tensors computed from the same source rows
-(:mod:`ckpttool.quant.packed` has the layout): ``X.weight_packed`` (:class:`IntPacked`), ``X.weight_scale``
-(:class:`IntScales`), ``X.weight_zero_point`` when asymmetric (:class:`IntZeroPoints`: packed along the rows, one
+(:mod:`ckpttool.quant.packed` has the layout): ``X.weight_packed`` and ``X.weight_scale`` (:class:`IntRows`),
+``X.weight_zero_point`` when asymmetric (:class:`IntZeroPoints`: packed along the rows, one
 int32 row per ``32 / bits`` source rows) and ``X.weight_shape`` (:class:`WeightShape`). Each computes the scales
 of the rows it reads, the same way, so they agree without sharing state; every row is its own groups, so a chunk
 may start and stop at any row (a zero-point chunk at a multiple of ``32 / bits`` source rows).
@@ -115,20 +115,25 @@ def _bfloat16(stored: torch.Tensor, scratch: Scratch) -> torch.Tensor:
 
 
 @dataclass(frozen=True, slots=True)
-class IntPacked(RowForRow):
-    """``X.weight_packed`` (int32 ``[O, ceil(I * bits / 32)]``) of a ``[O, I]`` weight, row for row."""
+class IntRows(RowForRow):
+    """``X.weight_packed`` (int32 ``[O, ceil(I * bits / 32)]``) or, ``scales``, ``X.weight_scale`` (bfloat16
+    ``[O, G]``) of a ``[O, I]`` weight, row for row."""
 
     bits: int
     group: int
     symmetric: bool
+    scales: bool = False
 
     def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
-               scratch: Scratch) -> RoundTrip:
-        """Writes the packed codes of ``stored``'s rows into ``out``; returns their round trip: the codes
-        dequantized as compressed-tensors' ``_dequantize`` does (in bfloat16) against the bfloat16 source."""
+               scratch: Scratch) -> RoundTrip | None:
+        """Writes the scales, or the packed codes, of ``stored``'s rows into ``out``; the codes return their round
+        trip: dequantized as compressed-tensors' ``_dequantize`` does (in bfloat16), against the bfloat16 source."""
         del scales, start  # the scales are computed here, from the rows themselves
         w = _bfloat16(stored, scratch)
         scale, zero = int_qparams(w, self.bits, self.group, self.symmetric)
+        if self.scales:
+            out.copy_(scale)
+            return None
         codes = int_codes(w, scale, zero, self.bits, self.group)
         out.copy_(pack_int32(codes, self.bits))
         rows, cols = w.shape
@@ -139,25 +144,7 @@ class IntPacked(RowForRow):
 
     def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
         del scales, out_dtype
-        return _scratch(stored, packed=True)
-
-
-@dataclass(frozen=True, slots=True)
-class IntScales(RowForRow):
-    """``X.weight_scale`` (bfloat16 ``[O, G]``) of a ``[O, I]`` weight, row for row."""
-
-    bits: int
-    group: int
-    symmetric: bool
-
-    def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
-               scratch: Scratch) -> None:
-        del scales, start
-        out.copy_(int_qparams(_bfloat16(stored, scratch), self.bits, self.group, self.symmetric)[0])
-
-    def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
-        del scales, out_dtype
-        return _scratch(stored, packed=False)
+        return _scratch(stored, packed=not self.scales)
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +282,7 @@ def _scratch(stored: tuple[int, ...], packed: bool) -> dict[str, int]:
 
 
 def pack_encoder(method: str, params: dict[str, object]) -> (
-        IntPacked | IntScales | IntZeroPoints | WeightShape | Nvfp4Part | None):
+        IntRows | IntZeroPoints | WeightShape | Nvfp4Part | None):
     """The encoder ``method`` names with ``params``, or None for a method of another module."""
     if method == NVFP4_PART:
         return Nvfp4Part(str(params["part"]), int(params["rows"]))  # type: ignore[call-overload]
@@ -306,5 +293,4 @@ def pack_encoder(method: str, params: dict[str, object]) -> (
     bits, group = int(params["bits"]), int(params["group"])  # type: ignore[call-overload]
     if method == INT_ZERO_POINTS:
         return IntZeroPoints(bits, group, int(params["rows"]))  # type: ignore[call-overload]
-    symmetric = bool(params.get("symmetric", True))
-    return IntPacked(bits, group, symmetric) if method == INT_PACKED else IntScales(bits, group, symmetric)
+    return IntRows(bits, group, bool(params.get("symmetric", True)), scales=method == INT_SCALES)
