@@ -335,3 +335,14 @@ def test_a_split_off_the_group_boundaries_is_refused_naming_tensor_split_and_gro
     assert_failed_cleanly(cli("merge", source, out), out, message)
     findings = [f for f in ckpttool.audit(source, data=False).findings if f.code == "quant-split"]
     assert any(f.message.startswith(message) for f in findings)
+
+
+def test_the_cli_packs_and_reports_each_round_trip_as_json(packed, cli, tmp_path):
+    result = cli("merge", packed["bf16"], tmp_path / "out", "--quantize", "int4-asym", "--group", "0", "--no-audit",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)["quantization"]
+    assert report["tensors"] == 14 and report["worst"]["name"].endswith(".weight_packed")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
+    assert load_output(tmp_path / "out")["model.layers.0.self_attn.q_proj.weight_scale"].shape == (64, 1)
