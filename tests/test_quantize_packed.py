@@ -230,14 +230,14 @@ def test_int4_repack_of_the_dequantized_release_observes_new_scales(packed):
 def test_a_group_that_does_not_divide_the_columns_is_refused(packed, cli, tmp_path):
     out = tmp_path / "out"
     result = cli("merge", packed["bf16"], out, "--quantize", "int4", "--group", "48")
-    assert_failed_cleanly(result, out, "'model.layers.0.mlp.down_proj.weight' [64, 128] has 128 columns, not a "
-                          "whole number of groups of 48")
+    assert_failed_cleanly(result, out, "--quantize int4: 'model.layers.0.mlp.down_proj.weight' [64, 128] has 128 "
+                          "columns, not a whole number of groups of 48", "Give a group that divides 128 (--group)")
 
 
 def test_packing_a_quantized_source_is_refused(cli, tmp_path):
     out = tmp_path / "out"
     result = cli("merge", RELEASE, out, "--quantize", "int4")
-    assert_failed_cleanly(result, out, "quantize='int4':", "is quantized already", "Dequantize it first")
+    assert_failed_cleanly(result, out, "--quantize int4:", "is quantized already", "Dequantize it first")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -70,7 +70,8 @@ _FLAGS = {
     "config='PATH'": "--config PATH", "quantize='fp8'": "--quantize fp8", "without quantize=": "without --quantize",
     "dtype='bfloat16'": "--dtype bfloat16", "dequantize=True": "--dequantize",
     "config='path/to/config.json'": "--config path/to/config.json", "raw_names=True": "--raw-names",
-    "drop=": "--drop ",
+    "drop=": "--drop ", "quantize='int4'": "--quantize int4", "quantize='nvfp4'": "--quantize nvfp4",
+    "(group=)": "(--group)",
 }
 
 

@@ -89,7 +89,7 @@ def packed_specs(specs: Sequence[TargetSpec], dtypes: Mapping[str, str | None], 
             continue
         rows, cols = spec.shape
         if scheme.group and cols % scheme.group:
-            how = ("Give a group that divides {cols} (group=, --group), or 0 for one scale per row" if not scheme.nvfp4
+            how = ("Give a group that divides {cols} (group=), or 0 for one scale per row" if not scheme.nvfp4
                    else "Merge it without quantize=, or drop the tensor")
             raise ConfigError(
                 f"quantize='{'nvfp4' if scheme.nvfp4 else 'int4'}': '{spec.name}' {list(spec.shape)} has {cols} "
