@@ -231,7 +231,8 @@ def merge(
         SourceError: too for an adapter that cannot be read or fused (a module not in the base, shapes that do
             not fit, DoRA); the message names its file and tensor.
         ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``; ``quantize``
-            unknown, ``"fp8"`` given with ``dtype``, or ``"mxfp4"`` with ``block``.
+            unknown, ``"fp8"``, ``"int4"`` or ``"nvfp4"`` given with ``dtype``, ``"mxfp4"`` or ``"int4"`` with
+            ``block``, ``group`` without ``"int4"`` or out of range.
 
     Example:
         >>> merge("fixtures/llama_fsdp2_dcp/checkpoint", "out/llama")  # doctest: +SKIP
