@@ -70,7 +70,8 @@ _FLAGS = {
     "config='PATH'": "--config PATH", "quantize='fp8'": "--quantize fp8", "without quantize=": "without --quantize",
     "dtype='bfloat16'": "--dtype bfloat16", "dequantize=True": "--dequantize",
     "config='path/to/config.json'": "--config path/to/config.json", "raw_names=True": "--raw-names",
-    "drop=": "--drop ",
+    "drop=": "--drop ", "quantize='int4'": "--quantize int4", "quantize='nvfp4'": "--quantize nvfp4",
+    "(group=)": "(--group)",
 }
 
 
@@ -166,11 +167,16 @@ def main() -> None:
 @click.option("--config", type=click.Path(path_type=str), help="config.json, or an HF directory holding one (default: in or next to SRC).")
 @click.option("--dtype", type=DTYPES, help="Cast floating-point tensors (integer tensors are never cast); config.json follows. "
               "On an FP8 or MXFP4 checkpoint: dequantize its weights (without --dtype they stay quantized).")
-@click.option("--quantize", type=click.Choice(["fp8", "mxfp4"]), help="fp8: write the Linear weights of the decoder layers "
-              "as FP8 E4M3 with a float32 weight_scale_inv per block, and a quantization_config; norms, embeddings, "
-              "lm_head, routers and biases are kept. mxfp4 (gpt-oss): its experts as the release's _blocks and "
-              "_scales, everything else in bfloat16 (or --dtype). Reports each weight's round-trip error.")
+@click.option("--quantize", type=click.Choice(["fp8", "mxfp4", "int4", "int4-asym", "nvfp4"]), help="fp8: write the Linear "
+              "weights of the decoder layers as FP8 E4M3 with a float32 weight_scale_inv per block, and a "
+              "quantization_config; norms, embeddings, lm_head, routers and biases are kept. mxfp4 (gpt-oss): its "
+              "experts as the release's _blocks and _scales, everything else in bfloat16 (or --dtype). int4, "
+              "int4-asym: the same weights packed as compressed-tensors pack-quantized INT4 (W4A16), symmetric or "
+              "with zero points, one bfloat16 scale per --group values; nvfp4: as compressed-tensors "
+              "nvfp4-pack-quantized. Reports each weight's round-trip error.")
 @click.option("--block", callback=_check_block, help="FP8 block size for --quantize: 128 (the default, 128x128) or ROWSxCOLS.")
+@click.option("--group", type=click.IntRange(0, 1 << 16), help="INT4 group size for --quantize int4: values per scale "
+              "along a row (default 32, Kimi K2's; 0: one scale per row).")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size, help="Largest output file: 5GB, 500MB (decimal), 5GiB, 500MiB (binary), or bytes.")
 @click.option("--weights", type=click.Choice(["master", "module"]), help="Where both are saved (DeepSpeed): fp32 master weights (default) or the module's weights.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
@@ -203,7 +209,7 @@ def merge_command(
     dry_run: bool, force: bool, no_audit: bool, resume: bool, verify: bool, workers: int, as_json: bool, quiet: bool,
     verbose: int, quantize: str | None = None, block: tuple[int, int] | None = None, verify_forward: bool = False,
     raw_names: bool = False, drop: tuple[str, ...] = (), adapters: tuple[str, ...] = (),
-    adapter_config: str | None = None, adapter_only: bool = False,
+    adapter_config: str | None = None, adapter_only: bool = False, group: int | None = None,
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT.
 
@@ -219,9 +225,14 @@ def merge_command(
         raise click.UsageError("--block is the FP8 block size of --quantize fp8; give --quantize fp8 too.")
     if block is not None and quantize == "mxfp4":
         raise click.UsageError("--block is the FP8 block size of --quantize fp8; MXFP4 scales groups of 32 values.")
-    if quantize == "fp8" and dtype is not None:
-        raise click.UsageError("--quantize and --dtype are exclusive: --quantize writes FP8 weights and keeps every other "
-                               "tensor's dtype (cast first with a merge given --dtype, then quantize).")
+    if block is not None and quantize in ("int4", "int4-asym", "nvfp4"):
+        raise click.UsageError("--block is the FP8 block size of --quantize fp8; INT4 scales --group values of a row, "
+                               "NVFP4 16.")
+    if group is not None and quantize not in ("int4", "int4-asym"):
+        raise click.UsageError("--group is the INT4 group size of --quantize int4; give --quantize int4 too.")
+    if quantize in ("fp8", "int4", "int4-asym", "nvfp4") and dtype is not None:
+        raise click.UsageError(f"--quantize and --dtype are exclusive: --quantize writes {quantize.upper()} weights and keeps "
+                               "every other tensor's dtype (cast first with a merge given --dtype, then quantize).")
     quiet = quiet or not _speaks()
     _setup_logging(verbose, quiet or as_json)
     bar = Bar() if not (as_json or quiet or dry_run) else None
@@ -231,6 +242,7 @@ def merge_command(
         quantize=quantize, block=block, verify_forward=verify_forward, raw_names=raw_names, drop=drop,
         **({"adapters": adapters} if adapters else {}),
         **({"adapter_config": adapter_config} if adapter_config else {}),
+        **({"group": group} if group is not None else {}),
     ), bar)
     if result.embedded is not None and not quiet:  # the output is not the base alone: say so, whatever the mode
         click.echo(f"note: {result.embedded}, as it was saved with the base", err=True)

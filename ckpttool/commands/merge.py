@@ -14,6 +14,7 @@ from ckpttool.plan.plan import Plan
 from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError, Interrupted, SourceError
 from ckpttool.families.quantize import output_config as quantized_config
 from ckpttool.families.quantize import MXFP4_DTYPE, quantize_block
+from ckpttool.families.quantize_packed import PackScheme
 from ckpttool.quant.formats import MXFP4
 from ckpttool.families.quantized import output_config, scale_names
 from ckpttool.findings import Finding, Report, sort_findings
@@ -68,7 +69,7 @@ class MergeResult:
     #: a generic merge of a source named in a convention of its own: that convention (``"Megatron-Core"``), whose
     #: names were written as they are (transformers loads none of them); None otherwise (see merge's raw_names)
     raw_names: str | None = None
-    #: quantize="fp8" or "mxfp4": per quantized weight this process wrote, its round trip against the source
+    #: quantize="fp8", "mxfp4" or "int4": per quantized weight this process wrote, its round trip against the source
     round_trips: dict[str, RoundTrip] = field(default_factory=dict)
     #: the source held a LoRA adapter saved with the base, fused by default: what was fused, in words; else None
     embedded: str | None = None
@@ -123,7 +124,7 @@ class MergeResult:
 
 def prepare(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None, quantize: tuple[int, int] | str | None = None, drop: Sequence[str] = (),
+    weights: str | None = None, quantize: tuple[int, int] | str | PackScheme | None = None, drop: Sequence[str] = (),
 ) -> Planned:
     """Read the source's layout and the config, and build the coverage-checked plan. Reads no tensor data.
 
@@ -180,6 +181,7 @@ def merge(
     drop: Sequence[str] = (),
     adapters: Sequence[str | Path] = (),
     adapter_config: str | Path | None = None,
+    group: int | None = None,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
 
@@ -208,7 +210,12 @@ def merge(
             ``quantization_config``; the round trip of each is in :attr:`MergeResult.round_trips`.
             ``"mxfp4"`` (gpt-oss): its experts as the release's MXFP4 ``_blocks`` and ``_scales``, everything
             else in ``dtype`` (bfloat16 when None, the release's), and the release's ``quantization_config``.
+            ``"int4"`` / ``"int4-asym"``: the same weights as FP8 does, packed as compressed-tensors
+            ``pack-quantized`` INT4 (W4A16) in ``group``s, bit for bit what compressed-tensors' observer and
+            compressor write (:mod:`ckpttool.quant.pack_encode`), and its ``quantization_config``; ``"nvfp4"``:
+            the same weights as compressed-tensors ``nvfp4-pack-quantized``.
         block: the FP8 block size, rows and columns (an int for both; default 128x128).
+        group: the INT4 group size, values per scale along a row (default 32; 0: one scale per row).
         verify_forward: before publishing, load the output with transformers strictly and run a forward
             (:func:`ckpttool.verify.forward.check_output`); a problem stops the publish. Needs a config.
         raw_names: for a source named in a convention of its own (Megatron-Core, Megatron legacy, DeepSpeed
@@ -244,7 +251,8 @@ def merge(
             not fit, DoRA); the message names its file and tensor. And for a source holding an adapter with its
             base but no ``adapter_config.json`` beside it and none given (the scaling is only there).
         ArgumentError: ``dtype`` is not one ckpttool casts to, or ``out`` is None without ``dry_run``; ``quantize``
-            unknown, ``"fp8"`` given with ``dtype``, or ``"mxfp4"`` with ``block``.
+            unknown, ``"fp8"``, ``"int4"`` or ``"nvfp4"`` given with ``dtype``, ``"mxfp4"`` or ``"int4"`` with
+            ``block``, ``group`` without ``"int4"`` or out of range.
 
     Example:
         >>> merge("fixtures/llama_fsdp2_dcp/checkpoint", "out/llama")  # doctest: +SKIP
@@ -252,12 +260,13 @@ def merge(
     if out is None and not dry_run:
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)
-    quantizing = quantize_block(quantize, block)
+    quantizing = quantize_block(quantize, block, group)
     if quantizing == MXFP4:  # the release's layout: everything but the experts in bfloat16, unless told otherwise
         dtype = dtype or MXFP4_DTYPE
     elif quantizing is not None and dtype is not None:
-        raise ArgumentError(f"quantize='fp8' and dtype={dtype!r} together: quantize writes FP8 weights and keeps every "
-                            "other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
+        what = {"fp8": "FP8", "nvfp4": "NVFP4"}.get(str(quantize), "packed INT4")
+        raise ArgumentError(f"quantize={quantize!r} and dtype={dtype!r} together: quantize writes {what} weights and "
+                            "keeps every other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
     round_trips: dict[str, RoundTrip] = {}
     group = Group()
     try:
@@ -269,7 +278,7 @@ def merge(
         own = source_adapter(root, embedded, adapter_config)
         read = [*own, *map(read_adapter, adapters)]
         if read and quantizing is not None:
-            raise ArgumentError("quantize='fp8' with adapters: fuse first (a merge given adapters=), then quantize")
+            raise ArgumentError(f"quantize={quantize!r} with adapters: fuse first (a merge given adapters=), then quantize")
         plan = attach_adapters(plan, read, adapter_for(prepared.model).rules if prepared.model is not None else ())
         # attach_adapters appends one note per adapter, in order: the source's own comes first
         own_note = plan.notes[len(plan.notes) - len(read)] if own else None

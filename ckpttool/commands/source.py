@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ckpttool.families import READER_TABLES
+from ckpttool.families.quantize_packed import PackScheme
 from ckpttool.families.source import Planned, plan_layout
 from ckpttool.layout.layout import Layout
 from ckpttool.lora.embedded import Embedded, split_embedded
@@ -48,7 +49,7 @@ def read_layout(
 
 def plan_source(
     src: str | Path, *, format: str | None = None, config: str | Path | None = None, dtype: str | None = None,
-    weights: str | None = None, quantize: tuple[int, int] | str | None = None, drop: Sequence[str] = (),
+    weights: str | None = None, quantize: tuple[int, int] | str | PackScheme | None = None, drop: Sequence[str] = (),
 ) -> Planned:
     """Find and read the config, read the source's layout, and plan it (see :func:`plan_layout`).
 

@@ -26,6 +26,7 @@ from ckpttool.io.dtypes import FLOAT_DTYPES
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import Dequantize, Plan, TargetSpec
 from ckpttool.errors import ArgumentError, ConfigError
+from ckpttool.families.quantize_packed import PACK_METHODS, PackScheme, pack_scheme, packed_config, packed_specs
 from ckpttool.quant.encode import FP8_SCALES, FP8_VALUES, MXFP4_BLOCKS, MXFP4_SCALES
 from ckpttool.quant.formats import (
     BLOCKS_SUFFIX,
@@ -41,7 +42,7 @@ from ckpttool.quant.formats import (
 )
 
 #: the methods ``quantize=`` accepts
-METHODS = ("fp8", MXFP4)
+METHODS = ("fp8", MXFP4, *PACK_METHODS)
 #: the model types whose release layout MXFP4 is (transformers quantizes and loads only gpt-oss's experts so)
 MXFP4_FAMILIES = ("gpt_oss",)
 #: the expert tensors an MXFP4 release holds as ``_blocks`` and ``_scales``
@@ -57,25 +58,35 @@ _LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 _KEPT = re.compile(r"(?:norm|embed_tokens|embeddings?|lm_head|shared_head|head|gate|router)$")
 
 
-def quantize_block(method: str | None, block: int | tuple[int, int] | None) -> tuple[int, int] | str | None:
-    """The block size a merge quantizes to FP8 in, :data:`~ckpttool.quant.formats.MXFP4` for MXFP4, or None when it
-    does not quantize.
+def quantize_block(method: str | None, block: int | tuple[int, int] | None,
+                   group: int | None = None) -> tuple[int, int] | str | PackScheme | None:
+    """The block size a merge quantizes to FP8 in, :data:`~ckpttool.quant.formats.MXFP4` for MXFP4, the
+    :class:`~ckpttool.families.quantize_packed.PackScheme` of an INT4 packing (``group`` values per scale), or None
+    when it does not quantize.
 
     Raises:
-        ArgumentError: an unknown method, or a block size that is not one or two positive integers (or given
-            with MXFP4, whose groups are 32 values).
+        ArgumentError: an unknown method, a block size that is not one or two positive integers (or given
+            with MXFP4, whose groups are 32 values, or INT4), a group given without INT4.
     """
+    if group is not None and method not in PACK_METHODS:
+        raise ArgumentError(f"group={group!r} is the INT4 group size of quantize='int4'; give quantize='int4' too")
     if method is None:
         if block is not None:
             raise ArgumentError(f"block={block!r} is the FP8 block size of quantize='fp8'; give quantize='fp8' too")
         return None
+    if method in PACK_METHODS:
+        if block is not None:
+            raise ArgumentError(f"block={block!r} is the FP8 block size; quantize={method!r} scales groups of values "
+                                "along a row: give group=")
+        return pack_scheme(method, group)
     if method == MXFP4:
         if block is not None:
             raise ArgumentError(f"block={block!r} is the FP8 block size; quantize='mxfp4' scales groups of "
                                 f"{MXFP4_GROUP} values and takes no block")
         return MXFP4
     if method != "fp8":
-        raise ArgumentError(f"quantize={method!r}: ckpttool quantizes to fp8 only, or gpt-oss's experts to {MXFP4}")
+        raise ArgumentError(f"quantize={method!r}: ckpttool quantizes to fp8, to compressed-tensors' int4, int4-asym "
+                            f"or nvfp4, or gpt-oss's experts to {MXFP4}")
     sizes = (128, 128) if block is None else (block, block) if isinstance(block, int) else tuple(block)
     if len(sizes) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
         raise ArgumentError(f"block={block!r}: the FP8 block size is one or two positive integers (128, or 128x128)")
@@ -91,17 +102,20 @@ def quantizes(name: str, shape: tuple[int, ...], dtype: str | None) -> bool:
     return _KEPT.search(name.removesuffix(".weight")) is None
 
 
-def quantized_specs(specs: Sequence[TargetSpec], layout: Layout, block: tuple[int, int] | str, *, source: str,
+def quantized_specs(specs: Sequence[TargetSpec], layout: Layout, block: tuple[int, int] | str | PackScheme, *, source: str,
                     quant: Quantization | None, has_model: bool, model_type: str | None = None) -> list[TargetSpec]:
     """The targets of a quantizing merge: each weight :func:`quantizes` picks as its E4M3 values and its float32
     scales (two computed targets reading the same source rows), the others as they are; with ``block`` MXFP4,
-    gpt-oss's experts as their ``_blocks`` and ``_scales`` (:func:`mxfp4_specs`).
+    gpt-oss's experts as their ``_blocks`` and ``_scales`` (:func:`mxfp4_specs`); with an ``PackScheme``, the same
+    weights as compressed-tensors' packed INT4 (:func:`~ckpttool.families.quantize_packed.packed_specs`).
 
     Raises:
         ConfigError: the source is quantized already, has no config (or none transformers knows), or holds no
             weight to quantize; MXFP4 for a model that is not gpt-oss.
     """
     method = MXFP4 if block == MXFP4 else "fp8"
+    if isinstance(block, PackScheme):
+        method = "nvfp4" if block.nvfp4 else "int4"
     if not has_model:
         raise ConfigError(
             f"quantize='{method}' needs the model's config (none usable for '{source}'): which tensors are Linear weights "
@@ -118,6 +132,8 @@ def quantized_specs(specs: Sequence[TargetSpec], layout: Layout, block: tuple[in
             "first (dtype='bfloat16'), or merge it without quantize= to keep it as it is")
     if method == MXFP4:
         return mxfp4_specs(specs, dtypes, source=source, model_type=model_type)
+    if isinstance(block, PackScheme):
+        return packed_specs(specs, dtypes, block, source=source, quantizes=quantizes)
     out: list[TargetSpec] = []
     for spec in specs:
         if not quantizes(spec.name, spec.shape, dtypes[spec.name]):
@@ -178,6 +194,9 @@ def quantizing_block(plan: Plan) -> tuple[int, int] | None:
 
 def quantization_config(plan: Plan) -> dict[str, object] | None:
     """The ``quantization_config`` of a quantizing merge's output, or None when ``plan`` does not quantize."""
+    packed = packed_config(plan)
+    if packed is not None:
+        return packed
     if any(t.dequant is not None and t.dequant.method == MXFP4_BLOCKS for t in plan.targets):
         return {**MXFP4_CONFIG, "modules_to_not_convert": list(MXFP4_CONFIG["modules_to_not_convert"])}
     block = quantizing_block(plan)

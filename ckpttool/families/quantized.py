@@ -10,12 +10,12 @@ scales are not written.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from operator import attrgetter
 
 from ckpttool.model.architecture import ModelInfo
-from ckpttool.layout.layout import Layout, Shape
+from ckpttool.layout.layout import Layout, Shape, TensorLayout
 from ckpttool.plan.plan import Dequantize, TargetSpec
 from ckpttool.errors import ConfigError
 from ckpttool.families import mtp
@@ -23,6 +23,7 @@ from ckpttool.quant.checks import Problem, check_tensors, tensors_quantized
 from ckpttool.quant.decode import FP8_BLOCKS, MXFP4_GROUPS
 from ckpttool.quant.formats import (
     FP8,
+    Link,
     Quantization,
     expected_shapes,
     links,
@@ -83,33 +84,82 @@ def _split_problems(specs: Sequence[TargetSpec], layout: Layout, quant: Quantiza
     """FP8 weights whose pieces (TP, FSDP ranks) are cut off their block boundaries: a piece's rows or columns
     that start inside a block share that block's scale with another piece, so which rows it was computed for
     cannot be told (a rank that quantized its own piece has blocks starting at its own row 0). Never guessed."""
-    if quant is None or quant.method != FP8:
+    if quant is None or quant.method not in (FP8, *packed.PACKED_METHODS):
         return []
     if max(map(len, map(_PIECES, layout.tensors.values())), default=0) < 2:  # every tensor whole in one piece
         return []
     by_name = {s.name: s for s in specs}
+    if quant.method != FP8:
+        return _packed_split_problems(by_name, layout, quant)
     found = []
-    for link in links(by_name)[0]:
-        spec = by_name[link.weight]
-        tensor = layout.tensors.get(spec.slices[0].source) if spec.slices else None
-        if tensor is None or len(tensor.global_shape) < 2 or len(tensor.pieces) < 2:
-            continue
+    for link, tensor in _split_weights(by_name, layout, (FP8,)):
         for dim, block, word in ((-2, quant.block[0], "row"), (-1, quant.block[1], "column")):
-            size = tensor.global_shape[dim]
-            cuts = sorted({p.box.offsets[dim] for p in tensor.pieces} - {0, size})
-            bad = [c for c in cuts if c % block]
+            bad = [c for c in _cuts(tensor, dim) if c % block]
             if bad:
-                files = sorted({p.file for p in tensor.pieces if p.box.offsets[dim] in bad or p.box.ends[dim] in bad})
                 found.append(Problem(
                     "quant-split", link.weight,
                     f"'{link.weight}' {list(tensor.global_shape)} is split at {word} {bad[0]} (pieces in "
-                    f"{', '.join(repr(f) for f in files[:4])}), not on a {block}-{word} block boundary (weight_block_size "
+                    f"{_cut_files(tensor, dim, bad)}), not on a {block}-{word} block boundary (weight_block_size "
                     f"{list(quant.block)} in '{quant.label}'): the scale of the block holding {word}s "
                     f"{bad[0] // block * block}..{bad[0] // block * block + block} would serve two pieces, quantized "
                     f"apart or not. ckpttool does not guess; split on multiples of {block}, or dequantize each piece "
                     "where it was quantized",
                 ))
     return found
+
+
+def _packed_split_problems(by_name: Mapping[str, TargetSpec], layout: Layout, quant: Quantization) -> list[Problem]:
+    """Packed weights whose pieces are cut off their group boundaries: a column cut inside a group of values (or
+    any column cut of a weight with one scale per row) shares that group's scale between two pieces, and a row cut
+    of an asymmetric INT weight inside its ``32 / bits`` rows shares a word of zero points. Never guessed."""
+    per = 32 // quant.bits if quant.method == packed.PACKED_INT else 2  # values per stored element
+    group = quant.block[1]
+    found = []
+    for link, tensor in _split_weights(by_name, layout, tuple(packed.LINK_OF.values())):
+        for dim in (-1, -2):
+            cuts = _cuts(tensor, dim)
+            if dim == -1:
+                bad = [c for c in cuts if not group or c * per % group]
+                where = f"packed column {bad[0]} (value column {bad[0] * per})" if bad else ""
+                why = (f"not on a boundary of its {group}-value groups (group_size {group}" if group else
+                       "while each row has one scale (strategy 'channel'") + f" in '{quant.label}')"
+            else:
+                rows = 0 if quant.symmetric or quant.method != packed.PACKED_INT else per
+                bad = [c for c in cuts if rows and c % rows]
+                where = f"row {bad[0]}" if bad else ""
+                why = (f"not on a multiple of {rows} rows, the rows one int32 of its zero points packs "
+                       f"({quant.bits}-bit, asymmetric, in '{quant.label}')")
+            if bad:
+                found.append(Problem(
+                    "quant-split", link.weight,
+                    f"'{link.weight}' {list(tensor.global_shape)} is split at {where} (pieces in "
+                    f"{_cut_files(tensor, dim, bad)}), {why}: a scale or zero point would serve two pieces, "
+                    f"quantized apart or not. ckpttool does not guess; split on whole groups, or dequantize each "
+                    "piece where it was quantized",
+                ))
+                break
+    return found
+
+
+def _split_weights(by_name: Mapping[str, TargetSpec], layout: Layout, methods: tuple[str, ...]) -> Iterator[
+        tuple[Link, TensorLayout]]:
+    """Each quantized weight of a link method in ``methods`` that the source holds in two or more pieces."""
+    for link in links(by_name)[0]:
+        spec = by_name[link.weight]
+        tensor = layout.tensors.get(spec.slices[0].source) if spec.slices else None
+        if link.method in methods and tensor is not None and len(tensor.global_shape) >= 2 and len(tensor.pieces) > 1:
+            yield link, tensor
+
+
+def _cuts(tensor: TensorLayout, dim: int) -> list[int]:
+    """Where ``tensor``'s pieces start along ``dim``, inside it."""
+    return sorted({p.box.offsets[dim] for p in tensor.pieces} - {0, tensor.global_shape[dim]})
+
+
+def _cut_files(tensor: TensorLayout, dim: int, bad: Sequence[int]) -> str:
+    """The files of the pieces that start or end at a ``bad`` cut, quoted (four at most)."""
+    files = sorted({p.file for p in tensor.pieces if p.box.offsets[dim] in bad or p.box.ends[dim] in bad})
+    return ", ".join(repr(f) for f in files[:4])
 
 
 _PIECES, _NAME = attrgetter("pieces"), attrgetter("name")

@@ -36,6 +36,7 @@ from ckpttool.families.buffers import message as historical_message
 from ckpttool.families.buffers import note as historical_note
 from ckpttool.families.buffers import split_historical
 from ckpttool.families.quantize import quantized_specs
+from ckpttool.families.quantize_packed import PackScheme
 from ckpttool.families.quantized import dequantized, with_quantized
 from ckpttool.families.quantized import problems as quantization_problems
 from ckpttool.families.quantized import refusal as quantization_refusal
@@ -133,7 +134,7 @@ class Planned:
 def plan_layout(
     layout: Layout, *, config_path: Path | None, config: dict[str, object] | None, model: ModelInfo | None,
     dtype: str | None = None, notes: Iterable[str] = (), no_config: str = "no config.json found",
-    quantize: tuple[int, int] | str | None = None, keep_specs: bool = False, drop: Sequence[str] = (),
+    quantize: tuple[int, int] | str | PackScheme | None = None, keep_specs: bool = False, drop: Sequence[str] = (),
 ) -> Planned:
     """Map ``layout`` to HuggingFace names with its family's adapter (``model`` given) or keep its names
     (generic), and plan every target; ``dtype`` is a safetensors name to cast floating tensors to (except the
@@ -199,6 +200,9 @@ def plan_layout(
         if quantize == MXFP4:
             own.append("quantized the experts to MXFP4 (gpt-oss's release layout: _blocks and E8M0 _scales per 32 "
                        "inputs); every other tensor kept, in the merge's dtype")
+        elif isinstance(quantize, PackScheme):
+            own.append(f"packed the Linear weights of the decoder layers to compressed-tensors {quantize.describe()}; "
+                       "norms, embeddings, lm_head, routers and biases kept")
         else:
             own.append(f"quantized the Linear weights of the decoder layers to FP8 E4M3 in {quantize[0]}x{quantize[1]} "
                        "blocks with float32 weight_scale_inv; norms, embeddings, lm_head, routers and biases kept")
