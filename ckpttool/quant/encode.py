@@ -209,20 +209,37 @@ def mxfp4_encode(stored: torch.Tensor, blocks: torch.Tensor | None, scales: torc
     return _round_trip(work, values.mul_(scale.unsqueeze(-1)))
 
 
+#: float32 bit patterns: 0.25 and 0.75 minus one ulp (the codes below 1: 0 up to 0.25, 1 below 0.75, 2 from it)
+_BELOW_ONE = (0x3E800000, 0x3F400000 - 1)
+
+
 def e2m1_codes(q: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     """The E2M1 code (int32, sign bit 8) of each float32 ``q``: the nearest E2M1 value, ties to the even code,
     saturated at 6; NaN gives the largest code, as the reference's bit arithmetic does.
 
-    E2M1 steps by 0.5 below 2, by 1 below 4 and by 2 above, and a code's parity is that of its value's whole number
-    of steps, so rounding ``|q| / step`` half to even (``torch.round``) is rounding to the even code, across the
-    steps' borders too (1.75 -> 2, 3.5 -> 4, 5 -> 4): a handful of element-wise passes, no table search."""
-    magnitude = torch.abs(q, out=scratch("e2m1", tuple(q.shape), "F32"))
-    wide, wider = magnitude >= 2.0, magnitude >= 4.0
-    steps = torch.where(wider, 0.5, torch.where(wide, 1.0, 2.0))  # 1 / step
-    whole = magnitude.mul_(steps).round_()
-    whole.add_(wide.to(torch.float32).add_(wider.to(torch.float32)).mul_(2)).clamp_(max=7.0).nan_to_num_(nan=7.0)
-    codes = whole.to(torch.int32)
-    return codes.bitwise_or_(q.view(torch.int32).bitwise_right_shift(28).bitwise_and_(8))
+    On the float's bits, a few integer passes and no float arithmetic: from 1 up, E2M1 is a float with one mantissa
+    bit whose exponent starts at 0, so the code is the float32's (exponent, top mantissa bit) rounded half to even,
+    ``(bits + 0x1FFFFF + bit 22) >> 22`` (the carry moves into the exponent: 1.75 -> 2, 3.5 -> 4, 5 -> 4), less
+    ``127 << 1`` and plus 2; below 1 (codes 0, 1, 2: the values 0, 0.5, 1) it is which of 0.25 and 0.75 it passes
+    (0.25 is a tie to 0, 0.75 to 1). Below 1 the first is at most 2 and above it the second is 2, so the code is
+    the larger of the two. NaN and infinity are clamped to infinity's bits first (code 7)."""
+    shape = tuple(q.shape)
+    bits = torch.bitwise_and(q.view(torch.int32), 0x7FFFFFFF, out=scratch("e2m1", shape, "I32"))
+    bits.clamp_(max=0x7F800000)
+    code = scratch("e2m1.code", shape, "I32").copy_(bits)
+    code >>= 22
+    code.bitwise_and_(1).add_(bits).add_(0x1FFFFF)
+    code >>= 22
+    code.sub_((127 << 1) - 2).clamp_(max=7)
+    below = torch.bucketize(bits, _below_one(), out_int32=True, out=scratch("e2m1.sub", shape, "I32"))
+    torch.maximum(code, below, out=code)
+    sign = torch.bitwise_right_shift(q.view(torch.int32), 28, out=below)
+    return code.bitwise_or_(sign.bitwise_and_(8))
+
+
+@cache
+def _below_one() -> torch.Tensor:
+    return torch.tensor(_BELOW_ONE, dtype=torch.int32)
 
 
 def _round_trip(source: torch.Tensor, decoded: torch.Tensor) -> RoundTrip:
@@ -283,10 +300,10 @@ def _mxfp4_scratch(stored: tuple[int, ...], blocks: bool) -> dict[str, int]:
     n = math.prod(stored)
     sizes = {"bf16": n * 2, "work": n * 4, "abs": n * 4, "amax": n // MXFP4_GROUP * 4}
     if blocks:
-        sizes["e2m1"] = n * 4  # |q|, then its whole steps (e2m1_codes)
-        # what torch allocates besides: two masks (1 byte each), 1/step and its inner where, the masks as floats,
-        # the codes, the sign bits, the packed pairs
-        sizes["mxfp4-temporaries"] = n * (1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 2)
+        sizes.update({"e2m1": n * 4, "e2m1.code": n * 4, "e2m1.sub": n * 4})  # |q|'s bits, the codes, 0..2 / signs
+        # what torch allocates besides: the high nibbles shifted and the pairs or-ed (int32 each, half the codes),
+        # then the round trip's magnitudes (float32), and the group scales' mask and inverses
+        sizes["mxfp4-temporaries"] = n * (2 + 2 + 4) + n // MXFP4_GROUP * (1 + 4 + 4)
     return sizes
 
 
