@@ -29,6 +29,7 @@ import pytest
 import torch
 from conftest import FIXTURES, assert_failed_cleanly, load_output
 from safetensors.torch import load_file
+from test_gpt_oss_megatron_split import full_tensors
 from torch.distributed.checkpoint import FileSystemReader
 
 import ckpttool
@@ -42,17 +43,6 @@ ITER = "iter_0000010"
 EXPERTS = "decoder.layers.mlp.experts.experts."
 MEGATRON_VENV = Path(os.environ.get("CKPTTOOL_MEGATRON_VENV", "/work/venv-megatron"))
 CONSUMER = Path(__file__).with_name("megatron_gpt_oss_consumer.py")
-
-
-def full_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP directory, whole (torch's own reader, no process group)."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = FileSystemReader(directory).read_metadata()
-    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-             for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
-    dcp.load(state, storage_reader=FileSystemReader(directory), no_dist=True)
-    return state
 
 
 def chunks(directory: Path, name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -239,6 +229,17 @@ def test_take_is_one_part_of_an_interleave():
         Take(0, 2, 1).inverse()
     with pytest.raises(ConfigError, match="'t': take part 2 of 2 interleaved along dim 0: the part is not one of 0..1"):
         Take(0, 2, 2).bound((4,), "t")
+
+
+def test_a_merge_plan_refuses_a_target_made_through_a_take():
+    """A merge reads every stored element: a family cut whose transform drops some (a split's Take) is refused."""
+    from ckpttool.layout.layout import Layout, TensorLayout
+    from ckpttool.plan.plan import Slice, TargetSpec, plan_merge
+
+    layout = Layout("", "dcp", {"s": TensorLayout("s", (8, 3), "F32", ())})
+    spec = TargetSpec("t", (4, 3), (Slice("s", Box((0, 0), (8, 3)), Box((0, 0), (8, 3))),), transform=Take(0, 2, 0))
+    with pytest.raises(ConfigError, match="'t': take part 0 of 2 interleaved along dim 0 leaves the other parts unread"):
+        plan_merge(layout, [spec])
 
 
 def test_within_part_gives_a_box_of_one_part_whose_source_is_a_box():

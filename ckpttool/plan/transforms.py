@@ -115,6 +115,10 @@ class Permute:
                               f"0..{self.period - 1}")
         return self if dim == self.dim else replace(self, dim=dim)
 
+    def bijective(self) -> bool:
+        """Whether every pre element is one target element (a permutation: yes)."""
+        return True
+
     def moves_rows(self) -> bool:
         """Whether a target row is made of pre rows from all over the tensor (never: blocks stay in place)."""
         return False
@@ -196,6 +200,10 @@ class Transpose:
             raise ConfigError(f"'{name}': {self.name} swaps a dim with itself (shape {list(shape)}); name two dims")
         return self if (self.dim0, self.dim1) == tuple(dims) else Transpose(*dims)
 
+    def bijective(self) -> bool:
+        """Whether every pre element is one target element (a transpose: yes)."""
+        return True
+
     def moves_rows(self) -> bool:
         """Whether a target row is made of pre rows from all over the tensor: when dim 0 is swapped."""
         return self.dim0 == 0 or self.dim1 == 0
@@ -275,6 +283,10 @@ class Chain:
         for i in range(len(self.steps) - 1, -1, -1):
             ranges.append(self.steps[i].pre_rows(shapes[i + 1], *ranges[-1]))
         return shapes, ranges[::-1]
+
+    def bijective(self) -> bool:
+        """Whether every pre element is one target element: when every step's is."""
+        return all(step.bijective() for step in self.steps)
 
     def moves_rows(self) -> bool:
         """Whether some step swaps dim 0."""
@@ -370,6 +382,10 @@ class Take:
         if self.parts < 1 or not 0 <= self.part < self.parts:
             raise ConfigError(f"'{name}': {self.name}: the part is not one of 0..{self.parts - 1}")
         return self if dim == self.dim else replace(self, dim=dim)
+
+    def bijective(self) -> bool:
+        """Whether every pre element is one target element (no: the other parts are dropped)."""
+        return False
 
     def moves_rows(self) -> bool:
         """Whether a target row is made of pre rows from all over the tensor (never: ``parts`` rows each)."""
