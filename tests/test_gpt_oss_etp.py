@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # noqa: F401  (loaded for the logits test anyway: ckpttool then describes the config in-process)
 from conftest import FIXTURES, assert_failed_cleanly, load_output
 from safetensors.torch import load_file
 from test_gpt_oss_megatron_split import full_tensors
@@ -109,9 +110,7 @@ def test_the_legacy_reader_places_a_quick_geglu_fc1_as_gate_and_up_halves():
 
 
 def test_transformers_computes_megatrons_logits_from_the_merge(merged):
-    from transformers import GptOssForCausalLM
-
-    model, info = GptOssForCausalLM.from_pretrained(str(merged("torch_dist")), output_loading_info=True,
+    model, info = transformers.GptOssForCausalLM.from_pretrained(str(merged("torch_dist")), output_loading_info=True,
                                                     dtype=torch.float32)
     assert not any(info.values()), info  # strict: nothing missing, unexpected or mismatched
     megatron = load_file(CASE / "logits.safetensors")
