@@ -5,8 +5,8 @@ Encodes one gpt-oss expert as ``merge --quantize mxfp4`` does, on one thread, it
 as the executor's thread reuses them: gpt-oss-20b/120b's ``gate_up_proj[e]`` (transformers' ``[in, out]`` =
 ``[2880, 5760]``, bfloat16) and ``down_proj[e]`` (``[2880, 2880]``), random normal values. For each: CPU seconds
 (median of ``--runs``; the figure to compare on a shared machine), values per second, and the bytes of the scratch
-buffers the encoder took, per value, which is what ``--dry-run`` predicts per worker thread for a chunk (the
-executor counts the same buffers: ``ckpttool.execute.buffers``). ``--stages`` adds where the time goes (each pass
+buffers the encoder took, per value, beside what ``--dry-run`` predicts per worker thread for a chunk of it (the
+codec's ``scratch_bytes``: the same named buffers and torch's temporaries; ``ckpttool.execute.buffers`` sums them). ``--stages`` adds where the time goes (each pass
 of the encoder timed alone on the same buffers).
 
     python benchmarks/mxfp4_bench.py --runs 5
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ckpttool.quant.encode import E2M1_MAX, e2m1_codes, mxfp4_encode
+from ckpttool.quant.encode import E2M1_MAX, MXFP4_BLOCKS, e2m1_codes, encoder, mxfp4_encode, transposed_copy
 from ckpttool.quant.formats import MXFP4_GROUP, MXFP4_GROUP_BYTES
 
 #: gpt-oss-20b and -120b share the expert shapes: hidden 2880, intermediate 2880 (gate and up: 5760 columns)
@@ -67,8 +67,9 @@ def stages(stored: torch.Tensor, scratch: Buffers, runs: int) -> dict[str, float
     work = scratch("work", shape, "F32")
     size = scratch("abs", shape, "F32")
     amax = scratch("amax", shape[:3], "F32")
-    found = {"transpose bf16 -> f32": cpu_seconds(lambda: work.view(experts, rows, cols).copy_(stored.transpose(1, 2)),
-                                                  runs)}
+    found = {"transpose bf16 -> f32": cpu_seconds(lambda: transposed_copy(work.view(experts, rows, cols), stored), runs)}
+    found["(whole view, one copy_)"] = cpu_seconds(lambda: work.view(experts, rows, cols).copy_(stored.transpose(1, 2)),
+                                                   runs)
     found["abs + amax"] = cpu_seconds(lambda: torch.amax(torch.abs(work, out=size), dim=-1, out=amax), runs)
     bits = amax.div_(E2M1_MAX).view(torch.int32).add_(0x007FFFFF).bitwise_and_(0x7F800000)
     scale = bits.view(torch.float32)
@@ -102,6 +103,9 @@ def main() -> None:
         results[name] = {
             "shape": list(shape), "cpu_s": round(seconds, 4), "mvalues_per_s": round(values / seconds / 1e6, 1),
             "scratch_bytes": scratch.nbytes, "scratch_bytes_per_value": round(scratch.nbytes / values, 2),
+            # what the executor (and --dry-run's peak) counts for a chunk of this expert, temporaries included
+            "predicted_bytes_per_value": round(sum(encoder(MXFP4_BLOCKS, ()).scratch_bytes(shape, None, "U8").values())
+                                               / values, 2),
             **({"stages_cpu_s": {k: round(v, 4) for k, v in stages(stored, scratch, args.runs).items()}}
                if args.stages else {}),
         }
@@ -110,7 +114,8 @@ def main() -> None:
         return
     for name, r in results.items():
         print(f"{name} {r['shape']}: {r['cpu_s']:.3f} CPU s, {r['mvalues_per_s']} M values/s, scratch "
-              f"{r['scratch_bytes'] / 2**20:.1f} MiB ({r['scratch_bytes_per_value']} B/value)")
+              f"{r['scratch_bytes'] / 2**20:.1f} MiB ({r['scratch_bytes_per_value']} B/value named; "
+              f"{r['predicted_bytes_per_value']} B/value predicted per worker with torch's temporaries)")
         for stage, s in r.get("stages_cpu_s", {}).items():
             print(f"  {stage:24s} {s:.3f} s")
 
