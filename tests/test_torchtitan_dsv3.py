@@ -207,3 +207,30 @@ def test_torchtitans_tensor_parallel_plan_for_mla_and_experts():
 def test_no_stacked_experts_no_mesh_check():
     written = torchtitan.TorchtitanNames([MemoryTensor("tok_embeddings.weight", (8, 4), ())], frozenset(), [])
     torchtitan.check_mesh(written, "0.3", fsdp=64, tp=8, ep=1)
+
+
+# --- torchtitan's MoE under tensor parallel: Qwen3-MoE on TP 2, and on FSDP 2 x TP 2 with EP 2 (4 ranks) -----------
+
+#: fixture -> its mesh as split takes it, and a stacked expert's chunks as torchtitan saved them
+MOE_TP = {
+    # TP shards the stacked experts too: w1_EFD / w3_EFD Shard(1), w2_EDF Shard(2) (the router replicated)
+    "torchtitan_qwen3moe_tp2": ({"tp": 2}, [((0, 0, 0), (4, 32, 8)), ((0, 0, 8), (4, 32, 8))]),
+    # with EP, experts over (efsdp 2, ep 2): ep Shard(0), efsdp strided within, not over TP
+    "torchtitan_qwen3moe_tp2ep2": ({"fsdp": 2, "tp": 2, "ep": 2}, [((e, 0, 0), (1, 32, 16)) for e in range(4)]),
+}
+
+
+@pytest.mark.parametrize("name", MOE_TP)
+def test_qwen3_moe_under_tp_merges_and_splits_back_in_torchtitans_chunks(name, tmp_path):
+    src = fixture_dir(name) / "checkpoint"
+    ckpttool.merge(src, tmp_path / "hf", config=fixture_dir(name) / "reference" / "config.json")
+    got, want = load_output(tmp_path / "hf"), load_output(fixture_dir(name) / "reference")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    mesh, expert_chunks = MOE_TP[name]
+    ckpttool.split(tmp_path / "hf", tmp_path / "back", names="torchtitan", **mesh)
+    chunks = _chunks(tmp_path / "back")
+    assert chunks == _chunks(src)
+    assert chunks["layers.0.moe.routed_experts.inner_experts.w2_EDF"][1] == expert_chunks
+    back, own = _tensors(tmp_path / "back", tmp_path), _tensors(src, tmp_path)
+    assert sorted(back) == sorted(own)
+    assert all(torch.equal(back[k], own[k]) for k in own if not k.endswith("expert_bias_E"))  # HF has none: zeros
