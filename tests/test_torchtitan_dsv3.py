@@ -12,13 +12,12 @@ recorded in fixtures/README.md.)"""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_failed_cleanly, fixture_dir, load_output, tree_digest
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from conftest import assert_same_dcp
+from conftest import dcp_chunks as _chunks
 from transformers import DeepseekV3ForCausalLM
 
 import ckpttool
@@ -31,22 +30,7 @@ from ckpttool.model.architecture import model_info
 
 #: fixture -> its mesh, as split takes it (producer.json records torchtitan's)
 DSV3 = {"torchtitan_dsv3_fsdp2": {"fsdp": 2}, "torchtitan_dsv3q_ep2": {"fsdp": 2, "ep": 2}}
-NOT_MODEL = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 IDS = torch.tensor([[1, 5, 9, 12, 3, 7, 16, 2]])
-
-
-def _chunks(path: Path) -> dict[str, tuple]:
-    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {k: (tuple(v.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
-            for k, v in meta.items() if k.split(".", 1)[0] not in NOT_MODEL}
-
-
-def _tensors(path: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    whole = scratch / f"{path.name}-whole.pt"
-    dcp_to_torch_save(str(path), str(whole))
-    state = torch.load(whole, weights_only=False)
-    whole.unlink()
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k.split(".", 1)[0] not in NOT_MODEL}
 
 
 def _config(name: str) -> dict:
@@ -55,15 +39,13 @@ def _config(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def merged(tmp_path_factory):
-    """Each DeepSeek-V3 fixture merged to HF once (the source of the splits here)."""
+    """Each DeepSeek-V3 fixture merged to HF once, its source untouched (the source of the splits here)."""
     out = {}
-    for name in DSV3:
-        hf = tmp_path_factory.mktemp(name) / "hf"
-        src = fixture_dir(name) / "checkpoint"
+    for name, src in ((name, fixture_dir(name)) for name in DSV3):
         before = tree_digest(src)
-        result = ckpttool.merge(src, hf, config=fixture_dir(name) / "reference" / "config.json")
+        hf = tmp_path_factory.mktemp(name) / "hf"
+        out[name] = hf, ckpttool.merge(src / "checkpoint", hf, config=src / "reference" / "config.json")
         assert tree_digest(src) == before
-        out[name] = (hf, result)
     return out
 
 
@@ -113,12 +95,7 @@ def test_split_back_is_torchtitans_own_save_in_the_same_chunks(name, merged, tmp
     before = tree_digest(hf)
     result = ckpttool.split(hf, tmp_path / "back", names="torchtitan", **DSV3[name])
     assert tree_digest(hf) == before
-    original = fixture_dir(name) / "checkpoint"
-    assert _chunks(tmp_path / "back") == _chunks(original)
-    got, want = _tensors(tmp_path / "back", tmp_path), _tensors(original, tmp_path)
-    assert sorted(got) == sorted(want)
-    for key, tensor in want.items():
-        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    assert_same_dcp(tmp_path / "back", fixture_dir(name) / "checkpoint", tmp_path)
     assert not any("zeros" in note or "permuted" in note for note in result.notes)
 
 
@@ -228,9 +205,5 @@ def test_qwen3_moe_under_tp_merges_and_splits_back_in_torchtitans_chunks(name, t
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     mesh, expert_chunks = MOE_TP[name]
     ckpttool.split(tmp_path / "hf", tmp_path / "back", names="torchtitan", **mesh)
-    chunks = _chunks(tmp_path / "back")
-    assert chunks == _chunks(src)
-    assert chunks["layers.0.moe.routed_experts.inner_experts.w2_EDF"][1] == expert_chunks
-    back, own = _tensors(tmp_path / "back", tmp_path), _tensors(src, tmp_path)
-    assert sorted(back) == sorted(own)
-    assert all(torch.equal(back[k], own[k]) for k in own if not k.endswith("expert_bias_E"))  # HF has none: zeros
+    assert _chunks(tmp_path / "back")["layers.0.moe.routed_experts.inner_experts.w2_EDF"][1] == expert_chunks
+    assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))  # HF has none: written as zeros
