@@ -125,13 +125,18 @@ def test_split_back_without_interleaved_rope_is_refused(merged, tmp_path):
     assert not (tmp_path / "back").exists() and hf.exists()
 
 
-def test_a_name_torchtitans_deepseek_v3_has_not_is_refused_by_name():
-    layout = _layout({"tok_embeddings.weight": (8, 4), "layers.0.attention.wk.weight": (4, 4)})
+def test_a_name_torchtitans_deepseek_v3_has_not_and_its_mtp_layers_are_refused_by_name():
+    layout = _layout({"tok_embeddings.weight": (8, 4), "layers.0.attention.wk.weight": (4, 4),
+                      "mtp_layers.0.eh_proj.weight": (4, 8)})
     info = model_info(_config("torchtitan_dsv3_fsdp2"))
     specs, _, problems = torchtitan.CONVENTION.cut(layout, info, None)
     assert [s.name for s in specs] == ["model.embed_tokens.weight"]
-    assert problems == [("layers.0.attention.wk.weight", "'layers.0.attention.wk.weight': not a torchtitan name "
-                         "ckpttool maps to HuggingFace for deepseek_v3 (not in torchtitan's DeepSeek-V3 model)")]
+    assert problems == [
+        ("layers.0.attention.wk.weight", "'layers.0.attention.wk.weight': not a torchtitan name ckpttool maps to "
+         "HuggingFace for deepseek_v3 (not in torchtitan's DeepSeek-V3 model)"),
+        ("mtp_layers.0.eh_proj.weight", "'mtp_layers.0.eh_proj.weight': not a torchtitan name ckpttool maps to "
+         "HuggingFace for deepseek_v3 (torchtitan's multi-token-prediction layers (mtp_layers.N) are not mapped to "
+         "HuggingFace yet)")]
 
 
 def test_a_mesh_where_torchtitan_shards_experts_along_dim_1_is_refused(cli, merged, tmp_path):

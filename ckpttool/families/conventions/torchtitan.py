@@ -134,7 +134,7 @@ class TorchtitanConvention(Convention):
                 continue
             hf, rope = _hf_name(tensor.fqn, table)
             if hf is None:
-                why = "not in torchtitan's DeepSeek-V3 model" if deepseek else "MoE and MLA layers are not supported yet"
+                why = mla.unmapped(tensor.fqn) if deepseek else "MoE and MLA layers are not supported yet"
                 problems.append((tensor.fqn, f"'{tensor.fqn}': not a torchtitan name ckpttool maps to HuggingFace "
                                              f"for {info.model_type} ({why})"))
                 continue

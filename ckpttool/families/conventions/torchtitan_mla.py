@@ -75,3 +75,12 @@ def rope_problem(info: ModelInfo) -> str:
     return ("its rotary rows are in torchtitan's interleaved pairs and the config sets rope_interleave: false "
             "(ckpttool does not permute MLA's rope rows alone); use rope_interleave: true, as DeepSeek-V3's release "
             "and torchtitan's own adapter do")
+
+
+def unmapped(fqn: str) -> str:
+    """Why torchtitan's DeepSeek-V3 tensor ``fqn`` has no HF name here: its multi-token-prediction layers
+    (``mtp_layers.N``, HF's ``model.layers.{num_hidden_layers + N}``) are not mapped yet; any other name is not
+    one of its model's."""
+    if fqn.startswith("mtp_layers."):
+        return "torchtitan's multi-token-prediction layers (mtp_layers.N) are not mapped to HuggingFace yet"
+    return "not in torchtitan's DeepSeek-V3 model"
