@@ -191,7 +191,7 @@ def test_no_stacked_experts_no_mesh_check():
     torchtitan.check_mesh(written, "0.3", fsdp=64, tp=8, ep=1)
 
 
-# --- torchtitan's MoE under tensor parallel: Qwen3-MoE on TP 2, and on FSDP 2 x TP 2 with EP 2 (4 ranks) -----------
+# --- torchtitan's MoE under tensor parallel: Qwen3-MoE on TP 2 and on FSDP 2 x TP 2 with EP 2 (4 ranks), DeepSeek-V3 --
 
 #: fixture -> its mesh as split takes it, and a stacked expert's chunks as torchtitan saved them
 MOE_TP = {
@@ -199,16 +199,23 @@ MOE_TP = {
     "torchtitan_qwen3moe_tp2": ({"tp": 2}, [((0, 0, 0), (4, 32, 8)), ((0, 0, 8), (4, 32, 8))]),
     # with EP, experts over (efsdp 2, ep 2): ep Shard(0), efsdp strided within, not over TP
     "torchtitan_qwen3moe_tp2ep2": ({"fsdp": 2, "tp": 2, "ep": 2}, [((e, 0, 0), (1, 32, 16)) for e in range(4)]),
+    # MLA on TP: wq_b / wkv_b Shard(0), the low-rank wq_a / wkv_a and norms replicated; shared experts as a dense FFN
+    "torchtitan_dsv3q_tp2": ({"tp": 2}, [((0, 0, 0), (4, 32, 8)), ((0, 0, 8), (4, 32, 8))]),
 }
 
 
 @pytest.mark.parametrize("name", MOE_TP)
-def test_qwen3_moe_under_tp_merges_and_splits_back_in_torchtitans_chunks(name, tmp_path):
+def test_moe_under_tp_merges_and_splits_back_in_torchtitans_chunks(name, tmp_path):
     src = fixture_dir(name) / "checkpoint"
     ckpttool.merge(src, tmp_path / "hf", config=fixture_dir(name) / "reference" / "config.json")
     got, want = load_output(tmp_path / "hf"), load_output(fixture_dir(name) / "reference")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     mesh, expert_chunks = MOE_TP[name]
     ckpttool.split(tmp_path / "hf", tmp_path / "back", names="torchtitan", **mesh)
-    assert _chunks(tmp_path / "back")["layers.0.moe.routed_experts.inner_experts.w2_EDF"][1] == expert_chunks
-    assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))  # HF has none: written as zeros
+    chunks = _chunks(tmp_path / "back")
+    assert chunks["layers.1.moe.routed_experts.inner_experts.w2_EDF"][1] == expert_chunks
+    if "dsv3" in name:
+        assert chunks["layers.1.attention.wkv_b.weight"][1] == [((0, 0), (32, 16)), ((32, 0), (32, 16))]
+        assert chunks["layers.1.attention.wkv_a.weight"][1] == [((0, 0), (24, 32))]
+    # Qwen3-MoE's HF has no expert_bias_E: written as zeros; DeepSeek-V3's is carried, compared as any tensor
+    assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",) if "qwen3" in name else ())
