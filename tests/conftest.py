@@ -52,6 +52,44 @@ def apply_spec(spec, sources: dict[str, torch.Tensor]) -> torch.Tensor:
     return out
 
 
+#: the top-level entries of a torchtitan step that are not the model
+TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def dcp_chunks(path: Path) -> dict[str, tuple]:
+    """Every model tensor of a DCP (a torchtitan step's training state left out): its global size and its saved
+    chunks (offsets, sizes), sorted."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k: (tuple(v.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
+            for k, v in meta.items() if k.split(".", 1)[0] not in TRAINING_STATE}
+
+
+def dcp_model_tensors(path: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a DCP, whole, as torch's own ``dcp_to_torch_save`` reads them."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = scratch / f"{path.name}-whole.pt"
+    dcp_to_torch_save(str(path), str(whole))
+    state = torch.load(whole, weights_only=False)
+    whole.unlink()
+    return {k: v for k, v in state.items()
+            if isinstance(v, torch.Tensor) and k.split(".", 1)[0] not in TRAINING_STATE}
+
+
+def assert_same_dcp(got: Path, want: Path, scratch: Path, unequal: tuple[str, ...] = ()) -> None:
+    """Two DCPs hold the same model tensors in the same chunks, each bit for bit with its dtype, but for the names
+    ending with one of ``unequal`` (compared by name and chunks only)."""
+    assert dcp_chunks(got) == dcp_chunks(want)
+    have, expected = dcp_model_tensors(got, scratch), dcp_model_tensors(want, scratch)
+    assert sorted(have) == sorted(expected)
+    for key, tensor in expected.items():
+        if unequal and key.endswith(unequal):
+            continue
+        assert have[key].dtype == tensor.dtype and torch.equal(have[key], tensor), key
+
+
 def tree_digest(directory: Path) -> dict[str, str]:
     """sha256 of every file under a directory, to prove a source was not modified."""
     return {

@@ -1,9 +1,12 @@
 """The real consumer of a gpt-oss ``split --to megatron``: megatron-core 0.16.1 builds gpt-oss as its producer
 (``fixtures/make_megatron_gpt_oss.py``) does, at TP=2 x EP=2 on 2 ranks (expert TP 1), loads the split with
 ``dist_checkpointing.load`` (``strict="raise_all"``: every key asked for is in the checkpoint and nothing else) and
-runs its forward; rank 0 writes the logits (gathered over tensor parallel) for the test to compare.
+runs its forward; rank 0 writes the logits (gathered over tensor parallel) for the test to compare. With a CASE of
+the producer (``gpt_oss_tp2_etp2``: TP 2 x expert TP 2), it is built at that layout instead, and every rank also
+writes its local weights to ``LOGITS_OUT.rank<r>`` and what the producer's legacy file of that rank holds to
+``LOGITS_OUT.legacy<r>``.
 
-    torchrun --nproc_per_node 2 tests/megatron_gpt_oss_consumer.py CHECKPOINT_DIR LOGITS_OUT
+    torchrun --nproc_per_node 2 tests/megatron_gpt_oss_consumer.py CHECKPOINT_DIR LOGITS_OUT [CASE]
 """
 
 from __future__ import annotations
@@ -16,17 +19,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import make_megatron_gpt_oss as producer  # noqa: E402  (the producer's own model and layout)
 
 
-def main(checkpoint: str, out: str) -> None:
+def main(checkpoint: str, out: str, case: str = "") -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    producer._init(producer.TP, producer.EP)
+    if case:
+        producer._use(case)
+    producer._init(producer.TP, producer.EP, producer.ETP)
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     rows = producer.base.padded_vocab(producer.VOCAB, producer.DIVISIBLE_BY, producer.TP)
-    model = producer._build(producer.TP, producer.EP, rows)
+    model = producer._build(producer.TP, producer.EP, rows, producer.ETP)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))  # anything the load leaves alone shows in the logits
@@ -39,6 +44,13 @@ def main(checkpoint: str, out: str) -> None:
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise SystemExit(f"megatron-core did not load every weight: missing {missing}, unexpected {unexpected}")
+    if case:  # this rank's weights, and what the producer's legacy file of this rank holds (it needs megatron to load)
+        rank = dist.get_rank()
+        local = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        save_file(local, f"{out}.rank{rank}")
+        legacy = producer.HERE / f"megatron_{case}" / "legacy" / "iter_0000010" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
+        saved = torch.load(legacy, weights_only=False)["model"]
+        save_file({k: v.contiguous() for k, v in saved.items() if not k.endswith("_extra_state")}, f"{out}.legacy{rank}")
     model.eval()
     ids = torch.tensor(producer.tokens(), dtype=torch.long)
     s = ids.shape[1]
@@ -54,4 +66,4 @@ def main(checkpoint: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -8,13 +8,12 @@ run in the torchtitan venv, recorded in fixtures/README.md; not here: the suite 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_failed_cleanly, fixture_dir, tree_digest
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from conftest import dcp_chunks as _chunks
+from conftest import dcp_model_tensors as _tensors
 
 import ckpttool
 from ckpttool.cli.choices import SPLIT_NAMES
@@ -24,23 +23,6 @@ from ckpttool.families.conventions import torchtitan
 
 #: fixture -> its mesh (fsdp, tp), as producer.json records it
 MESHES = {"torchtitan_llama3_fsdp2": (2, 1), "torchtitan_llama3_tp2": (1, 2), "torchtitan_qwen3_fsdp2": (2, 1)}
-NOT_MODEL = ("optimizer", "lr_scheduler", "dataloader", "train_state")
-
-
-def _chunks(path: Path) -> dict[str, tuple]:
-    """Every model tensor of a DCP: its global size and its saved chunks (offsets, sizes)."""
-    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {k: (tuple(v.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
-            for k, v in meta.items() if k.split(".", 1)[0] not in NOT_MODEL}
-
-
-def _tensors(path: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a DCP, whole, as torch's own ``dcp_to_torch_save`` reads them."""
-    whole = scratch / f"{path.name}-whole.pt"
-    dcp_to_torch_save(str(path), str(whole))
-    state = torch.load(whole, weights_only=False)
-    whole.unlink()
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k.split(".", 1)[0] not in NOT_MODEL}
 
 
 @pytest.fixture(scope="module")

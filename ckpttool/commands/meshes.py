@@ -117,10 +117,14 @@ class MegatronMesh:
     """Megatron's parallel sizes as the user states them, the vocab rule and the iteration written
     (``split --to megatron``; :mod:`ckpttool.commands.split_megatron`).
 
+    ``etp`` is the expert tensor-parallel size (``--expert-tensor-parallel-size``): 1 (experts whole on every TP
+    rank) or ``tp`` (cut like the dense layers); 0 leaves it to the model (``tp``, but 1 for gpt-oss, as
+    Megatron-Bridge trains it). It adds no rank: the expert TP ranks are the TP ranks.
+
     Raises:
         ArgumentError: a size below 1 or above :data:`MAX_RANKS` (or more ranks in all), a
             ``make_vocab_size_divisible_by`` above :data:`MAX_DIVISIBLE_BY`, an iteration below 0 or above
-            :data:`MAX_ITERATION`.
+            :data:`MAX_ITERATION`, an ``etp`` other than 0, 1 or ``tp``.
 
     Example:
         >>> MegatronMesh(tp=2, pp=2).describe()
@@ -132,8 +136,12 @@ class MegatronMesh:
     ep: int = 1
     divisible_by: int = 128
     iteration: int = 0
+    etp: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp not in (0, 1, self.tp):
+            raise ArgumentError(f"etp={self.etp!r}: the expert tensor-parallel size is 1 (experts whole on every TP rank) "
+                                f"or tp={self.tp} (cut like the dense layers); ckpttool writes no other")
         for name in ("tp", "pp", "ep", "divisible_by", "iteration"):
             value, least = getattr(self, name), 0 if name == "iteration" else 1
             what = "make_vocab_size_divisible_by" if name == "divisible_by" else name
@@ -151,15 +159,22 @@ class MegatronMesh:
 
     def describe(self) -> str:
         dims = [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v > 1]
+        dims += [f"etp={self.etp}"] if self.etp and self.tp > 1 else []
         return f"{' '.join(dims) or 'one rank'} ({self.world} rank{'s' if self.world != 1 else ''})"
+
+    def expert_tp(self, model_type: str) -> int:
+        """The expert tensor-parallel size written for a ``model_type`` model: ``etp``, or when 0 the model's
+        default (1 for gpt-oss, whose experts Megatron-Bridge trains whole; else ``tp``, megatron-core's)."""
+        return self.etp or (1 if model_type == "gpt_oss" else self.tp)
 
     def to_json(self) -> dict[str, int]:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "world": self.world,
-                "make_vocab_size_divisible_by": self.divisible_by, "iteration": self.iteration}
+                "make_vocab_size_divisible_by": self.divisible_by, "iteration": self.iteration,
+                **({"etp": self.etp} if self.etp else {})}
 
 
 def check_target_options(to: str, *, fsdp: int = 1, dp: int = 1, pp: int = 1, divisible_by: int = 128,
-                         iteration: int = 0) -> None:
+                         iteration: int = 0, etp: int = 0) -> None:
     """Refuse the options of the other split target (the command line's usage errors).
 
     Raises:
@@ -172,20 +187,23 @@ def check_target_options(to: str, *, fsdp: int = 1, dp: int = 1, pp: int = 1, di
             f"dp={dp!r}: a Megatron-Core torch_dist checkpoint does not depend on the data-parallel size: its chunks "
             "are those of tp x pp x ep, saved once whatever dp (only which rank's file holds a chunk differs), and a "
             "Megatron load at any dp reads it; split without dp")
+    if to == "dcp" and etp:
+        raise ArgumentError(f"etp={etp!r} is for to='megatron' (Megatron's expert tensor parallelism); a DCP split "
+                            "places experts with ep and tp")
     if to == "dcp" and (pp, divisible_by, iteration) != (1, 128, 0):
         raise ArgumentError("pp, make_vocab_size_divisible_by and iteration are for to='megatron'")
 
 
 def mesh_for(to: str, *, fsdp: int = 1, tp: int = 1, ep: int = 1, pp: int = 1, dp: int = 1, divisible_by: int = 128,
-             iteration: int = 0) -> Mesh | MegatronMesh:
+             iteration: int = 0, etp: int = 0) -> Mesh | MegatronMesh:
     """The mesh a split writes for: :class:`MegatronMesh` for ``to="megatron"``, else :class:`Mesh`.
 
     Raises:
         ArgumentError: :func:`check_target_options`, or a size the mesh refuses.
     """
-    check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration)
+    check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration, etp=etp)
     if to == "megatron":
-        return MegatronMesh(tp, pp, ep, divisible_by, iteration)
+        return MegatronMesh(tp, pp, ep, divisible_by, iteration, etp)
     return Mesh(fsdp, tp, ep, dp)
 
 

@@ -136,6 +136,7 @@ def split(
     ep: int = 1,
     pp: int = 1,
     dp: int = 1,
+    etp: int = 0,
     make_vocab_size_divisible_by: int = 128,
     iteration: int = 0,
     names: str = "hf",
@@ -166,6 +167,8 @@ def split(
         pp, make_vocab_size_divisible_by, iteration: ``megatron`` only: pipeline stages (equal, consecutive
             layers), the vocab padding rule (as Megatron-LM's argument: padded to a multiple of it times ``tp``;
             the padding rows are zeros) and the iteration directory written (``iter_0000000``).
+        etp: ``megatron`` only: the expert tensor-parallel size, 1 or ``tp`` (0: the model's default, see
+            :meth:`~ckpttool.commands.meshes.MegatronMesh.expert_tp`).
         names: ``dcp`` only: the tensor names written (:data:`~ckpttool.commands.split_dcp.NAMES`): ``"hf"``
             (transformers' in-memory names), ``"torchtitan"`` (torchtitan 0.3's names, Q/K rows in Meta's RoPE
             order, placed as torchtitan's plan places them: a torchtitan job resumes from it) or
@@ -209,7 +212,7 @@ def split(
     _check_names(to, names)
     # every argument and the destination are checked before the source is read: a refusal costs no read
     mesh = mesh_for(to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, divisible_by=make_vocab_size_divisible_by,
-                    iteration=iteration)
+                    iteration=iteration, etp=etp)
     if out is None and not dry_run:
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)

@@ -70,6 +70,8 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sha
     placement, whole, zeros = adapter_for(model_of(prepared)).tp_placement, frozenset(), frozenset()
     if names != "hf":
         written = torchtitan.to_torchtitan(memory, model_of(prepared), torchtitan.release_of(names))
+        torchtitan.check_mesh(written, torchtitan.release_of(names), fsdp=mesh.fsdp, tp=mesh.tp, ep=mesh.ep,
+                              dp=mesh.dp)
         memory, placement = written.tensors, torchtitan.tp_placement
         whole, zeros = written.whole, written.zeros
     _check_degrees(memory, mesh)

@@ -11,8 +11,10 @@ default ``tp-cp-ep-dp-pp`` with one data-parallel rank per expert group), with :
 - stacked layer tensors: the layer axis ``Shard(0)`` over ``pp`` (each stage its consecutive layers);
 - experts: the expert axis ``Shard(1)`` over ``ep`` (global expert ids, each rank consecutive ones), and their
   weights tensor-parallel like the dense ones (``expert_tensor_parallel_size`` = ``tp``, megatron-core's default),
-  except gpt-oss's: whole on every TP rank (``expert_tensor_parallel_size`` 1), one chunk per layer and expert,
-  since their fc1 is HuggingFace's interleaved columns taken apart, a transform a TP half would cut through;
+  or whole on every TP rank (``--etp 1``; gpt-oss's default, one chunk per layer and expert). gpt-oss's fc1 is
+  HuggingFace's interleaved columns taken apart: at expert TP = tp a rank's gate chunk and its up chunk are each one
+  part of the rank's contiguous HuggingFace columns (:func:`~ckpttool.plan.transforms.within_part`), read whole for
+  each of the two (twice the read of those columns, no more memory than the chunk's);
 - tensor parallel: ``linear_qkv`` rows (whole query groups) and the vocab rows ``Shard``, ``linear_proj`` and
   ``linear_fc2`` columns ``Shard``, a SwiGLU ``linear_fc1`` ``[gate; up]`` as each rank's ``[gate_r; up_r]``
   (``_StridedShard`` with split factor 2), norms, router and shared-expert gate replicated.
@@ -31,7 +33,7 @@ from ckpttool.io.dtypes import itemsize
 from ckpttool.plan.compose import compose
 from ckpttool.layout.layout import Box
 from ckpttool.plan.plan import Target
-from ckpttool.plan.transforms import Transform
+from ckpttool.plan.transforms import Transform, within_part
 from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families.conventions import megatron_back
 from ckpttool.families.conventions.megatron_back import EXPERT_TENSORS, EXTRA_STATE, megatron_tensors, padded_vocab
@@ -52,7 +54,7 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
     tensors = megatron_tensors(info, padded_vocab(vocab, mesh.divisible_by, mesh.tp))
     _check_sizes(info.config, {name: shape for name, shape, *_ in tensors}, mesh, info.model_type)
     targets = {t.name: t for t in prepared.plan.targets}
-    shardings = [_place(name, shape, mesh, info.model_type) for name, shape, *_ in tensors]
+    shardings = [_place(name, shape, mesh, info.model_type, _stated_etp(mesh)) for name, shape, *_ in tensors]
     weight = {name: math.prod(shape) * next((itemsize(targets[s.source].dtype) for s in slices if s.source in targets), 1)
               for name, shape, slices, *_ in tensors}
     held = [[(s.name, box, weight[s.name]) for s in shardings for box in _chunks(s, rank)] for rank in range(mesh.world)]
@@ -62,7 +64,9 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
         items = []
         for name, box in written:
             shape, slices, true_rows, transform = by_name[name]
-            target, found = _compose(name, box, slices, targets, true_rows, transform, shape)
+            # one part of a de-interleave only where the args written say experts are cut (common.pt's expert TP)
+            parts = name in EXPERT_TENSORS and _stated_etp(mesh) > 1
+            target, found = _compose(name, box, slices, targets, true_rows, transform, shape, parts)
             problems.extend(p for p in found if p not in problems)
             if target is not None:
                 items.append((name, shape, box, target))
@@ -98,8 +102,13 @@ def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh) -> lis
     return per_rank
 
 
-def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh, model_type: str = "") -> Sharding:
-    tp = megatron_back.tp_placement(name, model_type)  # at tp=1 too: fc1's halves are two chunks
+def _stated_etp(mesh: MegatronMesh) -> int:
+    """The expert TP size the user stated, when it decides a placement (tp > 1); 0: the model's own rules."""
+    return mesh.etp if mesh.tp > 1 else 0
+
+
+def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh, model_type: str = "", expert_tp: int = 0) -> Sharding:
+    tp = megatron_back.tp_placement(name, model_type, expert_tp)  # at tp=1 too: fc1's halves are two chunks
     pp = Placement("shard", 0) if name.startswith("decoder.layers.") else REPLICATE
     ep = Placement("shard", 1) if name in EXPERT_TENSORS else REPLICATE
     return Sharding(name, shape, (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)), (pp, ep, tp))
@@ -124,12 +133,18 @@ def _indices(box: Box, dims: int) -> list[tuple[int, ...]]:
 
 
 def _compose(name: str, box: Box, slices, targets, true_rows: int | None, transform: Transform | None = None,
-             shape: tuple[int, ...] | None = None) -> tuple[Target | None, list[str]]:
+             shape: tuple[int, ...] | None = None, parts: bool = False) -> tuple[Target | None, list[str]]:
     """:func:`compose` (through ``transform`` of what ``slices`` make, a tensor of ``shape``, when it has one), but
-    rows from ``true_rows`` on (vocab padding) are no copy's: the executor writes zeros."""
+    rows from ``true_rows`` on (vocab padding) are no copy's: the executor writes zeros. With ``parts``, a box
+    that is one part of the transform's de-interleave (:func:`within_part`) is composed as a box of that part."""
     if transform is not None:
         if true_rows is not None:
             return None, [f"'{name}': a padded tensor made through a transform ({transform.name}) is not written yet"]
+        bound = transform.bound(shape, name) if parts and shape is not None else None
+        part = within_part(bound, shape, box) if bound is not None and bound.pre_box(shape, box) is None else None
+        if part is not None:  # a rank's gate (or up) rows: a box of that part, its columns read with the other's
+            taken, part_shape, inner = part
+            return compose(name, inner, slices, targets, taken, part_shape)
         return compose(name, box, slices, targets, transform, shape)
     if true_rows is None or box.ends[0] <= true_rows:
         return compose(name, box, slices, targets)
@@ -160,7 +175,7 @@ def _check_sizes(config, shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh,
     for name, dim, what in (("decoder.layers.mlp.linear_fc1.weight", 1, "intermediate_size"),
                             ("decoder.layers.mlp.shared_experts.linear_fc1.weight", 1, "shared expert FFN"),
                             (EXPERT_TENSORS[0], 2, "expert FFN")):
-        cut = name in shapes and megatron_back.tp_placement(name, model_type).kind != "replicate"
+        cut = name in shapes and megatron_back.tp_placement(name, model_type, _stated_etp(mesh)).kind != "replicate"
         if cut and (shapes[name][dim] // 2) % mesh.tp:
             problems.append(f"tp={mesh.tp} does not divide the {what} {shapes[name][dim] // 2} of '{name}'")
     if mesh.ep > 1 and EXPERT_TENSORS[0] not in shapes:
@@ -179,4 +194,5 @@ def training_args(info: ModelInfo, mesh: MegatronMesh, shapes: dict[str, tuple[i
     """The Megatron-LM training arguments ``common.pt`` records for this model and mesh
     (:func:`ckpttool.families.conventions.megatron_back.training_args`)."""
     return megatron_back.training_args(info, shapes, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
-                                       divisible_by=mesh.divisible_by, iteration=mesh.iteration)
+                                       divisible_by=mesh.divisible_by, iteration=mesh.iteration,
+                                       etp=mesh.expert_tp(info.model_type) if EXPERT_TENSORS[0] in shapes else 0)

@@ -260,10 +260,14 @@ def _bound_transform(spec: TargetSpec) -> Transform | None:
 
     Raises:
         ConfigError: the transform does not fit the target, or the target is dequantized too (not supported yet;
-            quantized, by an encoder, is: the transform makes what it encodes).
+            quantized, by an encoder, is: the transform makes what it encodes), or it drops elements (a
+            :class:`~ckpttool.plan.transforms.Take`, a split's: a merge reads every stored element once).
     """
     if spec.transform is None:
         return None
+    if not spec.transform.bijective():
+        raise ConfigError(f"'{spec.name}': {spec.transform.name} leaves the other parts unread; a merge's target is a "
+                          "transform of every element its slices tile (a family cut that drops elements is a bug)")
     if spec.dequant is not None and spec.dequant.dtype is None:
         raise ConfigError(
             f"'{spec.name}': is both dequantized ({spec.dequant.method}) and transformed ({spec.transform.name}); "

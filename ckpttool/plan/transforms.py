@@ -13,6 +13,11 @@ Kinds (frozen data, compared and hashed like any part of a plan):
   made by :func:`rope_halves` and :func:`interleave`.
 - :class:`Transpose`: dims ``dim0`` and ``dim1`` swapped.
 - :class:`Chain`: steps applied in order (pre -> step 1 -> step 2 -> target).
+- :class:`Take`: one of ``parts`` interleaved parts along ``dim`` (``pre[..., part::parts, ...]``). The one kind
+  that is *not* a bijection: the pre tensor holds the other parts too, which its target leaves unread. It is how a
+  split writes one part of a de-interleaved tensor from the contiguous block that holds it (gpt-oss's gate rows of an
+  expert-TP rank: its gate and up columns lie interleaved in one HuggingFace box, and its DCP chunks hold them
+  apart, :func:`within_part`); the merge's plans never use it (every stored element is read).
 
 Each has ``name`` (words for ``--dry-run`` and the audit), :meth:`source_shape`, :meth:`target_shape`,
 :meth:`inverse`, :meth:`bound` (the checks against a target's shape, with messages naming it) and :meth:`pre_box`
@@ -39,7 +44,8 @@ from ckpttool.layout.layout import Box, Shape
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["Chain", "Permute", "Transform", "Transpose", "interleave", "rope_halves", "transform_tensor"]
+__all__ = ["Chain", "Permute", "Take", "Transform", "Transpose", "interleave", "rope_halves", "transform_tensor",
+           "within_part"]
 
 #: ``scratch(buffer, shape, dtype)``: a tensor on the calling thread's buffer ``buffer`` (``Reader.scratch``)
 Scratch = Callable[[str, tuple[int, ...], str], "Tensor"]
@@ -108,6 +114,10 @@ class Permute:
             raise ConfigError(f"'{name}': {self.name}: the order {list(self.order)} is not a permutation of "
                               f"0..{self.period - 1}")
         return self if dim == self.dim else replace(self, dim=dim)
+
+    def bijective(self) -> bool:
+        """Whether every pre element is one target element (a permutation: yes)."""
+        return True
 
     def moves_rows(self) -> bool:
         """Whether a target row is made of pre rows from all over the tensor (never: blocks stay in place)."""
@@ -190,6 +200,10 @@ class Transpose:
             raise ConfigError(f"'{name}': {self.name} swaps a dim with itself (shape {list(shape)}); name two dims")
         return self if (self.dim0, self.dim1) == tuple(dims) else Transpose(*dims)
 
+    def bijective(self) -> bool:
+        """Whether every pre element is one target element (a transpose: yes)."""
+        return True
+
     def moves_rows(self) -> bool:
         """Whether a target row is made of pre rows from all over the tensor: when dim 0 is swapped."""
         return self.dim0 == 0 or self.dim1 == 0
@@ -270,6 +284,10 @@ class Chain:
             ranges.append(self.steps[i].pre_rows(shapes[i + 1], *ranges[-1]))
         return shapes, ranges[::-1]
 
+    def bijective(self) -> bool:
+        """Whether every pre element is one target element: when every step's is."""
+        return all(step.bijective() for step in self.steps)
+
     def moves_rows(self) -> bool:
         """Whether some step swaps dim 0."""
         return any(step.moves_rows() for step in self.steps)
@@ -318,10 +336,124 @@ class Chain:
         return pre
 
 
-Transform = Union[Permute, Transpose, Chain]
+@dataclass(frozen=True, slots=True)
+class Take:
+    """Part ``part`` of ``parts`` interleaved along ``dim``: target index ``i`` is pre index ``i * parts + part``,
+    as ``pre[..., part::parts, ...]``. Not a bijection (the other parts are left unread), so it has no inverse; a
+    split uses it (:func:`within_part`), never a merge's plan. Example: ``Take(0, 2, 1)`` of rows ``g0 u0 g1 u1``
+    is ``u0 u1``."""
+
+    dim: int
+    parts: int
+    part: int
+
+    @property
+    def name(self) -> str:
+        return f"take part {self.part} of {self.parts} interleaved along dim {self.dim}"
+
+    def source_shape(self, shape: Shape) -> Shape:
+        """The shape of the pre tensor of a target of ``shape``: ``parts`` times as long along ``dim``."""
+        found = list(shape)
+        found[self.dim] *= self.parts
+        return tuple(found)
+
+    def target_shape(self, shape: Shape) -> Shape:
+        """The shape of the target of a pre tensor of ``shape``: one part of ``dim``."""
+        found = list(shape)
+        found[self.dim] //= self.parts
+        return tuple(found)
+
+    def inverse(self) -> Take:
+        """None exists: the other parts are dropped.
+
+        Raises:
+            ConfigError: always, naming the transform.
+        """
+        raise ConfigError(f"{self.name}: drops the other parts, so it has no inverse")
+
+    def bound(self, shape: Shape, name: str) -> Take:
+        """This selection checked against a target of ``shape`` called ``name``, its dim made plain.
+
+        Raises:
+            ConfigError: the dim is out of range, or ``part`` is not one of ``0..parts-1``; the message names the
+                target.
+        """
+        dim = _dim(self.dim, shape, name, self.name)
+        if self.parts < 1 or not 0 <= self.part < self.parts:
+            raise ConfigError(f"'{name}': {self.name}: the part is not one of 0..{self.parts - 1}")
+        return self if dim == self.dim else replace(self, dim=dim)
+
+    def bijective(self) -> bool:
+        """Whether every pre element is one target element (no: the other parts are dropped)."""
+        return False
+
+    def moves_rows(self) -> bool:
+        """Whether a target row is made of pre rows from all over the tensor (never: ``parts`` rows each)."""
+        return False
+
+    def align(self, shape: Shape, rows: int) -> int:
+        """``rows``: any row range of the target is taken from a row range of the pre tensor."""
+        return rows
+
+    def pre_rows(self, shape: Shape, a: int, b: int) -> tuple[int, int]:
+        """The rows of the pre tensor target rows ``a..b`` are taken from: their ``parts`` rows each along dim 0
+        (every part, so the range is contiguous), else the same rows."""
+        return (a * self.parts, b * self.parts) if self.dim == 0 else (a, b)
+
+    def pre_box(self, shape: Shape, box: Box) -> Box:
+        """The box of the pre tensor ``box`` of the target is taken from: every part of its range along ``dim``."""
+        return Box(self.source_shape(box.offsets), self.source_shape(box.sizes))
+
+    def scratch_bytes(self, shape: Shape, a: int, b: int, itemsize: int) -> dict[str, int]:
+        """The bytes of each buffer :meth:`apply` takes for target rows ``a..b``."""
+        return _one_buffer(self, shape, a, b, itemsize)
+
+    def apply(self, pre: Tensor, shape: Shape, a: int, b: int, dtype: str, scratch: Scratch,
+              buffer: str = BUFFER) -> Tensor:
+        """Target rows ``a..b`` (a C-order tensor on ``buffer``) from ``pre``, rows :meth:`pre_rows` of the pre
+        tensor: a strided view of its part, copied once."""
+        out = scratch(buffer, (b - a, *shape[1:]), dtype)
+        size = b - a if self.dim == 0 else shape[self.dim]
+        _ints(out, dtype).copy_(_ints(pre, dtype).unflatten(self.dim, (size, self.parts)).select(self.dim + 1, self.part))
+        return out
 
 
-def _one_buffer(transform: Permute | Transpose, shape: Shape, a: int, b: int, itemsize: int) -> dict[str, int]:
+Transform = Union[Permute, Transpose, Chain, Take]
+
+
+def within_part(transform: Transform, shape: Shape, box: Box) -> tuple[Transform, Shape, Box] | None:
+    """``box`` of the target of ``transform`` (of ``shape``; its dims plain) as a box of one part of it, when the
+    transform's last step takes parts apart (a de-interleave: :func:`interleave`'s inverse, one block along its dim)
+    and ``box`` lies within one part: ``(the transform with that step a Take of the part, the part's shape, the box
+    in the part)``; None otherwise. The part is then a transform of the pre tensor in which a box's source is a box
+    (every part of its range), where the whole de-interleave needs whole blocks.
+
+    Example:
+        >>> # [gate; up] rows taken apart from gate/up interleaved: rows 2..4 of gate are pre rows 4..8, part 0
+        >>> within_part(interleave(2, 8).inverse(), (8, 3), Box((2, 0), (2, 3)))[2]  # doctest: +SKIP
+        Box(offsets=(2, 0), sizes=(2, 3))
+    """
+    steps = transform.steps if isinstance(transform, Chain) else (transform,)
+    last = steps[-1]
+    if not isinstance(last, Permute) or last.period != shape[last.dim] or last.period < 2:
+        return None
+    parts = last.order[1] if last.period > 1 else 0
+    if parts < 2 or last.period % parts:
+        return None
+    each = last.period // parts
+    if last.order != tuple(k * parts + p for p in range(parts) for k in range(each)):
+        return None
+    d = last.dim
+    part = box.offsets[d] // each
+    if box.sizes[d] < 1 or (box.ends[d] - 1) // each != part:
+        return None
+    take = Take(d, parts, part)
+    inner = Box(tuple(o - part * each if i == d else o for i, o in enumerate(box.offsets)), box.sizes)
+    found: Transform = Chain((*steps[:-1], take)) if len(steps) > 1 else take
+    return found, take.target_shape(shape), inner
+
+
+def _one_buffer(transform: Permute | Transpose | Take, shape: Shape, a: int, b: int, itemsize: int) -> dict[str, int]:
     """A step's buffers: the chunk's rows, and for a permutation of blocks a chunk does not align with, the blocks."""
     found = {BUFFER: (b - a) * _row_bytes(shape, itemsize)}
     pa, pb = transform.pre_rows(shape, a, b)

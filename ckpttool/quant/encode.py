@@ -189,7 +189,7 @@ def mxfp4_encode(stored: torch.Tensor, blocks: torch.Tensor | None, scales: torc
     shape = (experts, rows, groups, MXFP4_GROUP)
     source = stored if stored.dtype == torch.bfloat16 else scratch("bf16", tuple(stored.shape), "BF16").copy_(stored)
     work = scratch("work", shape, "F32")
-    work.view(experts, rows, cols).copy_(source.transpose(1, 2))  # the stored [E, out, in] orientation
+    transposed_copy(work.view(experts, rows, cols), source)  # the stored [E, out, in] orientation
     size = torch.abs(work, out=scratch("abs", shape, "F32"))
     amax = torch.amax(size, dim=-1, out=scratch("amax", shape[:3], "F32"))
     bits = amax.div_(E2M1_MAX).view(torch.int32)  # amax / 6, its exponent rounded up and its mantissa dropped
@@ -209,26 +209,63 @@ def mxfp4_encode(stored: torch.Tensor, blocks: torch.Tensor | None, scales: torc
     return _round_trip(work, values.mul_(scale.unsqueeze(-1)))
 
 
+#: input rows of ``[E, in, out]`` transposed at a time: torch copies a whole transposed view element by element in a
+#: poor order (3.5x slower on a gpt-oss expert, one thread); slabs of this many rows go at memory speed
+TRANSPOSE_ROWS = 512
+
+
+def transposed_copy(out: torch.Tensor, source: torch.Tensor) -> None:
+    """``out`` (``[E, out, in]``) = ``source`` (``[E, in, out]``) transposed, any dtypes, a slab of rows at a time."""
+    for e in range(source.shape[0]):
+        for a in range(0, source.shape[1], TRANSPOSE_ROWS):
+            out[e, :, a:a + TRANSPOSE_ROWS].copy_(source[e, a:a + TRANSPOSE_ROWS].T)
+
+
+#: float32 bit patterns: 0.25 and 0.75 minus one ulp (the codes below 1: 0 up to 0.25, 1 below 0.75, 2 from it)
+_BELOW_ONE = (0x3E800000, 0x3F400000 - 1)
+
+
 def e2m1_codes(q: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     """The E2M1 code (int32, sign bit 8) of each float32 ``q``: the nearest E2M1 value, ties to the even code,
     saturated at 6; NaN gives the largest code, as the reference's bit arithmetic does.
 
-    E2M1 steps by 0.5 below 2, by 1 below 4 and by 2 above, and a code's parity is that of its value's whole number
-    of steps, so rounding ``|q| / step`` half to even (``torch.round``) is rounding to the even code, across the
-    steps' borders too (1.75 -> 2, 3.5 -> 4, 5 -> 4): a handful of element-wise passes, no table search."""
-    magnitude = torch.abs(q, out=scratch("e2m1", tuple(q.shape), "F32"))
-    wide, wider = magnitude >= 2.0, magnitude >= 4.0
-    steps = torch.where(wider, 0.5, torch.where(wide, 1.0, 2.0))  # 1 / step
-    whole = magnitude.mul_(steps).round_()
-    whole.add_(wide.to(torch.float32).add_(wider.to(torch.float32)).mul_(2)).clamp_(max=7.0).nan_to_num_(nan=7.0)
-    codes = whole.to(torch.int32)
-    return codes.bitwise_or_(q.view(torch.int32).bitwise_right_shift(28).bitwise_and_(8))
+    On the float's bits, a few integer passes and no float arithmetic: from 1 up, E2M1 is a float with one mantissa
+    bit whose exponent starts at 0, so the code is the float32's (exponent, top mantissa bit) rounded half to even,
+    ``(bits + 0x1FFFFF + bit 22) >> 22`` (the carry moves into the exponent: 1.75 -> 2, 3.5 -> 4, 5 -> 4), less
+    ``127 << 1`` and plus 2; below 1 (codes 0, 1, 2: the values 0, 0.5, 1) it is which of 0.25 and 0.75 it passes
+    (0.25 is a tie to 0, 0.75 to 1). Below 1 the first is at most 2 and above it the second is 2, so the code is
+    the larger of the two. NaN and infinity are clamped to infinity's bits first (code 7)."""
+    shape = tuple(q.shape)
+    bits = torch.bitwise_and(q.view(torch.int32), 0x7FFFFFFF, out=scratch("e2m1", shape, "I32"))
+    bits.clamp_(max=0x7F800000)
+    code = scratch("e2m1.code", shape, "I32").copy_(bits)
+    code >>= 22
+    code.bitwise_and_(1).add_(bits).add_(0x1FFFFF)
+    code >>= 22
+    code.sub_((127 << 1) - 2).clamp_(max=7)
+    below = torch.bucketize(bits, _below_one(), out_int32=True, out=scratch("e2m1.sub", shape, "I32"))
+    torch.maximum(code, below, out=code)
+    sign = torch.bitwise_right_shift(q.view(torch.int32), 28, out=below)
+    return code.bitwise_or_(sign.bitwise_and_(8))
+
+
+@cache
+def _below_one() -> torch.Tensor:
+    return torch.tensor(_BELOW_ONE, dtype=torch.int32)
 
 
 def _round_trip(source: torch.Tensor, decoded: torch.Tensor) -> RoundTrip:
     flat, error = source.reshape(-1), decoded.sub_(source).reshape(-1)
-    return RoundTrip(float(error.abs().max()) if error.numel() else 0.0, float(torch.dot(error, error)),
-                     float(torch.dot(flat, flat)), float(flat.abs().max()) if flat.numel() else 0.0, flat.numel())
+    return RoundTrip(_largest_magnitude(error), float(torch.dot(error, error)), float(torch.dot(flat, flat)),
+                     _largest_magnitude(flat), flat.numel())
+
+
+def _largest_magnitude(values: torch.Tensor) -> float:
+    """``max(|values|)`` (0 for none) from one pass that allocates nothing: the larger of ``-min`` and ``max``."""
+    if not values.numel():
+        return 0.0
+    low, high = torch.aminmax(values)
+    return max(-float(low), float(high))
 
 
 @cache
@@ -283,10 +320,10 @@ def _mxfp4_scratch(stored: tuple[int, ...], blocks: bool) -> dict[str, int]:
     n = math.prod(stored)
     sizes = {"bf16": n * 2, "work": n * 4, "abs": n * 4, "amax": n // MXFP4_GROUP * 4}
     if blocks:
-        sizes["e2m1"] = n * 4  # |q|, then its whole steps (e2m1_codes)
-        # what torch allocates besides: two masks (1 byte each), 1/step and its inner where, the masks as floats,
-        # the codes, the sign bits, the packed pairs
-        sizes["mxfp4-temporaries"] = n * (1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 2)
+        sizes.update({"e2m1": n * 4, "e2m1.code": n * 4, "e2m1.sub": n * 4})  # |q|'s bits, the codes, 0..2 / signs
+        # what torch allocates besides: the high nibbles shifted and the pairs or-ed (int32 each, half the codes),
+        # and the group scales' mask and inverses
+        sizes["mxfp4-temporaries"] = n * (2 + 2) + n // MXFP4_GROUP * (1 + 4 + 4)
     return sizes
 
 

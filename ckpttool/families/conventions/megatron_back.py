@@ -15,8 +15,9 @@ way. A HuggingFace target that cut builds through a transform (gpt-oss's experts
 interleaved and transposed) comes back as a Megatron-Core tensor that is the *inverse* transform, lifted over the
 leading layer axis, of a pre tensor whose slices are whole HuggingFace boxes (:attr:`MegatronTensor.transform`); the
 split composes it chunk by chunk (:func:`ckpttool.plan.compose.compose`), so a chunk must hold whole blocks of the
-transform: gpt-oss's experts are not cut by tensor parallelism (``expert_tensor_parallel_size`` 1, as
-Megatron-Bridge trains it).
+transform, or one part of a de-interleave (:func:`ckpttool.plan.transforms.within_part`): gpt-oss's experts whole
+(``expert_tensor_parallel_size`` 1, as Megatron-Bridge trains it, the default) or cut by expert tensor parallelism
+(:data:`EXPERT_TP_RULES`), where a rank's gate rows and its up rows are each one part of HuggingFace's columns.
 """
 
 from __future__ import annotations
@@ -66,19 +67,31 @@ FAMILY_TP_RULES: Mapping[str, PlacementRules] = {
         (r"^decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.(weight|bias)$", REPLICATE),
     ),
 }
+#: the experts' placements when expert tensor parallelism cuts them (``expert_tensor_parallel_size`` = tp), for every
+#: family: fc1 ``[gate_r; up_r]`` on each rank (its bias too), fc2 by input columns, fc2's bias whole (added once,
+#: after the partial sums)
+EXPERT_TP_RULES: PlacementRules = (
+    (r"\.linear_fc1\.(weight|bias)$", Placement("strided", 2, 2)),
+    (r"\.linear_fc2\.weight$", Placement("shard", 3)),
+    (r"\.linear_fc2\.bias$", REPLICATE),
+)
 #: the linear layers whose ``_extra_state`` megatron-core saves beside their weights
 EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
                "mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2", "mlp.shared_experts.linear_fc1",
                "mlp.shared_experts.linear_fc2")
 
 
-def tp_placement(name: str, model_type: str = "") -> Placement:
+def tp_placement(name: str, model_type: str = "", expert_tp: int = 0) -> Placement:
     """The tensor-parallel placement of Megatron-Core global tensor ``name`` of a ``model_type`` model
-    (:data:`FAMILY_TP_RULES`, then :data:`TP_RULES`).
+    (:data:`FAMILY_TP_RULES`, then :data:`TP_RULES`). With ``expert_tp`` (the expert tensor-parallel size; 0: the
+    model's own rules), an expert tensor (:data:`EXPERT_TENSORS`) is whole on every TP rank at 1, else placed by
+    :data:`EXPERT_TP_RULES`.
 
     Raises:
         ConfigError: no rule places it (a tensor :func:`megatron_shapes` does not list: a bug or a new tensor).
     """
+    if expert_tp and name in EXPERT_TENSORS:
+        return REPLICATE if expert_tp == 1 else placement_of(name, EXPERT_TP_RULES) or REPLICATE
     placement = placement_of(name, FAMILY_TP_RULES.get(model_type, ()) + TP_RULES)
     if placement is None:
         raise ConfigError(f"'{name}': the Megatron-Core convention knows no tensor-parallel placement for it")
@@ -298,10 +311,10 @@ def _named(transform: Transform | None) -> str:
 
 
 def training_args(info: ModelInfo, shapes: Mapping[str, Shape], *, tp: int, pp: int, ep: int, divisible_by: int,
-                  iteration: int) -> dict[str, object]:
+                  iteration: int, etp: int = 0) -> dict[str, object]:
     """The Megatron-LM training arguments ``common.pt`` records for this model (its Megatron-Core global tensors'
-    ``shapes``) on ``tp`` x ``pp`` x ``ep`` ranks: those its ``load_checkpoint`` compares and the ones a reader
-    needs to tell padding from vocab."""
+    ``shapes``) on ``tp`` x ``pp`` x ``ep`` ranks, experts cut by ``etp`` (0: the model's default): those its
+    ``load_checkpoint`` compares and the ones a reader needs to tell padding from vocab."""
     config = info.config
     heads = int(config.get("num_attention_heads") or 0)
     groups = int(config.get("num_key_value_heads") or heads)
@@ -330,6 +343,8 @@ def training_args(info: ModelInfo, shapes: Mapping[str, Shape], *, tp: int, pp: 
                     moe_grouped_gemm=False)
     if info.model_type == "gpt_oss":
         args.update(_gpt_oss_args(config))
+    if etp:
+        args["expert_tensor_parallel_size"] = etp
     if shared:
         args.update(moe_shared_expert_intermediate_size=shared[1] // 2,
                     moe_shared_expert_gate="decoder.layers.mlp.shared_experts.gate_weight" in shapes)

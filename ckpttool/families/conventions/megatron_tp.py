@@ -37,8 +37,9 @@ EITHER = (("linear_q_down_proj.weight", ("q_lora_rank",)),
           ("linear_kv_down_proj.weight", ("kv_lora_rank", "qk_pos_emb_head_dim")))
 #: a gated MLP's ``linear_fc1`` holds ``[gate_r; up_r]`` on each rank: halves of the global ``[gate; up]``
 PAIRED = ("linear_fc1.weight", "linear_fc1.bias")
-#: the arg that says the MLP is gated (SwiGLU), and its default when the args do not record it
-PAIRED_WHEN = ("swiglu", True)
+#: the args that say the MLP is gated, each with its default when the args do not record it: SwiGLU, or gpt-oss's
+#: clamped GLU (``quick_geglu``, with ``swiglu`` False: its expert fc1 is ``[gate_r; up_r]`` under expert TP too)
+PAIRED_WHEN = (("swiglu", True), ("quick_geglu", False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,7 @@ class MegatronTP:
     row: tuple[str, ...] = ROW
     either: tuple[tuple[str, tuple[str, ...]], ...] = EITHER
     paired: tuple[str, ...] = PAIRED
-    paired_when: tuple[str, bool] = PAIRED_WHEN
+    paired_when: tuple[tuple[str, bool], ...] = PAIRED_WHEN
 
     def check_args(self, args: Any, info: ModelInfo, where: str) -> None:
         """Compare the checkpoint's training args (recorded in ``where``) with ``info``'s config: the convention's

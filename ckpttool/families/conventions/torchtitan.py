@@ -32,7 +32,8 @@ dim]`` and ``w2_EDF`` ``[E, dim, ffn]`` (0.2: ``moe.experts.w1``/``w3``/``w2``) 
 ``model.layers.N.mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj`` ``.weight`` (slab ``E``, no transpose), the
 router ``moe.router.gate.weight`` is ``mlp.gate.weight``, and the load-balancing ``moe.expert_bias_E`` is dropped
 with a note, as torchtitan's ``Qwen3StateDictAdapter.to_hf`` does. Only for a config whose HF form has per-expert
-tensors; DeepSeek-V3's MLA and shared experts, and Llama 4, are refused by name.
+tensors; Llama 4 is refused by name. DeepSeek-V3 (MLA, shared experts, its bias kept as
+``e_score_correction_bias``, no permutation): :mod:`.torchtitan_mla`'s table over this one.
 
 The way back (``split --to dcp --names torchtitan``, :func:`to_torchtitan`): the model's in-memory tensors renamed
 to the names of the torchtitan release named (:data:`RELEASES`: 0.3's ``attention.qkv_linear.wq`` and ``lm_head``,
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING
 
 from ckpttool.errors import ArgumentError, ConfigError
 from ckpttool.families.adapter import Convention, CutResult, FamilyAdapter
+from ckpttool.families.conventions import torchtitan_mla as mla
 from ckpttool.layout.placements import Placement
 from ckpttool.families.rules import Unstack
 from ckpttool.families.rules import cut as cut_by_rules
@@ -113,7 +115,9 @@ class TorchtitanConvention(Convention):
     def cut(self, layout: Layout, info: ModelInfo, family: FamilyAdapter) -> CutResult:
         """torchtitan names -> HuggingFace on-disk names, Q/K rows from RoPE pairs to halves (see the module)."""
         head_dim, problem = _head_dim(info)
-        permute = info.model_type not in _HALVES and info.family not in _HALVES
+        deepseek, table = mla.applies(info), mla.layer_table(_LAYER, info)
+        permute = info.model_type not in _HALVES and info.family not in _HALVES and not deepseek
+        rope_problem = mla.rope_problem(info) if deepseek else ""
         # stacked experts are cut only for a model whose HF form has per-expert tensors (Qwen3-MoE)
         moe = any(".mlp.experts." in name for name in info.disk_shapes)
         specs: list[TargetSpec] = []
@@ -121,17 +125,21 @@ class TorchtitanConvention(Convention):
         permuted = 0
         dropped: list[str] = []
         for tensor in layout.tensors.values():
-            if _EXPERT_BIAS.match(tensor.fqn):
+            if _EXPERT_BIAS.match(tensor.fqn) and not deepseek:
                 dropped.append(tensor.fqn)
                 continue
             experts = _experts(tensor) if moe else None
             if experts is not None:
                 specs.extend(experts)
                 continue
-            hf, rope = _hf_name(tensor.fqn)
+            hf, rope = _hf_name(tensor.fqn, table)
             if hf is None:
+                why = mla.unmapped(tensor.fqn) if deepseek else "MoE and MLA layers are not supported yet"
                 problems.append((tensor.fqn, f"'{tensor.fqn}': not a torchtitan name ckpttool maps to HuggingFace "
-                                             f"for {info.model_type} (MoE and MLA layers are not supported yet)"))
+                                             f"for {info.model_type} ({why})"))
+                continue
+            if rope_problem and tensor.fqn.split(".", 2)[-1] in mla.ROPE_ROWS:
+                problems.append((tensor.fqn, f"'{tensor.fqn}': {rope_problem}"))
                 continue
             if hf == "lm_head.weight" and hf not in info.disk_shapes and hf in info.tied:
                 dropped.append(tensor.fqn)
@@ -175,9 +183,9 @@ def _experts(tensor: TensorLayout) -> list[TargetSpec] | None:
                                                       (f"{{prefix}}.{{expert}}.{_EXPERT_HF[weight]}",)),))
 
 
-def _hf_name(fqn: str) -> tuple[str | None, str]:
-    """The HuggingFace on-disk name of torchtitan tensor ``fqn`` and ``"q"``/``"k"`` for RoPE rows ("" else);
-    (None, "") for a name this convention does not map."""
+def _hf_name(fqn: str, table: dict[str, tuple[str, str]]) -> tuple[str | None, str]:
+    """The HuggingFace on-disk name of torchtitan tensor ``fqn`` by the layer ``table`` and ``"q"``/``"k"`` for
+    RoPE rows ("" else); (None, "") for a name this convention does not map."""
     top = _TOP.get(fqn)
     if top is not None:
         return top, ""
@@ -186,7 +194,8 @@ def _hf_name(fqn: str) -> tuple[str | None, str]:
         return None, ""
     layer, rest = match.groups()
     fused = _QKV_LINEAR.match(rest)
-    hf = _LAYER.get(f"attention.{fused.group(1)}" if fused else rest)
+    rest = f"attention.{fused.group(1)}" if fused else rest
+    hf = table.get(mla.OLD_BIAS.get(rest, rest))
     if hf is None:
         return None, ""
     return f"model.layers.{layer}.{hf[0]}", hf[1]
@@ -213,17 +222,23 @@ CONVENTION = TorchtitanConvention()
 #: the torchtitan releases whose names a split writes (``--names torchtitan`` is the first, the newest)
 RELEASES = ("0.3", "0.2")
 #: the model types torchtitan builds that a split writes in its names (Llama 3 and Qwen3 dense)
-FAMILIES = ("llama", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", mla.FAMILY)
 #: torchtitan's stacked experts by release, and its load-balancing bias
 _STACKED = {"0.3": {w: f"routed_experts.inner_experts.{w}_{'EDF' if w == 'w2' else 'EFD'}" for w in ("w1", "w2", "w3")},
             "0.2": {w: f"experts.{w}" for w in ("w1", "w2", "w3")}}
 _BIAS = {"0.3": "expert_bias_E", "0.2": "expert_bias"}
 _SHARD0, _SHARD1, _REPLICATE = Placement("shard", 0), Placement("shard", 1), Placement("replicate")
-#: torchtitan's tensor-parallel plan (``parallelize_llama`` / ``parallelize_qwen3``), by the name's last two parts
+_SHARD2 = Placement("shard", 2)
+#: torchtitan's tensor-parallel plan (``parallelize_llama`` / ``parallelize_qwen3``, DeepSeek-V3's
+#: ``set_deepseek_v3_sharding_config``), by the name's last two parts; MLA's low-rank ``wq_a``/``wkv_a``, norms and
+#: the router replicated; the stacked experts without EP as its ``expert_param_layout`` (0.2's ``TensorParallel``)
 _TP = {
     "tok_embeddings.weight": _SHARD0, "lm_head.weight": _SHARD0, "output.weight": _SHARD0,
     "wq.weight": _SHARD0, "wk.weight": _SHARD0, "wv.weight": _SHARD0, "wo.weight": _SHARD1,
+    "wq_b.weight": _SHARD0, "wkv_b.weight": _SHARD0,
     "w1.weight": _SHARD0, "w3.weight": _SHARD0, "w2.weight": _SHARD1,
+    "inner_experts.w1_EFD": _SHARD1, "inner_experts.w3_EFD": _SHARD1, "inner_experts.w2_EDF": _SHARD2,
+    "experts.w1": _SHARD1, "experts.w3": _SHARD1, "experts.w2": _SHARD2,
 }
 
 
@@ -272,24 +287,28 @@ def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str 
     if info.model_type not in FAMILIES:
         raise ConfigError(
             f"names='torchtitan': torchtitan {release} has no {info.model_type} model ckpttool writes its names for "
-            f"(it writes {', '.join(FAMILIES)}: Llama 3, Qwen3 and Qwen3-MoE); split without --names, or merge to another "
+            f"(it writes {', '.join(FAMILIES)}: Llama 3, Qwen3, Qwen3-MoE and DeepSeek-V3); split without --names, or "
+            "merge to another "
             "family first")
     head_dim, problem = _head_dim(info)
-    permute = info.model_type not in _HALVES
-    back = {hf: (titan, rope) for titan, (hf, rope) in _LAYER.items()}
+    deepseek = mla.applies(info)
+    permute = info.model_type not in _HALVES and not deepseek
+    if deepseek and (problem := mla.rope_problem(info)):
+        raise ConfigError(f"names='torchtitan': the {info.model_type} model's {problem}; nothing was written")
+    back = {hf: (titan, rope) for titan, (hf, rope) in mla.layer_table(_LAYER, info).items()}
     tensors, unnamed, whole, permuted = [], [], set(), 0
     zeros: list[str] = []
     for tensor in memory:
         experts = _stacked_back(tensor, release)
         if experts:
             tensors.extend(experts)
-            if tensor.name.endswith(".down_proj"):  # one load-balancing bias per MoE layer, zeros, float32
+            if tensor.name.endswith(".down_proj") and not deepseek:  # a load-balancing bias per MoE layer, zeros
                 bias = re.sub(r"^model\.layers\.(\d+)\..*$", rf"layers.\1.moe.{_BIAS[release]}", tensor.name)
                 tensors.append(replace(tensor, name=bias, shape=tensor.shape[:1], slices=(), stacked=False))
                 zeros.append(bias)
                 whole.add(bias)
             continue
-        name, rope = _titan_name(tensor.name, back, release)
+        name, rope = _titan_name(tensor.name, back, release, qkv_linear=not deepseek)
         if name is None:
             unnamed.append(tensor.name)
             continue
@@ -298,7 +317,7 @@ def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str 
             if problem:
                 raise ConfigError(f"'{tensor.name}': {problem}")
             transform, permuted = rope_halves(head_dim).inverse(), permuted + 1
-        if release == "0.3" and ".qkv_linear." in name:
+        if (release == "0.3" and ".qkv_linear." in name) or _EXPERT_BIAS.match(name):
             whole.add(name)
         tensors.append(replace(tensor, name=name, transform=transform))
     if unnamed:
@@ -353,8 +372,34 @@ def tp_placement(name: str) -> Placement:
     return _TP.get(".".join(name.split(".")[-2:]), _REPLICATE)
 
 
-def _titan_name(hf: str, back: dict[str, tuple[str, str]], release: str) -> tuple[str | None, str]:
-    """torchtitan ``release``'s name of in-memory HF tensor ``hf`` and its RoPE mark, or (None, "")."""
+def check_mesh(written: TorchtitanNames, release: str, *, fsdp: int, tp: int, ep: int, dp: int = 1) -> None:
+    """Refuse a mesh on which torchtitan ``release`` places the stacked experts of ``written`` otherwise than
+    ckpttool writes them (experts ``Shard(0)`` over FSDP, over ``(efsdp, ep)`` with EP, ``Shard(1)``/``Shard(2)``
+    over TP without EP): torchtitan's FSDP shards experts along dim 1 when its expert FSDP size (``dp x fsdp``,
+    or ``efsdp x ep`` = ``fsdp x tp`` with EP) exceeds the number of experts, and 0.2 shards them over TP within EP.
+
+    Raises:
+        ConfigError: naming the tensor, the mesh and what to choose instead.
+    """
+    stacked = next((t for t in written.tensors if t.stacked), None)
+    if stacked is None:
+        return
+    experts, size = stacked.shape[0], fsdp * tp if ep > 1 else dp * fsdp
+    what = "fsdp x tp" if ep > 1 else "dp x fsdp" if dp > 1 else "fsdp"
+    if size > experts:
+        raise ConfigError(
+            f"'{stacked.name}': torchtitan {release} shards its {experts} experts along dim 1 when its expert FSDP "
+            f"size ({what} = {size}) exceeds them, a layout ckpttool does not write; choose {what} at most "
+            f"{experts}; nothing was written")
+    if release == "0.2" and ep > 1 and tp > 1:
+        raise ConfigError(f"'{stacked.name}': torchtitan 0.2 shards experts over TP within EP (its ETP), a layout "
+                          "ckpttool does not write; write 0.3's names, or choose tp=1 or ep=1; nothing was written")
+
+
+def _titan_name(hf: str, back: dict[str, tuple[str, str]], release: str,
+                qkv_linear: bool = True) -> tuple[str | None, str]:
+    """torchtitan ``release``'s name of in-memory HF tensor ``hf`` and its RoPE mark, or (None, "");
+    ``qkv_linear``: the model's Q/K/V sit in 0.3's ``QKVLinear`` (not DeepSeek-V3's MLA)."""
     top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
            "lm_head.weight": "lm_head.weight" if release == "0.3" else "output.weight"}.get(hf)
     if top is not None:
@@ -364,6 +409,8 @@ def _titan_name(hf: str, back: dict[str, tuple[str, str]], release: str) -> tupl
     if match is None or found is None:
         return None, ""
     titan, rope = found
-    if release == "0.3" and titan in ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"):
+    if qkv_linear and release == "0.3" and titan in ("attention.wq.weight", "attention.wk.weight",
+                                                     "attention.wv.weight"):
         titan = titan.replace("attention.", "attention.qkv_linear.")
+    titan = titan.replace("moe.expert_bias_E", f"moe.{_BIAS[release]}")
     return f"layers.{match.group(1)}.{titan}", rope

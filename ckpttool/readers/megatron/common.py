@@ -51,8 +51,8 @@ class ConventionTables(Protocol):
     Names are suffixes of a local tensor's name, matched with ``str.endswith``; the first of these that matches
     applies: :attr:`column` (split on dim 0 across TP ranks), :attr:`row` (dim 1), :attr:`either` (dim 0 or whole on
     every rank: the rows a rank holds against the sum of the named args tell); any other tensor is whole on every
-    rank. :attr:`paired` tensors hold two halves ``[a_r; b_r]`` on each rank, of the global ``[a; b]``, when the arg
-    :attr:`paired_when` names is true (its default when absent).
+    rank. :attr:`paired` tensors hold two halves ``[a_r; b_r]`` on each rank, of the global ``[a; b]``, when one of
+    the args :attr:`paired_when` names is true (each ``(name, default when absent)``).
     """
 
     @property
@@ -68,7 +68,7 @@ class ConventionTables(Protocol):
     def paired(self) -> tuple[str, ...]: ...
 
     @property
-    def paired_when(self) -> tuple[str, bool]: ...
+    def paired_when(self) -> tuple[tuple[str, bool], ...]: ...
 
     def check_args(self, args: Any, info: ModelInfo, where: str) -> None:
         """Refuse ``args`` (a plain mapping: :func:`args_view`) that contradict ``info``'s config (a ConfigError

@@ -217,7 +217,7 @@ class _Placer:
             suffix: (sum(megatron.int_arg(args, name, args_file) for name in names), " + ".join(names))
             for suffix, names in tables.either
         }
-        self.paired = bool(arg(args, *tables.paired_when))
+        self.paired = any(bool(arg(args, name, default)) for name, default in tables.paired_when)
         etp = arg(args, "expert_tensor_parallel_size")
         self.expert_tp = int(etp) if isinstance(etp, int) and etp > 0 else self.parallel["tp"]
         if self.expert_tp not in (1, self.parallel["tp"]):

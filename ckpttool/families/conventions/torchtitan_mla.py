@@ -1,0 +1,86 @@
+"""DeepSeek-V3 in the torchtitan convention: the names torchtitan's ``deepseek_v3`` model gives multi-latent attention
+(MLA), the shared experts and the router's load-balancing bias, under HuggingFace ``DeepseekV3`` names.
+:mod:`.torchtitan` applies this table over its Llama one for a ``deepseek_v3`` config; this module holds what the
+names are and why, as torchtitan 0.3's own ``DeepSeekV3StateDictAdapter`` (and 0.2's) maps them:
+
+=============================================================  ================================================
+torchtitan ``layers.N.``                                       HuggingFace ``model.layers.N.``
+=============================================================  ================================================
+``attention.wq.weight`` (no ``q_lora_rank``)                   ``self_attn.q_proj.weight``
+``attention.wq_a`` / ``q_norm`` / ``wq_b`` ``.weight``         ``self_attn.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``
+``attention.wkv_a`` / ``kv_norm`` / ``wkv_b`` ``.weight``      ``self_attn.kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``
+``moe.shared_experts.w1`` / ``w3`` / ``w2`` ``.weight``        ``mlp.shared_experts.gate_proj`` / ``up_proj`` / ``down_proj``
+``moe.expert_bias_E`` (0.2: ``moe.expert_bias``)               ``mlp.gate.e_score_correction_bias`` (float32)
+=============================================================  ================================================
+
+The dense first layers (``feed_forward.w1/w2/w3``), the router (``moe.router.gate``), the stacked routed experts and
+the rest are the Llama / Qwen3-MoE names of :mod:`.torchtitan`. Each tensor is renamed, never re-cut: both models
+view ``wq``/``wq_b`` rows as heads of ``[nope; rope]`` and ``wkv_a`` rows as ``[kv_lora_rank; rope]``.
+
+RoPE: torchtitan's MLA rotates the ``qk_rope_head_dim`` rows as interleaved pairs (``ComplexRoPE``), which
+transformers' DeepSeek-V3 does with ``rope_interleave: true`` (its default, and the layout of DeepSeek's release),
+so torchtitan's adapter permutes nothing and neither does ckpttool. A config with ``rope_interleave: false`` would
+need the rope rows alone permuted: it is refused naming the key. The load-balancing bias is DeepSeek-V3's own
+``e_score_correction_bias`` (added to the sigmoid scores for the top-k choice only, in both models): kept, where
+Qwen3-MoE (no such tensor in HF) drops it.
+"""
+
+from __future__ import annotations
+
+from ckpttool.model.architecture import ModelInfo
+
+#: the model type whose torchtitan names this module holds
+FAMILY = "deepseek_v3"
+#: torchtitan's DeepSeek-V3 layer names -> HuggingFace's (and the RoPE mark of :mod:`.torchtitan`: none here)
+LAYER = {
+    "attention.wq.weight": ("self_attn.q_proj.weight", ""),
+    "attention.wq_a.weight": ("self_attn.q_a_proj.weight", ""),
+    "attention.q_norm.weight": ("self_attn.q_a_layernorm.weight", ""),
+    "attention.wq_b.weight": ("self_attn.q_b_proj.weight", ""),
+    "attention.wkv_a.weight": ("self_attn.kv_a_proj_with_mqa.weight", ""),
+    "attention.kv_norm.weight": ("self_attn.kv_a_layernorm.weight", ""),
+    "attention.wkv_b.weight": ("self_attn.kv_b_proj.weight", ""),
+    "moe.shared_experts.w1.weight": ("mlp.shared_experts.gate_proj.weight", ""),
+    "moe.shared_experts.w3.weight": ("mlp.shared_experts.up_proj.weight", ""),
+    "moe.shared_experts.w2.weight": ("mlp.shared_experts.down_proj.weight", ""),
+    "moe.expert_bias_E": ("mlp.gate.e_score_correction_bias", ""),
+}
+#: the Llama table's names MLA has not (its keys and values come from ``wkv_a``/``wkv_b``)
+NOT_MLA = ("attention.wk.weight", "attention.wv.weight", "attention.k_norm.weight")
+#: 0.2's name of the load-balancing bias, read as 0.3's
+OLD_BIAS = {"moe.expert_bias": "moe.expert_bias_E"}
+#: the tensors whose rows hold the rotary dims (the rope part of each head, or of the shared key)
+ROPE_ROWS = ("attention.wq.weight", "attention.wq_b.weight", "attention.wkv_a.weight")
+
+
+def applies(info: ModelInfo) -> bool:
+    """Whether ``info`` is a DeepSeek-V3 model, whose torchtitan names are this module's."""
+    return info.model_type == FAMILY or info.family == FAMILY
+
+
+def layer_table(base: dict[str, tuple[str, str]], info: ModelInfo) -> dict[str, tuple[str, str]]:
+    """torchtitan's layer names -> HF's for ``info``: ``base`` (the Llama / Qwen3 table), with this module's
+    DeepSeek-V3 names over it for a DeepSeek-V3 model (``q_norm`` is MLA's ``q_a_layernorm`` there; no
+    ``wk``/``wv``/``k_norm``)."""
+    if not applies(info):
+        return base
+    return {**{name: hf for name, hf in base.items() if name not in NOT_MLA}, **LAYER}
+
+
+def rope_problem(info: ModelInfo) -> str:
+    """Why the rope rows of a DeepSeek-V3 torchtitan model cannot be written for ``info`` ("" if they can):
+    torchtitan's interleaved pairs are transformers' layout only with ``rope_interleave: true``."""
+    if info.config.get("rope_interleave", True) is True:
+        return ""
+    return ("its rotary rows are in torchtitan's interleaved pairs and the config sets rope_interleave: false "
+            "(ckpttool does not permute MLA's rope rows alone); use rope_interleave: true, as DeepSeek-V3's release "
+            "and torchtitan's own adapter do")
+
+
+def unmapped(fqn: str) -> str:
+    """Why torchtitan's DeepSeek-V3 tensor ``fqn`` has no HF name here: its multi-token-prediction layers
+    (``mtp_layers.N``, HF's ``model.layers.{num_hidden_layers + N}``) are not mapped yet; any other name is not
+    one of its model's."""
+    if fqn.startswith("mtp_layers."):
+        return "torchtitan's multi-token-prediction layers (mtp_layers.N) are not mapped to HuggingFace yet"
+    return "not in torchtitan's DeepSeek-V3 model"
