@@ -288,3 +288,37 @@ def test_a_dropped_vision_tower_is_one_root_cause(sources, name, tmp_path, cli):
     assert "of a vision-language model is missing" in causes[0]["cause"]
     assert tree_digest(dropped) == before
 
+
+
+# --- a real multi-rank producer: GLM-4V under transformers' own tensor parallelism ---------------------------------
+
+GLM_TP2 = "glm4v_hf_tp2"
+
+
+def test_a_transformers_tp_save_of_glm4v_merges_bit_exact_and_splits_back_as_its_plan_cut_it(tmp_path, cli):
+    """``DistributedConfig(tp_size=2)`` + ``save_pretrained(distributed_checkpoint=True)`` of GLM-4V
+    (``fixtures/glm4v_hf_tp2``): the merge equals ``save_pretrained`` bit for bit; ``split --to dcp --tp 2`` cuts every
+    tensor where GLM-4V's plan cut it on the producer's two ranks (the fused ``gate_up_proj`` by rows, the vision
+    tower whole) and gives its values back."""
+    from conftest import fixture_dir
+
+    source = fixture_dir(GLM_TP2)
+    out = tmp_path / "out"
+    result = cli("merge", source / "checkpoint", out)
+    assert result.exit_code == 0, result.output
+    assert "(hf-distributed)" in result.output and "family:   glm4v (its rules)" in result.output
+    assert "audit: PASS" in result.output
+    ours, want = load_output(out), load_output(source / "reference")
+    assert sorted(ours) == sorted(want)
+    assert all(ours[k].dtype == want[k].dtype and torch.equal(ours[k], want[k]) for k in want)
+    split = tmp_path / "split"
+    result = cli("split", out, split, "--to", "dcp", "--tp", "2")
+    assert result.exit_code == 0, result.output
+    got, chunks = _read_dcp(split)
+    assert all(torch.equal(got[k], want[k]) for k in want)  # in-memory names are GLM-4V's on-disk names
+    produced = json.loads((source / "producer.json").read_text())["tensors"]
+    cut = {k: sorted((tuple(r["global_offset"]), tuple(r["local_shape"])) for r in v["per_rank"])
+           for k, v in produced.items() if v["dtensor"]}
+    assert "model.language_model.layers.0.mlp.gate_up_proj.weight" in cut
+    assert not any(k.startswith("model.visual.") for k in cut)
+    assert {k: chunks[k] for k in cut} == cut
