@@ -322,3 +322,22 @@ def test_a_transformers_tp_save_of_glm4v_merges_bit_exact_and_splits_back_as_its
     assert "model.language_model.layers.0.mlp.gate_up_proj.weight" in cut
     assert not any(k.startswith("model.visual.") for k in cut)
     assert {k: chunks[k] for k in cut} == cut
+
+
+def test_a_transformers_tp_save_of_llama4_with_its_strided_experts_merges_bit_exact(tmp_path, cli):
+    """Llama 4 under its own plan (``fixtures/llama4_hf_tp2``): the vision model cut too, and the stacked experts'
+    ``gate_up_proj`` saved as ``_StridedShard(dim=2, sf=2)`` (each rank its half of gate and its half of up): the merge
+    equals ``save_pretrained`` bit for bit and passes its audit."""
+    from conftest import fixture_dir
+
+    source = fixture_dir("llama4_hf_tp2")
+    produced = json.loads((source / "producer.json").read_text())["tensors"]
+    assert produced["language_model.model.layers.0.feed_forward.experts.gate_up_proj"]["placements"] == [
+        "_StridedShard(dim=2, sf=2)"]
+    out = tmp_path / "out"
+    result = cli("merge", source / "checkpoint", out)
+    assert result.exit_code == 0, result.output
+    assert "family:   llama4 (its rules)" in result.output and "audit: PASS" in result.output
+    ours, want = load_output(out), load_output(source / "reference")
+    assert sorted(ours) == sorted(want)
+    assert all(ours[k].dtype == want[k].dtype and torch.equal(ours[k], want[k]) for k in want)
