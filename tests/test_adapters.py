@@ -24,7 +24,7 @@ from ckpttool.families import (
     map_to_hf,
     recognised,
 )
-from ckpttool.families import gpt_oss, llava, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_5, qwen3_next
+from ckpttool.families import glm4v, gpt_oss, llama4, llava, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_5, qwen3_next
 from ckpttool.families.adapter import HF_TP_RULES, REPLICATE, SHARD0, SHARD1
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core
 from ckpttool.families.rules import Rename
@@ -47,10 +47,10 @@ def _llama() -> ModelInfo:
 # --- the registry -------------------------------------------------------------------------------------------------
 
 def test_every_family_and_convention_is_registered_once_by_its_name():
-    assert [a.name for a in ADAPTERS] == ["mixtral", "qwen3_next", "qwen2_moe", "qwen2_5_vl", "llava", "gpt_oss",
-                                          "nemotron_h", "qwen3_5_text"]
-    assert ADAPTERS == [mixtral.ADAPTER, qwen3_next.ADAPTER, qwen2_moe.ADAPTER, qwen2_vl.ADAPTER, llava.ADAPTER,
-                        gpt_oss.ADAPTER, nemotron_h.ADAPTER, qwen3_5.ADAPTER]
+    assert [a.name for a in ADAPTERS] == ["mixtral", "qwen3_next", "glm4v", "qwen2_moe", "qwen2_5_vl", "llava",
+                                          "gpt_oss", "nemotron_h", "qwen3_5_text", "llama4"]
+    assert ADAPTERS == [mixtral.ADAPTER, qwen3_next.ADAPTER, glm4v.ADAPTER, qwen2_moe.ADAPTER, qwen2_vl.ADAPTER,
+                        llava.ADAPTER, gpt_oss.ADAPTER, nemotron_h.ADAPTER, qwen3_5.ADAPTER, llama4.ADAPTER]
     assert [c.name for c in CONVENTIONS] == ["Megatron-Core", "DeepSpeed MoE", "torchtitan", "HuggingFace"]
     assert CONVENTIONS[-1] is hf.CONVENTION  # the catch-all is asked last
 

@@ -23,6 +23,7 @@ EXPECTED = {
     "qwen2moe_fsdp2_dcp": "dcp", "deepseek_v3_fsdp2_dcp": "dcp", "deepseek_v3_hf_tp2_ep2": "hf-distributed",
     "deepseek_v3_hf_mtp": "hf", "quantized_": "hf", "hf_bin_": "hf", "incident_": "hf", "qwen2_5_vl_fsdp2_dcp": "dcp", "torch_v2_": "dcp",
     "gemma3_vl_fsdp2_dcp": "dcp", "qwen3_vl_": "dcp", "qwen2_5_vl_hf_tp2": "hf-distributed",
+    "glm4v_hf_tp2": "hf-distributed", "llama4_hf_tp2": "hf-distributed",
     "hf_tf4_": "hf", "hf_accelerate_": "hf", "gpt_oss_fsdp2_dcp": "dcp", "gpt_oss_hf_ep2": "hf-distributed",
     "megatron_v": "megatron-dist",  # megatron_v<major>_<minor>_<case>: torch_dist/ (and legacy/), no checkpoint/
     "torchtitan_": "dcp", "lora_": "hf", "peft_": "dcp", "lightning_": "lightning",

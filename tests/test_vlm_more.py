@@ -278,8 +278,8 @@ def test_verify_of_a_vlm_without_a_known_image_layout_says_it_ran_text_only(tmp_
     """A vision-language config of a family whose image layout ckpttool does not know: a note, text only."""
     from ckpttool.verify.image import image_input
 
-    assert image_input(tmp_path, {"model_type": "llava", "vision_config": {}}) == (
-        "llava is verified on text only: ckpttool does not know how its images are laid out")
+    assert image_input(tmp_path, {"model_type": "idefics3", "vision_config": {}}) == (
+        "idefics3 is verified on text only: ckpttool does not know how its images are laid out")
     assert image_input(tmp_path, {"model_type": "llama"}) is None
     note = image_input(tmp_path, {"model_type": "qwen3_vl", "vision_config": {"patch_size": 4}})
     assert note == "qwen3_vl is verified on text only: its config does not give the image layout ('spatial_merge_size')"

@@ -10,7 +10,8 @@ router that diverged on 7 ranks gives 7 findings per layer. A cause gathers the 
 - anything about an expert (missing, dead, NaN): one cause per expert index across the layers;
 - a shared expert's missing tensors: one cause per shared expert across the layers;
 - a vision-language model's missing vision tower, projector or merger tensors: one cause per tower (``visual``,
-  ``vision_tower``, ``multi_modal_projector``), whatever blocks they are in;
+  ``vision_tower``, ``vision_model``, ``multi_modal_projector``: :data:`~.shapes.VISION_SIDE`), whatever blocks or
+  layers they are in (a tower without any of its layers is no missing pipeline stage);
 - otherwise the same code on the same tensor of several layers: "'model.layers.{L}.mlp.up_proj.weight' in layers
   0-3".
 
@@ -25,14 +26,11 @@ from collections.abc import Iterable, Sequence
 
 from ckpttool.console.words import counted
 from ckpttool.findings import CODES, SEVERITIES, Cause, Finding, sort_findings
-from ckpttool.audit.shapes import LAYER_NAME
+from ckpttool.audit.shapes import LAYER_NAME, VISION_SIDE
 
 #: an expert's tensor, or the expert itself (``expert-missing`` names ``...experts.3``)
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)(?:\.(?P<rest>.+))?$")
 _SHARED = re.compile(r"^(?P<prefix>.*\.shared_experts?)\.(?P<rest>.+)$")
-#: a vision-language model's vision side, as transformers names it in memory and on disk (Qwen-VL's ``visual`` with
-#: its merger, Gemma 3's and LLaVA's ``vision_tower`` and ``multi_modal_projector``)
-_TOWER = re.compile(r"^(?P<prefix>(?:model\.)?(?:visual|vision_tower|vision_model|multi_modal_projector))\.")
 #: a rank in a file name: DCP's ``__3_0.distcp``, Megatron's and DeepSpeed's ``mp_rank_03``, verl's ``rank_3``, a sidecar's ``rank-00003``
 _RANK = re.compile(r"(?:^__|rank[-_])(\d+)")
 
@@ -80,7 +78,7 @@ def _key(f: Finding) -> tuple[str | None, ...]:
     shared = _SHARED.match(pattern)
     if shared and f.code == "tensor-missing":
         return (f.code, "shared", shared["prefix"])
-    tower = _TOWER.match(f.tensor)
+    tower = VISION_SIDE.match(f.tensor)
     if tower and f.code == "tensor-missing":
         return (f.code, "tower", tower["prefix"])
     return (f.code, "tensor", pattern)

@@ -20,6 +20,10 @@ from ckpttool.findings import Finding, finding
 
 LAYER_NAME = re.compile(r"^(?P<prefix>.*?\.layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
+#: a vision-language model's vision side, as transformers names it in memory and on disk (Qwen-VL's and GLM-4V's
+#: ``visual`` with its merger, LLaVA's, Gemma 3's and Mistral 3's ``vision_tower``, Llama 4's ``vision_model``, and
+#: the ``multi_modal_projector``)
+VISION_SIDE = re.compile(r"^(?P<prefix>(?:model\.)?(?:visual|vision_tower|vision_model|multi_modal_projector))\.")
 
 
 def shape_findings(mismatches: Iterable[Mismatch], model: ModelInfo) -> list[Finding]:
@@ -61,6 +65,8 @@ def _missing_layers(missing: set[str], expected: Mapping[str, object], found: li
                     model: ModelInfo) -> set[str]:
     grouped: set[str] = set()
     for prefix, by_index, gone in _wholly_missing(missing, expected, LAYER_NAME):
+        if VISION_SIDE.match(prefix) and len(gone) == len(by_index):
+            continue  # no layer of a vision tower: the tower is missing, one cause with its other tensors (causes.py)
         for start, end in _ranges(gone):
             names = [n for i in range(start, end + 1) for n in by_index[i]]
             grouped.update(names)

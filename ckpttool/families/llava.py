@@ -9,6 +9,9 @@ as Gemma 3's and PaliGemma's are: a tied head is dropped before these renames ap
 mapping transformers shares across the family, which is why one adapter serves them all; the tests check them
 against transformers' own reverted names for LLaVA, PaliGemma, Mistral 3 and Gemma 3.
 
+LLaVA-Next (its own family in transformers' mapping, whose model class is mapped to LLaVA's) takes the same four
+renames and a fifth: the row separator of its tiled images, ``model.image_newline``, is written ``image_newline``.
+
 Tensor parallel (``split --to dcp --tp N``): as for Qwen2.5-VL, transformers' plans shard only the language model;
 the vision tower and projector stay whole on every rank.
 """
@@ -19,7 +22,10 @@ from ckpttool.families.adapter import HF_TP_RULES, REPLICATE, FamilyAdapter, Pla
 from ckpttool.families.rules import Rename, Rules
 
 NAME = "llava"
+#: model types whose family is not ``llava`` but whose names are cut as LLaVA's (one more rename)
+MODEL_TYPES = ("llava_next",)
 RULES: Rules = (
+    Rename(r"^model\.image_newline$", "image_newline"),
     Rename(r"^model\.language_model\.(.*)$", r"language_model.model.\1"),
     Rename(r"^model\.vision_tower\.(.*)$", r"vision_tower.\1"),
     Rename(r"^model\.multi_modal_projector\.(.*)$", r"multi_modal_projector.\1"),
@@ -27,6 +33,7 @@ RULES: Rules = (
 )
 
 #: the vision side replicated (transformers' plans leave it out), the language model as a Llama's
-TP_RULES: PlacementRules = ((r"^model\.(vision_tower|multi_modal_projector)\.", REPLICATE), *HF_TP_RULES)
+TP_RULES: PlacementRules = ((r"^model\.(vision_tower|multi_modal_projector|image_newline)", REPLICATE),
+                            *HF_TP_RULES)
 
-ADAPTER = FamilyAdapter(NAME, rules=RULES, tp_rules=TP_RULES)
+ADAPTER = FamilyAdapter(NAME, model_types=MODEL_TYPES, rules=RULES, tp_rules=TP_RULES)

@@ -7,8 +7,9 @@ Tensor parallel (``split --to dcp --tp N``): transformers' plan for these models
 ``base_model_tp_plan`` is the text config's); the vision tower and merger stay whole on every rank, so they are
 replicated here, and the language model follows the Llama plan (:data:`~.adapter.HF_TP_RULES`).
 
-Qwen3-VL (dense and MoE) and GLM-4V keep their in-memory names on disk: they need no adapter, only the
-image-text-to-text class :mod:`ckpttool.model.architecture` builds them from.
+Qwen3-VL (dense and MoE) keeps its in-memory names on disk: it needs no adapter, only the image-text-to-text class
+:mod:`ckpttool.model.architecture` builds it from. GLM-4V keeps them too; its adapter (:mod:`.glm4v`) places its
+tensors for ``--tp``.
 """
 
 from __future__ import annotations

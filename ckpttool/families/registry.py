@@ -12,7 +12,9 @@ checks), handed to them by the one place that reads a source.
 from __future__ import annotations
 
 from ckpttool.errors import ConfigError
-from ckpttool.families import gpt_oss, llava, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_5, qwen3_next
+from ckpttool.families import (
+    glm4v, gpt_oss, llama4, llava, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_5, qwen3_next,
+)
 from ckpttool.families.adapter import Convention, FamilyAdapter
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, megatron_tp, torchtitan
 from ckpttool.layout.layout import Layout
@@ -22,12 +24,14 @@ from ckpttool.model.architecture import ModelInfo
 ADAPTERS: list[FamilyAdapter] = [
     mixtral.ADAPTER,
     qwen3_next.ADAPTER,  # before qwen2_moe, whose experts' rules transformers gives it (its family is qwen2_moe)
+    glm4v.ADAPTER,  # before qwen2_moe too: GLM-4V-MoE's family is qwen2_moe, its vision tower is not cut
     qwen2_moe.ADAPTER,
     qwen2_vl.ADAPTER,
     llava.ADAPTER,
     gpt_oss.ADAPTER,
     nemotron_h.ADAPTER,
     qwen3_5.ADAPTER,
+    llama4.ADAPTER,
 ]
 
 #: every source convention, in the order they are asked (:func:`convention_for`); the HuggingFace one last

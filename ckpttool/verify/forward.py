@@ -18,7 +18,7 @@ import logging
 import re
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from ckpttool.io import jsonfile
 from ckpttool.errors import ConfigError, SourceError, SourceNotFoundError
 from ckpttool.io.paths import JSON_LIMIT, read_source
 from ckpttool.verify.guard import check_config, check_layers, check_with_transformers, refuse_remote_code
-from ckpttool.verify.image import ImageInput, with_token_types
+from ckpttool.verify.image import ImageInput, image_input, with_token_types
 from ckpttool.readers.hf import BIN
 from ckpttool.verify.prompt import choose_input
 from ckpttool.io.safetensors_format import read_header
@@ -147,10 +147,14 @@ def _quiet_transformers() -> Iterator[None]:
 
 def check_output(path: Path) -> Forward:
     """The forward check ``merge(verify_forward=True)`` runs on what it wrote, before publishing it: strict load,
-    a fixed input (the tokenizer's sentence, else fixed ids), finite and informative logits."""
+    a fixed input (the tokenizer's sentence, else fixed ids), finite and informative logits; for a vision-language
+    model whose image layout is known (:func:`.image.image_input`) a second forward with a synthetic image, whose
+    logits must be finite and informative too (a vision tower or projector that text alone never reaches)."""
     config = read_config(path)
     ids, _ = choose_input(path, None, config, None, None, None)
-    return run_forward(path, ids)
+    image = image_input(path, config)
+    forward = run_forward(path, ids, image=image if isinstance(image, ImageInput) else None)
+    return replace(forward, notes=(*forward.notes, image)) if isinstance(image, str) else forward
 
 
 def run_forward(path: Path, input_ids: list[int], *, stream: bool = True, image: ImageInput | None = None) -> Forward:
@@ -242,12 +246,36 @@ def _image_forward(path: Path, name: str, model: torch.nn.Module, image: ImageIn
         SourceError: the forward fails (the vision side and the config do not make a model that runs).
     """
     try:
+        _vision_in_memory(model)
         with torch.no_grad():
             output = model(**with_token_types(model, image))
     except (ValueError, RuntimeError, IndexError, AssertionError, TypeError) as e:
         raise SourceError(f"'{path}': {name} loads but its forward with an image fails ({image.source}; "
                           f"{type(e).__name__}: {e})") from None
     return output.logits.detach()[0].float()
+
+
+#: the modules of a vision-language model's vision side, as transformers names them in memory
+_VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector)(\.|$)")
+
+
+def _vision_in_memory(model: torch.nn.Module) -> None:
+    """Load the vision side of a model streamed from disk (accelerate's offload hooks) into memory, whole.
+
+    accelerate loads a module's parameters when that module is called; some vision towers read a child's weight
+    without calling it (GLM-4V's ``embeddings.position_embedding.weight``), which an offloaded model leaves on the
+    meta device. The vision side is small beside the language model, which stays streamed layer by layer.
+    """
+    from accelerate.hooks import remove_hook_from_module
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        if not _VISION.search(name) or hook is None or not getattr(hook, "offload", False):
+            continue
+        for param, _ in list(module.named_parameters(recurse=False)):
+            set_module_tensor_to_device(module, param, "cpu", value=hook.weights_map[param])
+        remove_hook_from_module(module)
 
 
 def _loading_problems(name: str, info: dict[str, Any]) -> list[str]:

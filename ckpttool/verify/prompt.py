@@ -121,8 +121,12 @@ def check_tokens(tokens: int) -> None:
 
 
 def _vocab(path: Path, config: dict[str, Any]) -> int:
-    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    if not isinstance(vocab, int) or vocab < 1:
+    # a vision-language config may state both, and differently (PaliGemma's top level keeps its default 257152
+    # over a smaller text model): ids must fit the embedding of the language model, the smaller one
+    stated = [v for v in (config.get("vocab_size"), (config.get("text_config") or {}).get("vocab_size"))
+              if isinstance(v, int) and v > 0]
+    vocab = min(stated) if stated else None
+    if vocab is None:
         raise ConfigError(f"'{path / 'config.json'}': no positive integer vocab_size")
     return vocab
 
