@@ -338,6 +338,9 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
 @click.option("--tp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="Tensor-parallel ranks (torch's Llama/Mixtral plans).")
 @click.option("--ep", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="Expert-parallel ranks: Shard(0) of stacked experts; divides fsdp x tp.")
 @click.option("--pp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to megatron: pipeline stages (equal, consecutive layers).")
+@click.option("--pp-first", "pp_first", type=click.IntRange(1, MAX_RANKS * MAX_RANKS), default=None, help="--to megatron: layers of the first pipeline stage (Megatron-LM's --decoder-first-pipeline-num-layers); the stages between share the rest evenly.")
+@click.option("--pp-last", "pp_last", type=click.IntRange(1, MAX_RANKS * MAX_RANKS), default=None, help="--to megatron: layers of the last pipeline stage (--decoder-last-pipeline-num-layers).")
+@click.option("--vpp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to megatron: virtual pipeline stages per stage (--virtual-pipeline-model-parallel-size), layers numbered as megatron-core does.")
 @click.option("--dp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to dcp: data-parallel replicas (FSDP2 HSDP: Replicate() over dp; each chunk saved once).")
 @click.option("--make-vocab-size-divisible-by", "divisible_by", type=click.IntRange(1, MAX_DIVISIBLE_BY), default=128, show_default=True, help="--to megatron: pad the vocab to a multiple of this x tp (zeros), as Megatron-LM's argument.")
 @click.option("--iteration", type=click.IntRange(0, MAX_ITERATION), default=0, show_default=True, help="--to megatron: the iteration directory written (iter_0000000).")
@@ -356,7 +359,8 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
 def split_command(
     src: str, out: str | None, to: str, fsdp: int, tp: int, ep: int, pp: int, dp: int, divisible_by: int, iteration: int,
     fmt: str | None, config: str | None, dtype: str | None, dry_run: bool, force: bool, workers: int, as_json: bool,
-    quiet: bool, verbose: int, names: str = "hf",
+    quiet: bool, verbose: int, names: str = "hf", pp_first: int | None = None, pp_last: int | None = None,
+    vpp: int = 1,
 ) -> None:
     """Write the checkpoint in SRC sharded for a device mesh into OUT (--to dcp: one file per rank; --to megatron:
     a Megatron-Core torch_dist iteration directory for --tp x --pp x --ep).
@@ -372,8 +376,9 @@ def split_command(
 
     if out is None and not dry_run:
         raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
+    stages = dict(pp_first=pp_first or 0, pp_last=pp_last or 0, vpp=vpp)
     try:  # an option of the other target is a usage error
-        check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration)
+        check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration, **stages)
     except ArgumentError as e:
         raise click.UsageError(str(e)) from None
     if names != "hf" and to != "dcp":
@@ -383,14 +388,14 @@ def split_command(
     _setup_logging(verbose, quiet or as_json)
     # the mesh and OUT are checked before the split (and torch) is even imported: a refusal takes no time
     _run(as_json, lambda: mesh_for(to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, divisible_by=divisible_by,
-                                   iteration=iteration))
+                                   iteration=iteration, **stages))
     if out is not None:
         _run(as_json, lambda: check_destination(Path(out), [Path(src)], force, SPLIT_OUTPUT))
     from ckpttool.commands.split import split
     bar = Bar("split") if not (as_json or quiet or dry_run) else None
     result = _run(as_json, lambda: split(
         src, out, to=to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, make_vocab_size_divisible_by=divisible_by,
-        iteration=iteration, names=names, format=fmt, config=config, dtype=dtype, dry_run=dry_run,
+        iteration=iteration, names=names, **stages, format=fmt, config=config, dtype=dtype, dry_run=dry_run,
         force=force, workers=workers, progress=bar,
     ), bar)
     if _printed_as_json(result, as_json):

@@ -132,8 +132,23 @@ class MegatronMesh:
     ep: int = 1
     divisible_by: int = 128
     iteration: int = 0
+    #: layers of the first and of the last pipeline stage (Megatron-LM's ``--decoder-first-pipeline-num-layers``,
+    #: ``--decoder-last-pipeline-num-layers``); 0: as many as every other stage
+    pp_first: int = 0
+    pp_last: int = 0
+    #: virtual pipeline stages (model chunks) per stage (``--virtual-pipeline-model-parallel-size``)
+    vpp: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("pp_first", "pp_last"):
+            _check_whole(name, getattr(self, name), 0, MAX_RANKS * MAX_RANKS, "a stage's layer count")
+        _check_whole("vpp", self.vpp, 1, MAX_RANKS, "the virtual pipeline size")
+        if self.pp == 1 and (self.pp_first or self.pp_last or self.vpp > 1):
+            raise ArgumentError(f"pp_first={self.pp_first}, pp_last={self.pp_last}, vpp={self.vpp}: uneven and "
+                                "virtual pipeline stages need pp above 1")
+        if self.vpp > 1 and (self.pp_first or self.pp_last):
+            raise ArgumentError(f"vpp={self.vpp} with pp_first/pp_last: virtual pipeline stages over uneven stages "
+                                "are not written yet; give one or the other")
         for name in ("tp", "pp", "ep", "divisible_by", "iteration"):
             value, least = getattr(self, name), 0 if name == "iteration" else 1
             what = "make_vocab_size_divisible_by" if name == "divisible_by" else name
@@ -151,20 +166,28 @@ class MegatronMesh:
 
     def describe(self) -> str:
         dims = [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v > 1]
-        return f"{' '.join(dims) or 'one rank'} ({self.world} rank{'s' if self.world != 1 else ''})"
+        stages = [f"{k}={v}" for k, v in (("pp_first", self.pp_first), ("pp_last", self.pp_last)) if v]
+        stages += [f"vpp={self.vpp}"] if self.vpp > 1 else []
+        return (f"{' '.join(dims) or 'one rank'}{' ' if stages else ''}{' '.join(stages)} "
+                f"({self.world} rank{'s' if self.world != 1 else ''})")
 
     def to_json(self) -> dict[str, int]:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "world": self.world,
-                "make_vocab_size_divisible_by": self.divisible_by, "iteration": self.iteration}
+                "make_vocab_size_divisible_by": self.divisible_by, "iteration": self.iteration,
+                **({"pp_first": self.pp_first} if self.pp_first else {}),
+                **({"pp_last": self.pp_last} if self.pp_last else {}), **({"vpp": self.vpp} if self.vpp > 1 else {})}
 
 
 def check_target_options(to: str, *, fsdp: int = 1, dp: int = 1, pp: int = 1, divisible_by: int = 128,
-                         iteration: int = 0) -> None:
+                         iteration: int = 0, pp_first: int = 0, pp_last: int = 0, vpp: int = 1) -> None:
     """Refuse the options of the other split target (the command line's usage errors).
 
     Raises:
-        ArgumentError: ``fsdp`` or ``dp`` for ``megatron``; ``pp``, ``divisible_by`` or ``iteration`` for ``dcp``.
+        ArgumentError: ``fsdp`` or ``dp`` for ``megatron``; ``pp``, ``divisible_by``, ``iteration``, ``pp_first``,
+            ``pp_last`` or ``vpp`` for ``dcp``.
     """
+    if to == "dcp" and (pp_first, pp_last, vpp) != (0, 0, 1):
+        raise ArgumentError("pp_first, pp_last and vpp are for to='megatron'")
     if to == "megatron" and fsdp != 1:
         raise ArgumentError(f"fsdp={fsdp!r}: Megatron-Core torch_dist has no FSDP dim; give tp, pp and ep")
     if to == "megatron" and dp != 1:
@@ -177,15 +200,16 @@ def check_target_options(to: str, *, fsdp: int = 1, dp: int = 1, pp: int = 1, di
 
 
 def mesh_for(to: str, *, fsdp: int = 1, tp: int = 1, ep: int = 1, pp: int = 1, dp: int = 1, divisible_by: int = 128,
-             iteration: int = 0) -> Mesh | MegatronMesh:
+             iteration: int = 0, pp_first: int = 0, pp_last: int = 0, vpp: int = 1) -> Mesh | MegatronMesh:
     """The mesh a split writes for: :class:`MegatronMesh` for ``to="megatron"``, else :class:`Mesh`.
 
     Raises:
         ArgumentError: :func:`check_target_options`, or a size the mesh refuses.
     """
-    check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration)
+    check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration,
+                         pp_first=pp_first, pp_last=pp_last, vpp=vpp)
     if to == "megatron":
-        return MegatronMesh(tp, pp, ep, divisible_by, iteration)
+        return MegatronMesh(tp, pp, ep, divisible_by, iteration, pp_first, pp_last, vpp)
     return Mesh(fsdp, tp, ep, dp)
 
 

@@ -136,6 +136,9 @@ def split(
     ep: int = 1,
     pp: int = 1,
     dp: int = 1,
+    pp_first: int = 0,
+    pp_last: int = 0,
+    vpp: int = 1,
     make_vocab_size_divisible_by: int = 128,
     iteration: int = 0,
     names: str = "hf",
@@ -166,6 +169,12 @@ def split(
         pp, make_vocab_size_divisible_by, iteration: ``megatron`` only: pipeline stages (equal, consecutive
             layers), the vocab padding rule (as Megatron-LM's argument: padded to a multiple of it times ``tp``;
             the padding rows are zeros) and the iteration directory written (``iter_0000000``).
+        pp_first, pp_last, vpp: ``megatron`` only: the layers of the first and of the last stage (Megatron-LM's
+            ``--decoder-first-pipeline-num-layers``, ``--decoder-last-pipeline-num-layers``; 0: as the others,
+            the rest shared evenly by the stages between), or virtual pipeline stages (``vpp`` model chunks per
+            stage, layers numbered as megatron-core numbers them: chunk ``c`` of stage ``s`` holds the
+            ``(c * pp + s)``-th run of ``num_layers / (pp * vpp)`` layers); see
+            :func:`ckpttool.commands.split_megatron.layer_stages`.
         names: ``dcp`` only: the tensor names written (:data:`~ckpttool.commands.split_dcp.NAMES`): ``"hf"``
             (transformers' in-memory names), ``"torchtitan"`` (torchtitan 0.3's names, Q/K rows in Meta's RoPE
             order, placed as torchtitan's plan places them: a torchtitan job resumes from it) or
@@ -209,7 +218,7 @@ def split(
     _check_names(to, names)
     # every argument and the destination are checked before the source is read: a refusal costs no read
     mesh = mesh_for(to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, divisible_by=make_vocab_size_divisible_by,
-                    iteration=iteration)
+                    iteration=iteration, pp_first=pp_first, pp_last=pp_last, vpp=vpp)
     if out is None and not dry_run:
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)
