@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -232,8 +231,9 @@ def test_megatron_core_loads_the_deepseek_split_strictly_and_gives_its_logits(ca
     got = consume("megatron_deepseek_consumer.py", case, splits(case) / "iter_0000010", tmp_path / "l.safetensors",
                   ranks)
     want = load_file(fixture(case) / "logits.safetensors")
-    for name in ("logits", "mtp_logits"):
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5)
+    vocab = json.loads((fixture(case) / "producer.json").read_text())["vocab"]
+    for name in ("logits", "mtp_logits"):  # 3.0e-7 observed; the padding columns: zeros here, random there
+        torch.testing.assert_close(got[name][..., :vocab], want[name][..., :vocab], rtol=0, atol=1e-5)
 
 
 @needs_megatron
@@ -242,4 +242,5 @@ def test_megatron_core_loads_the_deepseek_split_strictly_and_gives_its_logits(ca
 def test_megatron_core_loads_uneven_and_virtual_stages_strictly_and_gives_its_logits(case, splits, tmp_path):
     got = consume("megatron_stages_consumer.py", case, splits(case) / "iter_0000010", tmp_path / "l.safetensors", 2)
     want = load_file(fixture(case) / "logits.safetensors")["logits"]
-    torch.testing.assert_close(got["logits"], want, rtol=0, atol=1e-5)
+    vocab = json.loads((fixture(case) / "producer.json").read_text())["vocab"]
+    torch.testing.assert_close(got["logits"][..., :vocab], want[..., :vocab], rtol=0, atol=1e-5)

@@ -337,7 +337,7 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
 @click.option("--fsdp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="Ranks FSDP2 shards every tensor over (Shard(0)).")
 @click.option("--tp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="Tensor-parallel ranks (torch's Llama/Mixtral plans).")
 @click.option("--ep", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="Expert-parallel ranks: Shard(0) of stacked experts; divides fsdp x tp.")
-@click.option("--pp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to megatron: pipeline stages (equal, consecutive layers).")
+@click.option("--pp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to megatron: pipeline stages (equal, consecutive layers unless --pp-first, --pp-last or --vpp).")
 @click.option("--pp-first", "pp_first", type=click.IntRange(1, MAX_RANKS * MAX_RANKS), default=None, help="--to megatron: layers of the first pipeline stage (Megatron-LM's --decoder-first-pipeline-num-layers); the stages between share the rest evenly.")
 @click.option("--pp-last", "pp_last", type=click.IntRange(1, MAX_RANKS * MAX_RANKS), default=None, help="--to megatron: layers of the last pipeline stage (--decoder-last-pipeline-num-layers).")
 @click.option("--vpp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to megatron: virtual pipeline stages per stage (--virtual-pipeline-model-parallel-size), layers numbered as megatron-core does.")
