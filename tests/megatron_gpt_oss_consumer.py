@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
 import make_megatron_gpt_oss as producer  # noqa: E402  (the producer's own model and layout)
+from megatron_load import load_strictly, poison  # noqa: E402
 
 
 def main(checkpoint: str, out: str) -> None:
@@ -22,24 +23,12 @@ def main(checkpoint: str, out: str) -> None:
     from safetensors.torch import save_file
 
     producer._init(producer.TP, producer.EP)
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     rows = producer.base.padded_vocab(producer.VOCAB, producer.DIVISIBLE_BY, producer.TP)
     model = producer._build(producer.TP, producer.EP, rows)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))  # anything the load leaves alone shows in the logits
-    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, checkpoint,
-                                     strict="raise_all")
-    if loaded.get("iteration") is None or loaded.get("args") is None:
-        raise SystemExit(f"common.pt gave no iteration or args: {sorted(loaded)}")
-    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise SystemExit(f"megatron-core did not load every weight: missing {missing}, unexpected {unexpected}")
-    model.eval()
+    poison([model])
+    load_strictly({"model": model}, checkpoint, {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
     ids = torch.tensor(producer.tokens(), dtype=torch.long)
     s = ids.shape[1]
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)

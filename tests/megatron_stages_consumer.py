@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
 import make_megatron as mm  # noqa: E402  (the producer's own model and layout)
+from megatron_load import load_strictly, poison  # noqa: E402
 
 
 def main(name: str, checkpoint: str, out: str) -> None:
@@ -24,7 +25,6 @@ def main(name: str, checkpoint: str, out: str) -> None:
     from safetensors.torch import save_file
 
     mm._shim_cuda()
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     case = mm.CASES[name.removeprefix("megatron_")]
@@ -33,22 +33,10 @@ def main(name: str, checkpoint: str, out: str) -> None:
     mm._initialize_parallel(tp, pp, ep, vpp)
     rows = mm.padded_vocab(case["vocab"], case["divisible_by"], tp)
     chunks = [mm._build(case, tp, pp, ep, rows, v) for v in range(vpp)] if vpp else [mm._build(case, tp, pp, ep, rows)]
-    with torch.no_grad():
-        for chunk in chunks:
-            for p in chunk.parameters():
-                p.fill_(float("nan"))
-    metadata = mm._metadata(case, ps.get_data_parallel_group(with_context_parallel=True))
+    poison(chunks)
     keys = ["model"] if len(chunks) == 1 else [f"model{v}" for v in range(len(chunks))]
-    sharded = {k: c.sharded_state_dict(metadata=metadata) for k, c in zip(keys, chunks)}
-    loaded = dist_checkpointing.load(sharded, checkpoint, strict="raise_all")
-    if loaded.get("iteration") is None or loaded.get("args") is None:
-        raise SystemExit(f"common.pt gave no iteration or args: {sorted(loaded)}")
-    for key, chunk in zip(keys, chunks):
-        missing, unexpected = chunk.load_state_dict(loaded[key], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise SystemExit(f"{key}: megatron-core did not load every weight: missing {missing}, unexpected {unexpected}")
-        chunk.eval()
+    load_strictly(dict(zip(keys, chunks)), checkpoint,
+                  mm._metadata(case, ps.get_data_parallel_group(with_context_parallel=True)))
     tokens = torch.tensor(mm.tokens_of(case), dtype=torch.long)
     s = tokens.shape[1]
     position_ids, mask = torch.arange(s).unsqueeze(0), torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)

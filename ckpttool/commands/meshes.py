@@ -222,6 +222,13 @@ class Sharding:
     shape: Shape
     dims: tuple[tuple[str, int], ...]
     placements: tuple[Placement, ...]
+    #: ``(start, stop)``: only these ranks hold it (a Megatron layer saved under its own number: its pipeline
+    #: stage's ranks); None: every rank of the mesh, as the placements say
+    ranks: tuple[int, int] | None = None
+
+    def holds(self, rank: int) -> bool:
+        """Whether ``rank`` holds any of it by :attr:`ranks` (then its placements say which box)."""
+        return self.ranks is None or self.ranks[0] <= rank < self.ranks[1]
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         sizes = [n for _, n in self.dims]
@@ -234,7 +241,7 @@ class Sharding:
         """The regions of the global tensor ``rank`` holds (one, unless a strided split gives it several
         ranges of a dim); none when its shard is empty."""
         ranges = self.ranges(rank)
-        if math.prod(local_shape(ranges)) == 0:
+        if not self.holds(rank) or math.prod(local_shape(ranges)) == 0:
             return []
         return [Box(tuple(a for a, _ in combo), tuple(b - a for a, b in combo)) for combo in itertools.product(*ranges)]
 
@@ -258,15 +265,16 @@ class Sharding:
         return Box(tuple(offsets), tuple(sizes))
 
     def local_shape(self, rank: int) -> Shape:
-        """The shape of ``rank``'s local tensor (``DTensor.to_local()``)."""
-        return local_shape(self.ranges(rank))
+        """The shape of ``rank``'s local tensor (``DTensor.to_local()``); all zeros on a rank :attr:`ranks` leaves out."""
+        return local_shape(self.ranges(rank)) if self.holds(rank) else tuple(0 for _ in self.shape)
 
     def describe(self) -> str:
         """Placements on the mesh dims of more than one rank, e.g. ``(_StridedShard(0, sf=2), Shard(0))``."""
         shown = [(f"{name}={n}", str(p)) for (name, n), p in zip(self.dims, self.placements) if n > 1]
+        only = f" on ranks {self.ranks[0]}..{self.ranks[1] - 1}" if self.ranks is not None else ""
         if not shown:
-            return "whole on the one rank"
-        return f"({', '.join(p for _, p in shown)}) over {' x '.join(d for d, _ in shown)}"
+            return f"whole on the one rank{only}"
+        return f"({', '.join(p for _, p in shown)}) over {' x '.join(d for d, _ in shown)}{only}"
 
 
 def shard_tensors(tensors: Iterable[tuple[str, Shape, bool]], mesh: Mesh,

@@ -56,10 +56,10 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
     mtp_layers = len(mtp.held(targets, mtp.expected(info)))
     tensors = megatron_tensors(info, padded_vocab(vocab, mesh.divisible_by, mesh.tp), mtp_layers)
     _check_sizes(info.config, {name: shape for name, shape, *_ in tensors}, mesh, info.model_type)
-    shardings = [_place(name, shape, mesh, info.model_type) for name, shape, *_ in tensors]
+    stages = layer_stages(int(info.config.get("num_hidden_layers") or 0), mesh)
+    shardings = [_place(name, shape, mesh, info.model_type, stages) for name, shape, *_ in tensors]
     weight = {name: math.prod(shape) * next((itemsize(targets[s.source].dtype) for s in slices if s.source in targets), 1)
               for name, shape, slices, *_ in tensors}
-    stages = layer_stages(int(info.config.get("num_hidden_layers") or 0), mesh)
     held = [[(s.name, box, weight[s.name]) for s in shardings for box in _chunks(s, rank, stages)]
             for rank in range(mesh.world)]
     by_name = {name: (shape, slices, true_rows, transform) for name, shape, slices, true_rows, transform in tensors}
@@ -180,23 +180,25 @@ def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh,
     return per_rank
 
 
-def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh, model_type: str = "") -> Sharding:
+def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh, model_type: str, stages: list[int]) -> Sharding:
+    """``name`` over the mesh ``(pp, ep, tp)``; a tensor saved per layer only on its stage's ranks, a stacked one's
+    layers over the stages by ``Shard(0)`` (uneven or virtual stages: by :func:`_chunks`, layer by layer)."""
     tp = megatron_back.tp_placement(name, model_type)  # at tp=1 too: fc1's halves are two chunks
-    stacked = name.startswith("decoder.layers.") and megatron_back_mla.PER_LAYER.match(name) is None
+    layer = megatron_back_mla.layer_of(name, len(stages) - _MTP_MOST)
+    stacked = name.startswith("decoder.layers.") and layer is None
     even = mesh.vpp == 1 and not (mesh.pp_first or mesh.pp_last)
-    # a per-layer tensor, or a layer of uneven or virtual stages: its stage alone (_chunks)
     pp = Placement("shard", 0) if stacked and even else REPLICATE
     axis = expert_axis(name)
     ep = Placement("shard", axis) if axis is not None else REPLICATE
-    return Sharding(name, shape, (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)), (pp, ep, tp))
+    per_stage = mesh.ep * mesh.tp
+    ranks = None if layer is None else (stages[layer] * per_stage, (stages[layer] + 1) * per_stage)
+    return Sharding(name, shape, (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)), (pp, ep, tp), ranks)
 
 
 def _chunks(sharding: Sharding, rank: int, stages: list[int]) -> list[Box]:
     """A rank's boxes cut as megatron-core saves them: one chunk per layer, and per expert; a tensor saved per
     layer (DeepSeek-V3's) only on the stage holding its layer (``stages``: :func:`layer_stages`)."""
-    layer = megatron_back_mla.layer_of(sharding.name, len(stages) - _MTP_MOST)
-    if layer is not None and sharding.coordinate(rank)[0] != stages[layer]:
-        return []
+    layer = megatron_back_mla.layer_of(sharding.name, len(stages) - _MTP_MOST)  # its stage's: Sharding.ranks
     axis = expert_axis(sharding.name)
     if layer is not None:
         per = 0 if axis is None else 1
