@@ -156,6 +156,46 @@ def test_a_source_without_its_mtp_layer_is_split_without_one(tmp_path):
     assert args["mtp_num_layers"] is None
 
 
+def test_a_dry_run_shows_each_layer_on_its_stages_ranks():
+    case = fixture("deepseek_pp2_ep2")
+    result = ckpttool.split(case / "reference", None, to="megatron", config=case / "config.json", dry_run=True,
+                            **LAYOUTS["deepseek_pp2_ep2"])
+    placed = {s.name: s for s in result.tensors}
+    mtp = placed["mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"]
+    assert mtp.describe() == "(Replicate(), Shard(0)) over pp=2 x ep=2 on ranks 2..3"
+    assert [mtp.local_shape(r) for r in range(4)] == [(0, 0, 0), (0, 0, 0), (2, 32, 32), (2, 32, 32)]
+    assert placed["decoder.layers.1.mlp.router.expert_bias"].ranks == (0, 2)  # layer 1: the first stage's 2 layers
+    assert not result.files[0].nbytes == 0 and result.mesh.describe() == "pp=2 ep=2 pp_first=2 (4 ranks)"
+
+
+FP8 = FIXTURES / "quantized_deepseek_v3_fp8" / "checkpoint"
+
+
+def test_an_fp8_release_is_split_straight_to_bf16_as_its_bf16_merge(tmp_path):
+    """Dequantized chunk by chunk while splitting (PP2 x EP3): merged back, it is the release merged with --dtype
+    bfloat16, bit for bit; the expert bias stays FP32 and the config loses its quantization_config."""
+    ckpttool.split(FP8, tmp_path / "out", to="megatron", pp=2, ep=3, dtype="bfloat16")
+    metadata = FileSystemReader(tmp_path / "out" / "iter_0000000").read_metadata().state_dict_metadata
+    assert metadata["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].properties.dtype == torch.bfloat16
+    assert metadata["decoder.layers.1.mlp.router.expert_bias"].properties.dtype == torch.float32
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    ckpttool.merge(tmp_path / "out", tmp_path / "back")
+    ckpttool.merge(FP8, tmp_path / "bf16", dtype="bfloat16")
+    got, want = load_output(tmp_path / "back"), load_output(tmp_path / "bf16")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_an_fp8_shard_that_starts_inside_a_block_is_refused(cli, tmp_path):
+    out = tmp_path / "out"
+    result = cli("split", FP8, out, "--to", "megatron", "--tp", "2", "--dtype", "bfloat16")
+    assert_failed_cleanly(result, out, "'decoder.layers.0.self_attention.linear_q_down_proj.weight': rows 12..24 and "
+                          "columns 0..40 of 'model.layers.0.self_attn.q_a_proj.weight' (FP8) start inside its 16x16 "
+                          "scale blocks; it is dequantized while splitting only in whole blocks: choose a tp whose "
+                          "shards hold whole blocks, or merge with --dtype first, then split that output")
+
+
 def test_layer_stages_number_layers_as_megatron_core():
     assert layer_stages(4, MegatronMesh(pp=2))[:4] == [0, 0, 1, 1]
     assert layer_stages(5, MegatronMesh(pp=3, pp_first=1, pp_last=2))[:5] == [0, 1, 1, 2, 2]

@@ -25,10 +25,12 @@ from ckpttool.plan.plan import Plan, plan_merge
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError, OutputError, SourceError
 from ckpttool.commands.merge import config_dtype, extras_search, prepare
 from ckpttool.commands.meshes import MegatronMesh, Mesh, Sharding, mesh_for
+from ckpttool.families.quantized import output_config
 from ckpttool.families.source import Planned
 from ckpttool.commands.split_dcp import NAMES, in_memory, model_of, plan_dcp
 from ckpttool.families.conventions.torchtitan import release_of, to_torchtitan
 from ckpttool.commands.split_megatron import plan_megatron, training_args
+from ckpttool.families.conventions.megatron_back import MODEL_TYPES as MEGATRON_TYPES
 from ckpttool.console.terminal import escaped, shown, size_text
 from ckpttool.writers import dcp, megatron_dist
 from ckpttool.writers.destination import SPLIT_MANIFEST, SPLIT_OUTPUT, Staging, check_destination
@@ -202,7 +204,8 @@ def split(
             :data:`~ckpttool.commands.split_dcp.NAMES` or other than ``"hf"`` for ``megatron``, ``out`` None without
             ``dry_run``. All of these,
             and the destination (DestinationError), are checked before the source is read.
-        ConfigError: no config; a quantized source (FP8, MXFP4: merge it with a dtype first); a tensor the mesh
+        ConfigError: no config; a quantized source (FP8, MXFP4: merge it with a dtype first; ``megatron`` with a
+            ``dtype`` dequantizes FP8 block-scaled weights while splitting, in chunks that start on a block); a tensor the mesh
             cannot place (no tensor-parallel rule, experts ``ep`` does not divide, more ranks than the tensors
             have rows); the source does not fit the config; ``names="torchtitan"`` for a model torchtitan has no model of
             (:data:`~ckpttool.families.conventions.torchtitan.FAMILIES`) or a tensor it has no name for.
@@ -228,7 +231,8 @@ def split(
     restored, extras = None, []
     try:
         prepared = prepare(root, format=format, config=config, dtype=dtype)
-        _refuse_quantized(prepared)
+        if not (isinstance(mesh, MegatronMesh) and dtype is not None and _megatron_form(prepared)):
+            _refuse_quantized(prepared)  # to Megatron with a dtype: FP8 block-scaled dequantized chunk by chunk
         if isinstance(mesh, MegatronMesh):
             info = model_of(prepared)
             shardings, files = plan_megatron(prepared, info, mesh)
@@ -288,9 +292,17 @@ def _names_notes(names: str, prepared: Planned) -> list[str]:
     return to_torchtitan(in_memory(prepared), model_of(prepared), release_of(names)).notes
 
 
+def _megatron_form(prepared: Planned) -> bool:
+    """Whether ``split --to megatron`` writes the source's model type (a quantized source of any other is refused as
+    quantized first, the clearer message)."""
+    return model_of(prepared).model_type in MEGATRON_TYPES
+
+
 def _refuse_quantized(prepared: Planned) -> None:
     """A split writes the model's in-memory tensors, which a quantized source holds only as quantized bytes and
-    scales (FP8 block-scaled, MXFP4): refused before anything is planned or written, dequantized or not.
+    scales (FP8 block-scaled, MXFP4): refused before anything is planned or written, dequantized or not (not called
+    for ``--to megatron --dtype`` of a model Megatron-Core form is written for: FP8 block-scaled weights are
+    dequantized there chunk by chunk, :func:`ckpttool.plan.compose.compose`).
 
     Raises:
         ConfigError: the source's config declares a quantization.
@@ -318,7 +330,8 @@ def _finish(staging: Staging, prepared: Planned, files: tuple[dcp.DcpFile, ...],
         megatron_dist.write_common(checkpoint, args, mesh.iteration)
         megatron_dist.write_tracker(path, mesh.iteration)
     dcp.write_metadata(files, checkpoint)
-    extras = write_extras(path, prepared.config, extras_search(root, prepared.config_path),
+    dequantized = any(t.dequant is not None for t in prepared.plan.targets)  # FP8 to --dtype: no quantization_config
+    extras = write_extras(path, output_config(prepared.config, dequantized), extras_search(root, prepared.config_path),
                           config_dtype(prepared.config, prepared.plan, cast=dtype is not None))
     check_output(checkpoint, files)
     write_manifest(path, MANIFEST, SPLIT_OUTPUT.command)  # last: it lists every file above, so --force knows this output for ours
