@@ -4,7 +4,7 @@
 ``dist_checkpointing.load`` (``strict="raise_all"``: every key asked for is in the checkpoint and nothing else) and
 runs its forward; the last stage's TP rank 0 writes the main and the MTP logits (gathered over tensor parallel).
 
-    torchrun --nproc_per_node N tests/megatron_deepseek_consumer.py CASE CHECKPOINT_DIR LOGITS_OUT
+    torchrun --nproc_per_node N tests/megatron_deepseek_consumer.py CASE CHECKPOINT_DIR LOGITS_OUT [ETP]
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ import make_megatron_deepseek as producer  # noqa: E402  (the producer's own mod
 from megatron_load import load_strictly, poison  # noqa: E402
 
 
-def main(name: str, checkpoint: str, out: str) -> None:
+def main(name: str, checkpoint: str, out: str, etp: str | None = None) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     case = producer.CASES[name.removeprefix("megatron_")]
+    if etp is not None:  # the same layout with another expert TP
+        case = {**case, "etp": int(etp)}
     tp, pp, ep = case["tp"], case["pp"], case["ep"]
     producer._init(case, tp, pp, ep)
     from megatron.core import parallel_state as ps
@@ -61,4 +63,4 @@ def main(name: str, checkpoint: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -141,6 +141,35 @@ def test_common_pt_records_mla_the_moe_pattern_mtp_and_the_stages(splits):
         "decoder_last_pipeline_num_layers": None, "virtual_pipeline_model_parallel_size": None}
 
 
+@pytest.fixture(scope="module")
+def etp1(tmp_path_factory) -> Path:
+    """The TP2 x EP2 DeepSeek reference split with expert TP 1 (the fixture was saved with expert TP 2)."""
+    out = tmp_path_factory.mktemp("etp1") / "out"
+    split("deepseek_tp2_ep2", out, etp=1)
+    return out
+
+
+def test_expert_tp_1_writes_every_expert_whole(etp1):
+    """The same global tensors as megatron-core's expert-TP-2 save; each expert's fc1 and fc2 one whole chunk."""
+    mine, mine_md = read_all(etp1 / "iter_0000010")
+    real, _ = read_all(fixture("deepseek_tp2_ep2") / "torch_dist" / "iter_0000010")
+    assert sorted(mine) == sorted(real)
+    assert all(torch.equal(mine[n][:100], real[n][:100]) for n in real)
+    chunks = mine_md.state_dict_metadata["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].chunks
+    assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks) == [((e, 0, 0), (1, 32, 32)) for e in range(4)]
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        args = vars(torch.load(etp1 / "iter_0000010" / "common.pt", weights_only=True)["args"])
+    assert (args["tensor_model_parallel_size"], args["expert_tensor_parallel_size"]) == (2, 1)
+
+
+def test_an_expert_tp_other_than_1_or_tp_is_refused(cli, tmp_path):
+    case = fixture("deepseek_tp2_ep2")
+    out = tmp_path / "out"
+    result = cli("split", case / "reference", out, "--to", "megatron", "--tp", "2", "--etp", "4")
+    assert_failed_cleanly(result, out, "etp=4: expert tensor parallelism is written as tp=2 or as 1 (experts whole on "
+                                       "every rank); give one of those")
+
+
 def test_a_source_without_its_mtp_layer_is_split_without_one(tmp_path):
     """A release saved by transformers (no MTP layer): no mtp.layers.*, mtp_num_layers unset; the merge back warns
     as for any source that lacks the MTP layers its config declares."""
@@ -239,7 +268,7 @@ def test_stage_options_for_a_dcp_split_are_a_usage_error(cli, tmp_path):
     case = fixture("pp2_uneven")
     result = cli("split", case / "reference", tmp_path / "out", "--to", "dcp", "--vpp", "2")
     assert result.exit_code == 2, result.output
-    assert "pp_first, pp_last and vpp are for to='megatron'" in result.output and "Traceback" not in result.output
+    assert "pp_first, pp_last, vpp and etp are for to='megatron'" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
 
 
@@ -251,9 +280,9 @@ needs_megatron = pytest.mark.skipif(not (MEGATRON_VENV / "bin" / "python").is_fi
                                     reason=f"megatron-core venv not at {MEGATRON_VENV} (set CKPTTOOL_MEGATRON_VENV)")
 
 
-def consume(script: str, case: str, checkpoint: Path, out: Path, ranks: int) -> dict[str, torch.Tensor]:
+def consume(script: str, case: str, checkpoint: Path, out: Path, ranks: int, *more: str) -> dict[str, torch.Tensor]:
     command = [str(MEGATRON_VENV / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={ranks}", str(HERE / script), case, str(checkpoint), str(out)]
+               f"--nproc_per_node={ranks}", str(HERE / script), case, str(checkpoint), str(out), *more]
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -274,6 +303,17 @@ def test_megatron_core_loads_the_deepseek_split_strictly_and_gives_its_logits(ca
     vocab = json.loads((fixture(case) / "producer.json").read_text())["vocab"]
     for name in ("logits", "mtp_logits"):  # 3.0e-7 observed; the padding columns: zeros here, random there
         torch.testing.assert_close(got[name][..., :vocab], want[name][..., :vocab], rtol=0, atol=1e-5)
+
+
+@needs_megatron
+@pytest.mark.slow
+def test_megatron_core_loads_an_expert_tp_1_split_strictly_and_gives_its_logits(etp1, tmp_path):
+    """megatron-core built with expert TP 1 at TP2 x EP2 (3.6e-7 observed)."""
+    got = consume("megatron_deepseek_consumer.py", "deepseek_tp2_ep2", etp1 / "iter_0000010", tmp_path / "l.safetensors",
+                  4, "1")
+    want = load_file(fixture("deepseek_tp2_ep2") / "logits.safetensors")
+    for name in ("logits", "mtp_logits"):
+        torch.testing.assert_close(got[name][..., :100], want[name][..., :100], rtol=0, atol=1e-5)
 
 
 @needs_megatron

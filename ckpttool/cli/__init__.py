@@ -341,6 +341,7 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
 @click.option("--pp-first", "pp_first", type=click.IntRange(1, MAX_RANKS * MAX_RANKS), default=None, help="--to megatron: layers of the first pipeline stage (Megatron-LM's --decoder-first-pipeline-num-layers); the stages between share the rest evenly.")
 @click.option("--pp-last", "pp_last", type=click.IntRange(1, MAX_RANKS * MAX_RANKS), default=None, help="--to megatron: layers of the last pipeline stage (--decoder-last-pipeline-num-layers).")
 @click.option("--vpp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to megatron: virtual pipeline stages per stage (--virtual-pipeline-model-parallel-size), layers numbered as megatron-core does.")
+@click.option("--etp", type=click.IntRange(1, MAX_RANKS), default=None, help="--to megatron: expert tensor parallelism (--expert-tensor-parallel-size): 1 (experts whole) or tp (the default).")
 @click.option("--dp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to dcp: data-parallel replicas (FSDP2 HSDP: Replicate() over dp; each chunk saved once).")
 @click.option("--make-vocab-size-divisible-by", "divisible_by", type=click.IntRange(1, MAX_DIVISIBLE_BY), default=128, show_default=True, help="--to megatron: pad the vocab to a multiple of this x tp (zeros), as Megatron-LM's argument.")
 @click.option("--iteration", type=click.IntRange(0, MAX_ITERATION), default=0, show_default=True, help="--to megatron: the iteration directory written (iter_0000000).")
@@ -360,7 +361,7 @@ def split_command(
     src: str, out: str | None, to: str, fsdp: int, tp: int, ep: int, pp: int, dp: int, divisible_by: int, iteration: int,
     fmt: str | None, config: str | None, dtype: str | None, dry_run: bool, force: bool, workers: int, as_json: bool,
     quiet: bool, verbose: int, names: str = "hf", pp_first: int | None = None, pp_last: int | None = None,
-    vpp: int = 1,
+    vpp: int = 1, etp: int | None = None,
 ) -> None:
     """Write the checkpoint in SRC sharded for a device mesh into OUT (--to dcp: one file per rank; --to megatron:
     a Megatron-Core torch_dist iteration directory for --tp x --pp x --ep).
@@ -376,7 +377,7 @@ def split_command(
 
     if out is None and not dry_run:
         raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
-    stages = dict(pp_first=pp_first or 0, pp_last=pp_last or 0, vpp=vpp)
+    stages = dict(pp_first=pp_first or 0, pp_last=pp_last or 0, vpp=vpp, etp=etp or 0)
     try:  # an option of the other target is a usage error
         check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration, **stages)
     except ArgumentError as e:

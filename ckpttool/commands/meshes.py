@@ -138,6 +138,9 @@ class MegatronMesh:
     pp_last: int = 0
     #: virtual pipeline stages (model chunks) per stage (``--virtual-pipeline-model-parallel-size``)
     vpp: int = 1
+    #: expert tensor parallelism (``--expert-tensor-parallel-size``): 0, as tp (megatron-core's default), or 1
+    #: (experts whole on every rank, as DeepSeek-V3 is often trained)
+    etp: int = 0
 
     def __post_init__(self) -> None:
         for name in ("pp_first", "pp_last"):
@@ -146,6 +149,9 @@ class MegatronMesh:
         if self.pp == 1 and (self.pp_first or self.pp_last or self.vpp > 1):
             raise ArgumentError(f"pp_first={self.pp_first}, pp_last={self.pp_last}, vpp={self.vpp}: uneven and "
                                 "virtual pipeline stages need pp above 1")
+        if self.etp not in (0, 1, self.tp):
+            raise ArgumentError(f"etp={self.etp!r}: expert tensor parallelism is written as tp={self.tp} or as 1 "
+                                "(experts whole on every rank); give one of those")
         if self.vpp > 1 and (self.pp_first or self.pp_last):
             raise ArgumentError(f"vpp={self.vpp} with pp_first/pp_last: virtual pipeline stages over uneven stages "
                                 "are not written yet; give one or the other")
@@ -168,6 +174,7 @@ class MegatronMesh:
         dims = [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v > 1]
         stages = [f"{k}={v}" for k, v in (("pp_first", self.pp_first), ("pp_last", self.pp_last)) if v]
         stages += [f"vpp={self.vpp}"] if self.vpp > 1 else []
+        stages += ["etp=1"] if self.etp == 1 and self.tp > 1 else []
         return (f"{' '.join(dims) or 'one rank'}{' ' if stages else ''}{' '.join(stages)} "
                 f"({self.world} rank{'s' if self.world != 1 else ''})")
 
@@ -175,19 +182,25 @@ class MegatronMesh:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "world": self.world,
                 "make_vocab_size_divisible_by": self.divisible_by, "iteration": self.iteration,
                 **({"pp_first": self.pp_first} if self.pp_first else {}),
-                **({"pp_last": self.pp_last} if self.pp_last else {}), **({"vpp": self.vpp} if self.vpp > 1 else {})}
+                **({"pp_last": self.pp_last} if self.pp_last else {}), **({"vpp": self.vpp} if self.vpp > 1 else {}),
+                **({"etp": 1} if self.etp == 1 and self.tp > 1 else {})}
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size written: tp, or 1."""
+        return self.etp or self.tp
 
 
 def check_target_options(to: str, *, fsdp: int = 1, dp: int = 1, pp: int = 1, divisible_by: int = 128,
-                         iteration: int = 0, pp_first: int = 0, pp_last: int = 0, vpp: int = 1) -> None:
+                         iteration: int = 0, pp_first: int = 0, pp_last: int = 0, vpp: int = 1, etp: int = 0) -> None:
     """Refuse the options of the other split target (the command line's usage errors).
 
     Raises:
         ArgumentError: ``fsdp`` or ``dp`` for ``megatron``; ``pp``, ``divisible_by``, ``iteration``, ``pp_first``,
             ``pp_last`` or ``vpp`` for ``dcp``.
     """
-    if to == "dcp" and (pp_first, pp_last, vpp) != (0, 0, 1):
-        raise ArgumentError("pp_first, pp_last and vpp are for to='megatron'")
+    if to == "dcp" and (pp_first, pp_last, vpp, etp) != (0, 0, 1, 0):
+        raise ArgumentError("pp_first, pp_last, vpp and etp are for to='megatron'")
     if to == "megatron" and fsdp != 1:
         raise ArgumentError(f"fsdp={fsdp!r}: Megatron-Core torch_dist has no FSDP dim; give tp, pp and ep")
     if to == "megatron" and dp != 1:
@@ -200,16 +213,16 @@ def check_target_options(to: str, *, fsdp: int = 1, dp: int = 1, pp: int = 1, di
 
 
 def mesh_for(to: str, *, fsdp: int = 1, tp: int = 1, ep: int = 1, pp: int = 1, dp: int = 1, divisible_by: int = 128,
-             iteration: int = 0, pp_first: int = 0, pp_last: int = 0, vpp: int = 1) -> Mesh | MegatronMesh:
+             iteration: int = 0, pp_first: int = 0, pp_last: int = 0, vpp: int = 1, etp: int = 0) -> Mesh | MegatronMesh:
     """The mesh a split writes for: :class:`MegatronMesh` for ``to="megatron"``, else :class:`Mesh`.
 
     Raises:
         ArgumentError: :func:`check_target_options`, or a size the mesh refuses.
     """
     check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration,
-                         pp_first=pp_first, pp_last=pp_last, vpp=vpp)
+                         pp_first=pp_first, pp_last=pp_last, vpp=vpp, etp=etp)
     if to == "megatron":
-        return MegatronMesh(tp, pp, ep, divisible_by, iteration, pp_first, pp_last, vpp)
+        return MegatronMesh(tp, pp, ep, divisible_by, iteration, pp_first, pp_last, vpp, etp)
     return Mesh(fsdp, tp, ep, dp)
 
 

@@ -141,6 +141,7 @@ def split(
     pp_first: int = 0,
     pp_last: int = 0,
     vpp: int = 1,
+    etp: int = 0,
     make_vocab_size_divisible_by: int = 128,
     iteration: int = 0,
     names: str = "hf",
@@ -177,6 +178,8 @@ def split(
             stage, layers numbered as megatron-core numbers them: chunk ``c`` of stage ``s`` holds the
             ``(c * pp + s)``-th run of ``num_layers / (pp * vpp)`` layers); see
             :func:`ckpttool.commands.split_megatron.layer_stages`.
+        etp: ``megatron`` only: expert tensor parallelism, 0 (as ``tp``, megatron-core's default) or 1 (every
+            expert whole on its ranks, ``--expert-tensor-parallel-size 1``).
         names: ``dcp`` only: the tensor names written (:data:`~ckpttool.commands.split_dcp.NAMES`): ``"hf"``
             (transformers' in-memory names), ``"torchtitan"`` (torchtitan 0.3's names, Q/K rows in Meta's RoPE
             order, placed as torchtitan's plan places them: a torchtitan job resumes from it) or
@@ -221,7 +224,7 @@ def split(
     _check_names(to, names)
     # every argument and the destination are checked before the source is read: a refusal costs no read
     mesh = mesh_for(to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, divisible_by=make_vocab_size_divisible_by,
-                    iteration=iteration, pp_first=pp_first, pp_last=pp_last, vpp=vpp)
+                    iteration=iteration, pp_first=pp_first, pp_last=pp_last, vpp=vpp, etp=etp)
     if out is None and not dry_run:
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)

@@ -184,6 +184,8 @@ def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh, model_type: st
     """``name`` over the mesh ``(pp, ep, tp)``; a tensor saved per layer only on its stage's ranks, a stacked one's
     layers over the stages by ``Shard(0)`` (uneven or virtual stages: by :func:`_chunks`, layer by layer)."""
     tp = megatron_back.tp_placement(name, model_type)  # at tp=1 too: fc1's halves are two chunks
+    if mesh.expert_tp == 1 and mesh.tp > 1 and expert_axis(name) is not None:
+        tp = REPLICATE  # expert TP 1: every expert whole (each chunk one expert's gate, up or down)
     layer = megatron_back_mla.layer_of(name, len(stages) - _MTP_MOST)
     stacked = name.startswith("decoder.layers.") and layer is None
     even = mesh.vpp == 1 and not (mesh.pp_first or mesh.pp_last)
@@ -259,7 +261,8 @@ def _check_sizes(config, shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh,
     for name, dim, what in (("decoder.layers.mlp.linear_fc1.weight", 1, "intermediate_size"),
                             ("decoder.layers.mlp.shared_experts.linear_fc1.weight", 1, "shared expert FFN"),
                             (EXPERT_TENSORS[0], 2, "expert FFN")):
-        cut = name in shapes and megatron_back.tp_placement(name, model_type).kind != "replicate"
+        cut = (name in shapes and megatron_back.tp_placement(name, model_type).kind != "replicate"
+               and not (name == EXPERT_TENSORS[0] and mesh.expert_tp == 1))
         if cut and (shapes[name][dim] // 2) % mesh.tp:
             problems.append(f"tp={mesh.tp} does not divide the {what} {shapes[name][dim] // 2} of '{name}'")
     fc1 = next((name for name in shapes if name.endswith(EXPERT_TENSORS[0].removeprefix("decoder.layers."))), None)
@@ -287,7 +290,7 @@ def _per_layer_cuts(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh, mode
             continue
         kind = name[match.end():]
         placement = megatron_back.tp_placement(name, model_type)
-        if kind in seen or placement.kind == "replicate":
+        if kind in seen or placement.kind == "replicate" or (mesh.expert_tp == 1 and expert_axis(name) is not None):
             continue
         seen.add(kind)
         parts = placement.split_factor if placement.kind == "strided" else 1
@@ -308,5 +311,6 @@ def training_args(info: ModelInfo, mesh: MegatronMesh, shapes: dict[str, tuple[i
     args.update(decoder_first_pipeline_num_layers=mesh.pp_first or None,
                 decoder_last_pipeline_num_layers=mesh.pp_last or None,
                 virtual_pipeline_model_parallel_size=mesh.vpp if mesh.vpp > 1 else None,
+                **({"expert_tensor_parallel_size": 1} if mesh.expert_tp == 1 else {}),
                 num_layers_per_virtual_pipeline_stage=layers // (mesh.pp * mesh.vpp) if mesh.vpp > 1 else None)
     return args
