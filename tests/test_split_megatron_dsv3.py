@@ -6,8 +6,9 @@ megatron-core's own checkpoint: the same global tensors bit for bit, the same ke
 same chunks, each on a rank of the same pipeline stage. The DeepSeek fixtures (``make_megatron_deepseek.py``) are
 TP2 x EP2 with q_lora_rank 16 and PP2 (2 + 1 layers, uneven) x EP2 without it, each with one MTP layer; the Llama
 ones (``make_megatron.py``) hold uneven stages (1 + 2) and virtual stages (PP2 x VPP2). Merging the split back gives
-the HF input bit for bit. megatron-core itself loads the splits strictly and runs them (marked slow; skipped
-without ``/work/venv-megatron``).
+the HF input bit for bit. ``--etp 1`` keeps experts whole. An FP8 release goes straight to BF16, dequantized while
+splitting, and comes back as its ``--dtype`` merge. megatron-core itself loads the splits strictly and runs them
+(marked slow; skipped without ``/work/venv-megatron``).
 """
 
 from __future__ import annotations

@@ -8,11 +8,14 @@ modules. Here each is placed on Megatron's ranks, ordered ``tp`` fastest, then `
 default ``tp-cp-ep-dp-pp`` with one data-parallel rank per expert group), with :class:`~ckpttool.commands.meshes.Sharding` over the mesh dims
 ``(pp, ep, tp)``:
 
-- stacked layer tensors: the layer axis ``Shard(0)`` over ``pp`` (each stage its consecutive layers);
+- stacked layer tensors: the layer axis ``Shard(0)`` over ``pp`` (each stage its consecutive layers; uneven or
+  virtual stages layer by layer, :func:`layer_stages`); a model whose layers are saved under their own numbers
+  (DeepSeek-V3's, :mod:`ckpttool.families.conventions.megatron_back_mla`) has each on its stage's ranks;
 - experts: the expert axis ``Shard(1)`` over ``ep`` (global expert ids, each rank consecutive ones), and their
   weights tensor-parallel like the dense ones (``expert_tensor_parallel_size`` = ``tp``, megatron-core's default),
-  except gpt-oss's: whole on every TP rank (``expert_tensor_parallel_size`` 1), one chunk per layer and expert,
-  since their fc1 is HuggingFace's interleaved columns taken apart, a transform a TP half would cut through;
+  except gpt-oss's, and any model's with ``etp`` 1: whole on every TP rank (``expert_tensor_parallel_size`` 1),
+  one chunk per layer and expert (gpt-oss's fc1 is HuggingFace's interleaved columns taken apart, a transform a TP
+  half would cut through);
 - tensor parallel: ``linear_qkv`` rows (whole query groups) and the vocab rows ``Shard``, ``linear_proj`` and
   ``linear_fc2`` columns ``Shard``, a SwiGLU ``linear_fc1`` ``[gate; up]`` as each rank's ``[gate_r; up_r]``
   (``_StridedShard`` with split factor 2), norms, router and shared-expert gate replicated.
