@@ -194,3 +194,23 @@ def test_an_untrained_expert_adapter_is_one_finding_counting_its_modules(tmp_pat
     assert [f.message for f in found] == [
         f"'{adapter}': every lora_B of the adapter is zero (6 modules): it was never trained, and the fused output "
         "equals the base. Is it the adapter of the last step?"]
+
+
+def test_rank_and_alpha_patterns_match_the_stacked_parameters_name(tmp_path):
+    """PEFT matches rank_pattern / alpha_pattern against 'mlp.experts.down_proj', not the key's module."""
+    from ckpttool.errors import SourceError
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(EXPERTS / "adapter", adapter)
+    path = adapter / "adapter_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "alpha_pattern": {"gate_up_proj": 8, "experts": 99}}))
+    deltas = read_adapter(adapter).deltas  # the same alpha for both parameters; 'experts' names no parameter
+    assert {d.scaling for d in deltas.values()} == {2.0}
+    path.write_text(json.dumps({**config, "alpha_pattern": {"down_proj": 16}}))
+    with pytest.raises(SourceError) as e:
+        read_adapter(adapter)
+    assert str(e.value) == (
+        f"'{adapter / 'adapter_model.safetensors'}': 'base_model.model.model.layers.0.mlp.experts.lora_A.weight' is "
+        "the LoRA of one of ['model.layers.0.mlp.experts.gate_up_proj', 'model.layers.0.mlp.experts.down_proj'], to "
+        f"which {path}'s rank_pattern / alpha_pattern give different (r, alpha) [(4, 8), (4, 16)]; not fused yet")

@@ -176,8 +176,6 @@ def lora_deltas(root: str, config: Mapping[str, object], config_label: str, tens
                     "not a LoRA weight (expected <module>.lora_A.weight and <module>.lora_B.weight)")
             raise SourceError(f"'{label}': '{key}': {what}")
         pairs.setdefault(found["module"], {})[found["which"]] = tensor
-    ranks = config.get("rank_pattern") or {}
-    alphas = config.get("alpha_pattern") or {}
     parameters = [str(p) for p in config.get("target_parameters") or ()]  # type: ignore[union-attr]
     deltas = {}
     for module, pair in sorted(pairs.items()):
@@ -191,11 +189,15 @@ def lora_deltas(root: str, config: Mapping[str, object], config_label: str, tens
                               "expected A (r, in) and B (out, r) of one rank r")
         if a.dtype != b.dtype or a.dtype not in ("F32", "BF16", "F16", "F64"):
             raise SourceError(f"'{label}': '{a.key}' is {a.dtype} and '{b.key}' {b.dtype}; expected one floating dtype")
-        r_key, alpha_key = pattern_key(ranks, module), pattern_key(alphas, module)  # type: ignore[arg-type]
-        r = ranks[r_key] if r_key is not None else config.get("r", 8)  # type: ignore[index]
-        alpha = alphas[alpha_key] if alpha_key is not None else config.get("lora_alpha", 8)  # type: ignore[index]
-        scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r  # type: ignore[operator]
         stacked = stacked_parameters(module, parameters)
+        # PEFT matches the patterns against a stacked parameter's own name (experts.gate_up_proj), a module's else
+        found = [_rank_alpha(config, name) for name in stacked or (module,)]
+        if len({(r, alpha) for r, alpha, _ in found}) > 1:
+            raise SourceError(f"'{label}': '{a.key}' is the LoRA of one of {list(stacked)}, to which {config_label}'s "
+                              "rank_pattern / alpha_pattern give different (r, alpha) "
+                              f"{[(r, alpha) for r, alpha, _ in found]}; not fused yet")
+        r, alpha, r_key = found[0]
+        scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r  # type: ignore[operator]
         if stacked:  # r rows of A per expert
             if a.shape[0] % r:
                 raise SourceError(f"'{label}': '{a.key}' has {a.shape[0]} rows, not a multiple of r = {r} "
@@ -212,6 +214,15 @@ def lora_deltas(root: str, config: Mapping[str, object], config_label: str, tens
     if not deltas:
         raise SourceError(f"'{label}': holds no LoRA weights (no '<module>.lora_A.weight'); is it a LoRA adapter?")
     return deltas
+
+
+def _rank_alpha(config: Mapping[str, object], name: str) -> tuple[object, object, str | None]:
+    """``r``, ``lora_alpha`` and the ``rank_pattern`` key for module or parameter ``name``, as PEFT finds them."""
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    r_key, alpha_key = pattern_key(ranks, name), pattern_key(alphas, name)  # type: ignore[arg-type]
+    r = ranks[r_key] if r_key is not None else config.get("r", 8)  # type: ignore[index]
+    alpha = alphas[alpha_key] if alpha_key is not None else config.get("lora_alpha", 8)  # type: ignore[index]
+    return r, alpha, r_key
 
 
 def stacked_parameters(module: str, parameters: list[str]) -> tuple[str, ...]:
