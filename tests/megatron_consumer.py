@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
-import make_megatron as mm
+import make_megatron as mm  # noqa: E402
+from megatron_load import load_strictly, poison  # noqa: E402
 
 
 def main(name: str, checkpoint: str, out: str, layout: str | None = None) -> None:
@@ -27,7 +28,6 @@ def main(name: str, checkpoint: str, out: str, layout: str | None = None) -> Non
     from safetensors.torch import save_file
 
     mm._shim_cuda()
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     case = mm.CASES[name]
@@ -41,22 +41,9 @@ def main(name: str, checkpoint: str, out: str, layout: str | None = None) -> Non
                                  expert_tensor_parallel_size=case.get("etp", 1) if tp > 1 else None)
     rows = mm.padded_vocab(case["vocab"], case["divisible_by"], tp)
     model = mm._build(case, tp, pp, ep, rows)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))  # anything the load leaves alone shows in the logits
-    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-    sharded = model.sharded_state_dict(metadata=mm._metadata(case, dp_cp))
-    # the model's whole sharded state dict, as Megatron-LM's load_checkpoint asks for it (the linear layers'
-    # _extra_state objects included); "raise_all": any key asked for and not in the checkpoint, or in the checkpoint
-    # and not asked for, is an error
-    loaded = dist_checkpointing.load({"model": sharded}, checkpoint, strict="raise_all")
-    if loaded.get("iteration") is None or loaded.get("args") is None:
-        raise SystemExit(f"common.pt gave no iteration or args: {sorted(loaded)}")
-    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise SystemExit(f"megatron-core did not load every weight: missing {missing}, unexpected {unexpected}")
-    model.eval()
+    poison([model])
+    # the model's whole sharded state dict, as Megatron-LM's load_checkpoint asks for it
+    load_strictly({"model": model}, checkpoint, mm._metadata(case, ps.get_data_parallel_group(with_context_parallel=True)))
     tokens = torch.tensor(mm.tokens_of(case), dtype=torch.long)
     s = tokens.shape[1]
     position_ids = torch.arange(s).unsqueeze(0)

@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
 import make_megatron_gpt_oss as producer  # noqa: E402  (the producer's own model and layout)
+from megatron_load import load_strictly, poison  # noqa: E402
 
 
 def main(checkpoint: str, out: str, case: str = "") -> None:
@@ -27,23 +28,12 @@ def main(checkpoint: str, out: str, case: str = "") -> None:
     if case:
         producer._use(case)
     producer._init(producer.TP, producer.EP, producer.ETP)
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     rows = producer.base.padded_vocab(producer.VOCAB, producer.DIVISIBLE_BY, producer.TP)
     model = producer._build(producer.TP, producer.EP, rows, producer.ETP)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))  # anything the load leaves alone shows in the logits
-    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, checkpoint,
-                                     strict="raise_all")
-    if loaded.get("iteration") is None or loaded.get("args") is None:
-        raise SystemExit(f"common.pt gave no iteration or args: {sorted(loaded)}")
-    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise SystemExit(f"megatron-core did not load every weight: missing {missing}, unexpected {unexpected}")
+    poison([model])
+    load_strictly({"model": model}, checkpoint, {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
     if case:  # this rank's weights, and what the producer's legacy file of this rank holds (it needs megatron to load)
         rank = dist.get_rank()
         local = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
@@ -51,7 +41,6 @@ def main(checkpoint: str, out: str, case: str = "") -> None:
         legacy = producer.HERE / f"megatron_{case}" / "legacy" / "iter_0000010" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
         saved = torch.load(legacy, weights_only=False)["model"]
         save_file({k: v.contiguous() for k, v in saved.items() if not k.endswith("_extra_state")}, f"{out}.legacy{rank}")
-    model.eval()
     ids = torch.tensor(producer.tokens(), dtype=torch.long)
     s = ids.shape[1]
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)

@@ -249,11 +249,12 @@ def test_a_rank_the_config_does_not_state_is_refused(cli, tmp_path):
              f"{adapter / 'adapter_config.json'} says r = 16 for 'model.layers.0.mlp.down_proj'")
 
 
-def test_expert_lora_on_stacked_parameters_is_refused_by_name(cli, tmp_path):
-    adapter = _llama_adapter(tmp_path, target_parameters=["mlp.experts.gate_up_proj"])
-    _refused(cli, tmp_path, adapter, f"'{adapter / 'adapter_config.json'}': target_parameters = "
-             "['mlp.experts.gate_up_proj']: LoRA on stacked expert parameters (PEFT's ParamWrapper over an MoE's "
-             "gate_up_proj / down_proj) is not fused yet; LoRA on a 2-D weight is")
+def test_expert_lora_on_stacked_parameters_is_read_per_expert():
+    """No longer refused (issue 27): the stacked pairs are read as per-expert deltas (tests/test_lora_experts.py fuses
+    them bit-exact with PEFT, and keeps the refusals of what stays unsupported)."""
+    deltas = read_adapter(fixture_dir("lora_mixtral_experts") / "adapter").deltas
+    stacked = [d for d in deltas.values() if d.parameters]
+    assert len(stacked) == 4 and {(d.experts, d.rank) for d in stacked} == {(4, 4)}
 
 
 # the proof of a fuse (ckpttool.lora.audit) ----------------------------------------------------------------------------

@@ -202,9 +202,9 @@ def test_a_tensor_with_no_megatron_place_is_refused_never_dropped(cli, tmp_path)
 
 
 def test_a_family_with_no_megatron_form_is_refused(cli, tmp_path):
-    src = FIXTURES / "deepseek_v3_hf_mtp" / "checkpoint"
+    src = FIXTURES / "qwen3_next_hf_tp2" / "checkpoint"  # deepseek_v3 was refused here before issue 31
     result = cli("split", src, tmp_path / "out", "--to", "megatron")
-    assert_failed_cleanly(result, tmp_path / "out", "model_type 'deepseek_v3': ckpttool knows no Megatron-Core form for "
+    assert_failed_cleanly(result, tmp_path / "out", "model_type 'qwen3_next': ckpttool knows no Megatron-Core form for "
                                                      "it; split --to megatron writes llama, mistral, qwen2, mixtral, qwen2_moe")
 
 

@@ -382,7 +382,10 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
 @click.option("--fsdp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="Ranks FSDP2 shards every tensor over (Shard(0)).")
 @click.option("--tp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="Tensor-parallel ranks (torch's Llama/Mixtral plans).")
 @click.option("--ep", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="Expert-parallel ranks: Shard(0) of stacked experts; divides fsdp x tp.")
-@click.option("--pp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to megatron: pipeline stages (equal, consecutive layers).")
+@click.option("--pp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to megatron: pipeline stages (equal, consecutive layers unless --pp-first, --pp-last or --vpp).")
+@click.option("--pp-first", "pp_first", type=click.IntRange(1, MAX_RANKS * MAX_RANKS), default=None, help="--to megatron: layers of the first pipeline stage (Megatron-LM's --decoder-first-pipeline-num-layers); the stages between share the rest evenly.")
+@click.option("--pp-last", "pp_last", type=click.IntRange(1, MAX_RANKS * MAX_RANKS), default=None, help="--to megatron: layers of the last pipeline stage (--decoder-last-pipeline-num-layers).")
+@click.option("--vpp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to megatron: virtual pipeline stages per stage (--virtual-pipeline-model-parallel-size), layers numbered as megatron-core does.")
 @click.option("--dp", type=click.IntRange(1, MAX_RANKS), default=1, show_default=True, help="--to dcp: data-parallel replicas (FSDP2 HSDP: Replicate() over dp; each chunk saved once).")
 @click.option("--etp", type=click.IntRange(1, MAX_RANKS), help="--to megatron: expert tensor-parallel size, 1 or --tp (default: --tp; 1 for gpt-oss).")
 @click.option("--make-vocab-size-divisible-by", "divisible_by", type=click.IntRange(1, MAX_DIVISIBLE_BY), default=128, show_default=True, help="--to megatron: pad the vocab to a multiple of this x tp (zeros), as Megatron-LM's argument.")
@@ -402,7 +405,8 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
 def split_command(
     src: str, out: str | None, to: str, fsdp: int, tp: int, ep: int, pp: int, dp: int, divisible_by: int, iteration: int,
     fmt: str | None, config: str | None, dtype: str | None, dry_run: bool, force: bool, workers: int, as_json: bool,
-    quiet: bool, verbose: int, names: str = "hf", etp: int | None = None,
+    quiet: bool, verbose: int, names: str = "hf", pp_first: int | None = None, pp_last: int | None = None,
+    vpp: int = 1, etp: int | None = None,
 ) -> None:
     """Write the checkpoint in SRC sharded for a device mesh into OUT (--to dcp: one file per rank; --to megatron:
     a Megatron-Core torch_dist iteration directory for --tp x --pp x --ep).
@@ -418,9 +422,9 @@ def split_command(
 
     if out is None and not dry_run:
         raise click.UsageError("Missing argument 'OUT' (only --dry-run runs without one).")
+    stages = dict(pp_first=pp_first or 0, pp_last=pp_last or 0, vpp=vpp, etp=etp or 0)
     try:  # an option of the other target is a usage error
-        check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration,
-                             etp=etp or 0)
+        check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration, **stages)
     except ArgumentError as e:
         raise click.UsageError(str(e)) from None
     if names != "hf" and to != "dcp":
@@ -430,14 +434,14 @@ def split_command(
     _setup_logging(verbose, quiet or as_json)
     # the mesh and OUT are checked before the split (and torch) is even imported: a refusal takes no time
     _run(as_json, lambda: mesh_for(to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, divisible_by=divisible_by,
-                                   iteration=iteration, etp=etp or 0))
+                                   iteration=iteration, **stages))
     if out is not None:
         _run(as_json, lambda: check_destination(Path(out), [Path(src)], force, SPLIT_OUTPUT))
     from ckpttool.commands.split import split
     bar = Bar("split") if not (as_json or quiet or dry_run) else None
     result = _run(as_json, lambda: split(
-        src, out, to=to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, etp=etp or 0, make_vocab_size_divisible_by=divisible_by,
-        iteration=iteration, names=names, format=fmt, config=config, dtype=dtype, dry_run=dry_run,
+        src, out, to=to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, make_vocab_size_divisible_by=divisible_by,
+        iteration=iteration, names=names, **stages, format=fmt, config=config, dtype=dtype, dry_run=dry_run,
         force=force, workers=workers, progress=bar,
     ), bar)
     if _printed_as_json(result, as_json):

@@ -136,12 +136,29 @@ class MegatronMesh:
     ep: int = 1
     divisible_by: int = 128
     iteration: int = 0
+    #: layers of the first and of the last pipeline stage (Megatron-LM's ``--decoder-first-pipeline-num-layers``,
+    #: ``--decoder-last-pipeline-num-layers``); 0: as many as every other stage
+    pp_first: int = 0
+    pp_last: int = 0
+    #: virtual pipeline stages (model chunks) per stage (``--virtual-pipeline-model-parallel-size``)
+    vpp: int = 1
+    #: expert tensor parallelism (``--expert-tensor-parallel-size``): 1 (experts whole on every rank) or tp; 0: the
+    #: model's default (:meth:`expert_tp`)
     etp: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("pp_first", "pp_last"):
+            _check_whole(name, getattr(self, name), 0, MAX_RANKS * MAX_RANKS, "a stage's layer count")
+        _check_whole("vpp", self.vpp, 1, MAX_RANKS, "the virtual pipeline size")
+        if self.pp == 1 and (self.pp_first or self.pp_last or self.vpp > 1):
+            raise ArgumentError(f"pp_first={self.pp_first}, pp_last={self.pp_last}, vpp={self.vpp}: uneven and "
+                                "virtual pipeline stages need pp above 1")
         if not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp not in (0, 1, self.tp):
             raise ArgumentError(f"etp={self.etp!r}: the expert tensor-parallel size is 1 (experts whole on every TP rank) "
                                 f"or tp={self.tp} (cut like the dense layers); ckpttool writes no other")
+        if self.vpp > 1 and (self.pp_first or self.pp_last):
+            raise ArgumentError(f"vpp={self.vpp} with pp_first/pp_last: virtual pipeline stages over uneven stages "
+                                "are not written yet; give one or the other")
         for name in ("tp", "pp", "ep", "divisible_by", "iteration"):
             value, least = getattr(self, name), 0 if name == "iteration" else 1
             what = "make_vocab_size_divisible_by" if name == "divisible_by" else name
@@ -159,8 +176,11 @@ class MegatronMesh:
 
     def describe(self) -> str:
         dims = [f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if v > 1]
-        dims += [f"etp={self.etp}"] if self.etp and self.tp > 1 else []
-        return f"{' '.join(dims) or 'one rank'} ({self.world} rank{'s' if self.world != 1 else ''})"
+        stages = [f"{k}={v}" for k, v in (("pp_first", self.pp_first), ("pp_last", self.pp_last)) if v]
+        stages += [f"vpp={self.vpp}"] if self.vpp > 1 else []
+        stages += [f"etp={self.etp}"] if self.etp and self.tp > 1 else []
+        return (f"{' '.join(dims) or 'one rank'}{' ' if stages else ''}{' '.join(stages)} "
+                f"({self.world} rank{'s' if self.world != 1 else ''})")
 
     def expert_tp(self, model_type: str) -> int:
         """The expert tensor-parallel size written for a ``model_type`` model: ``etp``, or when 0 the model's
@@ -170,16 +190,21 @@ class MegatronMesh:
     def to_json(self) -> dict[str, int]:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "world": self.world,
                 "make_vocab_size_divisible_by": self.divisible_by, "iteration": self.iteration,
+                **({"pp_first": self.pp_first} if self.pp_first else {}),
+                **({"pp_last": self.pp_last} if self.pp_last else {}), **({"vpp": self.vpp} if self.vpp > 1 else {}),
                 **({"etp": self.etp} if self.etp else {})}
 
 
 def check_target_options(to: str, *, fsdp: int = 1, dp: int = 1, pp: int = 1, divisible_by: int = 128,
-                         iteration: int = 0, etp: int = 0) -> None:
+                         iteration: int = 0, pp_first: int = 0, pp_last: int = 0, vpp: int = 1, etp: int = 0) -> None:
     """Refuse the options of the other split target (the command line's usage errors).
 
     Raises:
-        ArgumentError: ``fsdp`` or ``dp`` for ``megatron``; ``pp``, ``divisible_by`` or ``iteration`` for ``dcp``.
+        ArgumentError: ``fsdp`` or ``dp`` for ``megatron``; ``pp``, ``divisible_by``, ``iteration``, ``pp_first``,
+            ``pp_last``, ``vpp`` or ``etp`` for ``dcp``.
     """
+    if to == "dcp" and (pp_first, pp_last, vpp) != (0, 0, 1):
+        raise ArgumentError("pp_first, pp_last and vpp are for to='megatron' (its pipeline stages)")
     if to == "megatron" and fsdp != 1:
         raise ArgumentError(f"fsdp={fsdp!r}: Megatron-Core torch_dist has no FSDP dim; give tp, pp and ep")
     if to == "megatron" and dp != 1:
@@ -195,15 +220,16 @@ def check_target_options(to: str, *, fsdp: int = 1, dp: int = 1, pp: int = 1, di
 
 
 def mesh_for(to: str, *, fsdp: int = 1, tp: int = 1, ep: int = 1, pp: int = 1, dp: int = 1, divisible_by: int = 128,
-             iteration: int = 0, etp: int = 0) -> Mesh | MegatronMesh:
+             iteration: int = 0, pp_first: int = 0, pp_last: int = 0, vpp: int = 1, etp: int = 0) -> Mesh | MegatronMesh:
     """The mesh a split writes for: :class:`MegatronMesh` for ``to="megatron"``, else :class:`Mesh`.
 
     Raises:
         ArgumentError: :func:`check_target_options`, or a size the mesh refuses.
     """
-    check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration, etp=etp)
+    check_target_options(to, fsdp=fsdp, dp=dp, pp=pp, divisible_by=divisible_by, iteration=iteration,
+                         pp_first=pp_first, pp_last=pp_last, vpp=vpp, etp=etp)
     if to == "megatron":
-        return MegatronMesh(tp, pp, ep, divisible_by, iteration, etp)
+        return MegatronMesh(tp, pp, ep, divisible_by, iteration, pp_first, pp_last, vpp, etp)
     return Mesh(fsdp, tp, ep, dp)
 
 
@@ -216,6 +242,13 @@ class Sharding:
     shape: Shape
     dims: tuple[tuple[str, int], ...]
     placements: tuple[Placement, ...]
+    #: ``(start, stop)``: only these ranks hold it (a Megatron layer saved under its own number: its pipeline
+    #: stage's ranks); None: every rank of the mesh, as the placements say
+    ranks: tuple[int, int] | None = None
+
+    def holds(self, rank: int) -> bool:
+        """Whether ``rank`` holds any of it by :attr:`ranks` (then its placements say which box)."""
+        return self.ranks is None or self.ranks[0] <= rank < self.ranks[1]
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         sizes = [n for _, n in self.dims]
@@ -228,7 +261,7 @@ class Sharding:
         """The regions of the global tensor ``rank`` holds (one, unless a strided split gives it several
         ranges of a dim); none when its shard is empty."""
         ranges = self.ranges(rank)
-        if math.prod(local_shape(ranges)) == 0:
+        if not self.holds(rank) or math.prod(local_shape(ranges)) == 0:
             return []
         return [Box(tuple(a for a, _ in combo), tuple(b - a for a, b in combo)) for combo in itertools.product(*ranges)]
 
@@ -252,15 +285,16 @@ class Sharding:
         return Box(tuple(offsets), tuple(sizes))
 
     def local_shape(self, rank: int) -> Shape:
-        """The shape of ``rank``'s local tensor (``DTensor.to_local()``)."""
-        return local_shape(self.ranges(rank))
+        """The shape of ``rank``'s local tensor (``DTensor.to_local()``); all zeros on a rank :attr:`ranks` leaves out."""
+        return local_shape(self.ranges(rank)) if self.holds(rank) else tuple(0 for _ in self.shape)
 
     def describe(self) -> str:
         """Placements on the mesh dims of more than one rank, e.g. ``(_StridedShard(0, sf=2), Shard(0))``."""
         shown = [(f"{name}={n}", str(p)) for (name, n), p in zip(self.dims, self.placements) if n > 1]
+        only = f" on ranks {self.ranks[0]}..{self.ranks[1] - 1}" if self.ranks is not None else ""
         if not shown:
-            return "whole on the one rank"
-        return f"({', '.join(p for _, p in shown)}) over {' x '.join(d for d, _ in shown)}"
+            return f"whole on the one rank{only}"
+        return f"({', '.join(p for _, p in shown)}) over {' x '.join(d for d, _ in shown)}{only}"
 
 
 def shard_tensors(tensors: Iterable[tuple[str, Shape, bool]], mesh: Mesh,

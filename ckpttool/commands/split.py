@@ -25,10 +25,12 @@ from ckpttool.plan.plan import Plan, plan_merge
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError, OutputError, SourceError
 from ckpttool.commands.merge import config_dtype, extras_search, prepare
 from ckpttool.commands.meshes import MegatronMesh, Mesh, Sharding, mesh_for
+from ckpttool.families.quantized import output_config
 from ckpttool.families.source import Planned
 from ckpttool.commands.split_dcp import NAMES, in_memory, model_of, plan_dcp
 from ckpttool.families.conventions.torchtitan import release_of, to_torchtitan
 from ckpttool.commands.split_megatron import plan_megatron, training_args
+from ckpttool.families.conventions.megatron_back import MODEL_TYPES as MEGATRON_TYPES
 from ckpttool.console.terminal import escaped, shown, size_text
 from ckpttool.writers import dcp, megatron_dist
 from ckpttool.writers.destination import SPLIT_MANIFEST, SPLIT_OUTPUT, Staging, check_destination
@@ -136,6 +138,9 @@ def split(
     ep: int = 1,
     pp: int = 1,
     dp: int = 1,
+    pp_first: int = 0,
+    pp_last: int = 0,
+    vpp: int = 1,
     etp: int = 0,
     make_vocab_size_divisible_by: int = 128,
     iteration: int = 0,
@@ -167,8 +172,14 @@ def split(
         pp, make_vocab_size_divisible_by, iteration: ``megatron`` only: pipeline stages (equal, consecutive
             layers), the vocab padding rule (as Megatron-LM's argument: padded to a multiple of it times ``tp``;
             the padding rows are zeros) and the iteration directory written (``iter_0000000``).
-        etp: ``megatron`` only: the expert tensor-parallel size, 1 or ``tp`` (0: the model's default, see
-            :meth:`~ckpttool.commands.meshes.MegatronMesh.expert_tp`).
+        pp_first, pp_last, vpp: ``megatron`` only: the layers of the first and of the last stage (Megatron-LM's
+            ``--decoder-first-pipeline-num-layers``, ``--decoder-last-pipeline-num-layers``; 0: as the others,
+            the rest shared evenly by the stages between), or virtual pipeline stages (``vpp`` model chunks per
+            stage, layers numbered as megatron-core numbers them: chunk ``c`` of stage ``s`` holds the
+            ``(c * pp + s)``-th run of ``num_layers / (pp * vpp)`` layers); see
+            :func:`ckpttool.commands.split_megatron.layer_stages`.
+        etp: ``megatron`` only: the expert tensor-parallel size, 1 (every expert whole on its ranks) or ``tp``
+            (0: the model's default, see :meth:`~ckpttool.commands.meshes.MegatronMesh.expert_tp`).
         names: ``dcp`` only: the tensor names written (:data:`~ckpttool.commands.split_dcp.NAMES`): ``"hf"``
             (transformers' in-memory names), ``"torchtitan"`` (torchtitan 0.3's names, Q/K rows in Meta's RoPE
             order, placed as torchtitan's plan places them: a torchtitan job resumes from it) or
@@ -196,7 +207,8 @@ def split(
             :data:`~ckpttool.commands.split_dcp.NAMES` or other than ``"hf"`` for ``megatron``, ``out`` None without
             ``dry_run``. All of these,
             and the destination (DestinationError), are checked before the source is read.
-        ConfigError: no config; a quantized source (FP8, MXFP4: merge it with a dtype first); a tensor the mesh
+        ConfigError: no config; a quantized source (FP8, MXFP4: merge it with a dtype first; ``megatron`` with a
+            ``dtype`` dequantizes FP8 block-scaled weights while splitting, in chunks that start on a block); a tensor the mesh
             cannot place (no tensor-parallel rule, experts ``ep`` does not divide, more ranks than the tensors
             have rows); the source does not fit the config; ``names="torchtitan"`` for a model torchtitan has no model of
             (:data:`~ckpttool.families.conventions.torchtitan.FAMILIES`) or a tensor it has no name for.
@@ -212,7 +224,7 @@ def split(
     _check_names(to, names)
     # every argument and the destination are checked before the source is read: a refusal costs no read
     mesh = mesh_for(to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, divisible_by=make_vocab_size_divisible_by,
-                    iteration=iteration, etp=etp)
+                    iteration=iteration, pp_first=pp_first, pp_last=pp_last, vpp=vpp, etp=etp)
     if out is None and not dry_run:
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)
@@ -222,7 +234,8 @@ def split(
     restored, extras = None, []
     try:
         prepared = prepare(root, format=format, config=config, dtype=dtype)
-        _refuse_quantized(prepared)
+        if not (isinstance(mesh, MegatronMesh) and dtype is not None and _megatron_form(prepared)):
+            _refuse_quantized(prepared)  # to Megatron with a dtype: FP8 block-scaled dequantized chunk by chunk
         if isinstance(mesh, MegatronMesh):
             info = model_of(prepared)
             shardings, files = plan_megatron(prepared, info, mesh)
@@ -282,9 +295,17 @@ def _names_notes(names: str, prepared: Planned) -> list[str]:
     return to_torchtitan(in_memory(prepared), model_of(prepared), release_of(names)).notes
 
 
+def _megatron_form(prepared: Planned) -> bool:
+    """Whether ``split --to megatron`` writes the source's model type (a quantized source of any other is refused as
+    quantized first, the clearer message)."""
+    return model_of(prepared).model_type in MEGATRON_TYPES
+
+
 def _refuse_quantized(prepared: Planned) -> None:
     """A split writes the model's in-memory tensors, which a quantized source holds only as quantized bytes and
-    scales (FP8 block-scaled, MXFP4): refused before anything is planned or written, dequantized or not.
+    scales (FP8 block-scaled, MXFP4): refused before anything is planned or written, dequantized or not (not called
+    for ``--to megatron --dtype`` of a model Megatron-Core form is written for: FP8 block-scaled weights are
+    dequantized there chunk by chunk, :func:`ckpttool.plan.compose.compose`).
 
     Raises:
         ConfigError: the source's config declares a quantization.
@@ -312,7 +333,8 @@ def _finish(staging: Staging, prepared: Planned, files: tuple[dcp.DcpFile, ...],
         megatron_dist.write_common(checkpoint, args, mesh.iteration)
         megatron_dist.write_tracker(path, mesh.iteration)
     dcp.write_metadata(files, checkpoint)
-    extras = write_extras(path, prepared.config, extras_search(root, prepared.config_path),
+    dequantized = any(t.dequant is not None for t in prepared.plan.targets)  # FP8 to --dtype: no quantization_config
+    extras = write_extras(path, output_config(prepared.config, dequantized), extras_search(root, prepared.config_path),
                           config_dtype(prepared.config, prepared.plan, cast=dtype is not None))
     check_output(checkpoint, files)
     write_manifest(path, MANIFEST, SPLIT_OUTPUT.command)  # last: it lists every file above, so --force knows this output for ours

@@ -8,7 +8,9 @@ modules. Here each is placed on Megatron's ranks, ordered ``tp`` fastest, then `
 default ``tp-cp-ep-dp-pp`` with one data-parallel rank per expert group), with :class:`~ckpttool.commands.meshes.Sharding` over the mesh dims
 ``(pp, ep, tp)``:
 
-- stacked layer tensors: the layer axis ``Shard(0)`` over ``pp`` (each stage its consecutive layers);
+- stacked layer tensors: the layer axis ``Shard(0)`` over ``pp`` (each stage its consecutive layers; uneven or
+  virtual stages layer by layer, :func:`layer_stages`); a model whose layers are saved under their own numbers
+  (DeepSeek-V3's, :mod:`ckpttool.families.conventions.megatron_back_mla`) has each on its stage's ranks;
 - experts: the expert axis ``Shard(1)`` over ``ep`` (global expert ids, each rank consecutive ones), and their
   weights tensor-parallel like the dense ones (``expert_tensor_parallel_size`` = ``tp``, megatron-core's default),
   or whole on every TP rank (``--etp 1``; gpt-oss's default, one chunk per layer and expert). gpt-oss's fc1 is
@@ -36,7 +38,10 @@ from ckpttool.plan.plan import Target
 from ckpttool.plan.transforms import Transform, within_part
 from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families.conventions import megatron_back
-from ckpttool.families.conventions.megatron_back import EXPERT_TENSORS, EXTRA_STATE, megatron_tensors, padded_vocab
+from ckpttool.families.conventions import megatron_back_mla
+from ckpttool.families.conventions.megatron_back import (EXPERT_TENSORS, EXTRA_STATE, expert_axis, megatron_tensors,
+                                                         padded_vocab)
+from ckpttool.families import mtp
 from ckpttool.commands.meshes import REPLICATE, MegatronMesh, Sharding
 from ckpttool.layout.placements import Placement
 from ckpttool.families.source import Planned
@@ -51,13 +56,16 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
         CoverageError: a chunk not covered exactly once.
     """
     vocab = info.disk_shapes["model.embed_tokens.weight"][0]
-    tensors = megatron_tensors(info, padded_vocab(vocab, mesh.divisible_by, mesh.tp))
-    _check_sizes(info.config, {name: shape for name, shape, *_ in tensors}, mesh, info.model_type)
     targets = {t.name: t for t in prepared.plan.targets}
-    shardings = [_place(name, shape, mesh, info.model_type, _stated_etp(mesh)) for name, shape, *_ in tensors]
+    mtp_layers = len(mtp.held(targets, mtp.expected(info)))
+    tensors = megatron_tensors(info, padded_vocab(vocab, mesh.divisible_by, mesh.tp), mtp_layers)
+    _check_sizes(info.config, {name: shape for name, shape, *_ in tensors}, mesh, info.model_type)
+    stages = layer_stages(int(info.config.get("num_hidden_layers") or 0), mesh)
+    shardings = [_place(name, shape, mesh, info.model_type, stages) for name, shape, *_ in tensors]
     weight = {name: math.prod(shape) * next((itemsize(targets[s.source].dtype) for s in slices if s.source in targets), 1)
               for name, shape, slices, *_ in tensors}
-    held = [[(s.name, box, weight[s.name]) for s in shardings for box in _chunks(s, rank)] for rank in range(mesh.world)]
+    held = [[(s.name, box, weight[s.name]) for s in shardings for box in _chunks(s, rank, stages)]
+            for rank in range(mesh.world)]
     by_name = {name: (shape, slices, true_rows, transform) for name, shape, slices, true_rows, transform in tensors}
     per_rank, problems = [], []
     for written in dcp.share_items(held):
@@ -73,32 +81,108 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
         per_rank.append(items)
     if problems:
         raise CoverageError(problems)
-    return shardings, dcp.lay_out(per_rank, _extra_states({name: shape for name, shape, *_ in tensors}, mesh))
+    return shardings, dcp.lay_out(per_rank, _extra_states({name: shape for name, shape, *_ in tensors}, mesh, stages))
 
 
-def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh) -> list[list[tuple[str, bytes]]]:
+def layer_stages(layers: int, mesh: MegatronMesh) -> list[int]:
+    """The pipeline stage of every global layer, then of every MTP layer after them (the last stage, as
+    megatron-core places them). As megatron-core's ``get_transformer_layer_offset`` numbers them: each stage its
+    consecutive ``layers / pp`` layers; with ``pp_first`` / ``pp_last`` those on the first / last stage and the
+    rest shared evenly by the stages between; with ``vpp`` model chunks of ``layers / (pp * vpp)`` layers, chunk
+    ``c`` of stage ``s`` the ``(c * pp + s)``-th run of them.
+
+    Raises:
+        ConfigError: :func:`stage_problem`'s, the layers do not fit the stages.
+    """
+    problem = stage_problem(layers, mesh)
+    if problem is not None:
+        raise ConfigError(f"the mesh {mesh.describe()} does not fit the model: {problem}")
+    if mesh.vpp > 1:
+        run = layers // (mesh.pp * mesh.vpp)
+        return [(layer // run) % mesh.pp for layer in range(layers)] + [mesh.pp - 1] * _MTP_MOST
+    counts = _stage_counts(layers, mesh)
+    return [stage for stage, n in enumerate(counts) for _ in range(n)] + [mesh.pp - 1] * _MTP_MOST
+
+
+def stage_problem(layers: int, mesh: MegatronMesh) -> str | None:
+    """Why ``layers`` do not fit the mesh's pipeline stages (every stage at least one layer, every chunk the same),
+    or None."""
+    if mesh.vpp > 1:
+        if layers % (mesh.pp * mesh.vpp) or layers < mesh.pp * mesh.vpp:
+            return (f"pp={mesh.pp} x vpp={mesh.vpp} does not split the {layers} layers (num_hidden_layers) into "
+                    f"{mesh.pp * mesh.vpp} equal model chunks")
+        return None
+    if not (mesh.pp_first or mesh.pp_last):
+        if mesh.pp > layers or layers % mesh.pp:
+            return f"pp={mesh.pp} does not split the {layers} layers (num_hidden_layers) into equal stages"
+        return None
+    counts = _stage_counts(layers, mesh)
+    if sum(counts) != layers or min(counts) < 1:
+        given = " + ".join(f"{n} ({what})" for n, what in ((mesh.pp_first, "pp_first"), (mesh.pp_last, "pp_last")) if n)
+        between = mesh.pp - bool(mesh.pp_first) - bool(mesh.pp_last)
+        return (f"{given} leave {layers - mesh.pp_first - mesh.pp_last} of the {layers} layers (num_hidden_layers) for "
+                f"the {between} stage{'s' if between != 1 else ''} between, which "
+                f"{'do' if between != 1 else 'does'} not share them evenly with at least one layer each")
+    return None
+
+
+def _stage_counts(layers: int, mesh: MegatronMesh) -> list[int]:
+    """Layers per stage without virtual stages (a list that does not sum to ``layers`` when they do not fit)."""
+    between = mesh.pp - bool(mesh.pp_first) - bool(mesh.pp_last)
+    rest = layers - mesh.pp_first - mesh.pp_last
+    per = rest // between if between > 0 and rest % between == 0 else 0
+    counts = [per] * mesh.pp
+    if mesh.pp_first:
+        counts[0] = mesh.pp_first
+    if mesh.pp_last:
+        counts[-1] = mesh.pp_last
+    return counts
+
+
+#: the most MTP layers :func:`layer_stages` places (a bound: a release has one)
+_MTP_MOST = 64
+
+
+def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh,
+                  stages: list[int]) -> list[list[tuple[str, bytes]]]:
     """The ``_extra_state`` objects megatron-core saves for its linear layers (``[None]`` in the local spec): one per
     layer (``shard_{layer}_{L}``), and per expert (``shard_{layer}.{expert}_{L}.{E}``), each written by the TP rank 0
-    of the stage (and expert rank) holding it. Megatron-LM's ``load_checkpoint`` asks for them."""
+    of the stage (and expert rank) holding it; a layer saved under its own number (DeepSeek-V3's) has one
+    ``shard_0_1``, its experts ``shard_{expert}_{E}``. Megatron-LM's ``load_checkpoint`` asks for them."""
     import pickle
 
     from ckpttool.writers.torch_archive import object_archive
 
     empty = pickle.dumps([None], protocol=2)
     per_rank: list[list[tuple[str, bytes]]] = [[] for _ in range(mesh.world)]
-    layers = shapes["decoder.layers.self_attention.linear_qkv.weight"][0]
-    for module in EXTRA_STATE:
+
+    def put(key: str, stage: int, ep_rank: int) -> None:
+        per_rank[(stage * mesh.ep + ep_rank) * mesh.tp].append((key, object_archive(empty, key)))
+
+    stacked = shapes.get("decoder.layers.self_attention.linear_qkv.weight")
+    layers = stacked[0] if stacked else 0
+    for module in EXTRA_STATE if stacked else ():
         weight = shapes.get(f"decoder.layers.{module}.weight")
         if weight is None:
             continue
         experts = weight[1] if module.startswith("mlp.experts.") else 0
         for layer in range(layers):
-            stage = layer // (layers // mesh.pp)
+            stage = stages[layer]
             for e in range(experts) if experts else (None,):
                 ep_rank = 0 if e is None else e // (experts // mesh.ep)
                 where = f"{layer}_{layers}" if e is None else f"{layer}.{e}_{layers}.{experts}"
-                key = f"decoder.layers.{module}._extra_state/shard_{where}"
-                per_rank[(stage * mesh.ep + ep_rank) * mesh.tp].append((key, object_archive(empty, key)))
+                put(f"decoder.layers.{module}._extra_state/shard_{where}", stage, ep_rank)
+    total = len(stages) - _MTP_MOST
+    for name, shape in shapes.items():
+        layer = megatron_back_mla.layer_of(name, total)
+        module = name.removesuffix(".weight")
+        if layer is None or not name.endswith(".weight") or not module.endswith(megatron_back_mla.EXTRA_STATE):
+            continue
+        if megatron_back.expert_axis(name) is None:
+            put(f"{module}._extra_state/shard_0_1", stages[layer], 0)
+            continue
+        for e in range(shape[0]):
+            put(f"{module}._extra_state/shard_{e}_{shape[0]}", stages[layer], e // (shape[0] // mesh.ep))
     return per_rank
 
 
@@ -107,19 +191,38 @@ def _stated_etp(mesh: MegatronMesh) -> int:
     return mesh.etp if mesh.tp > 1 else 0
 
 
-def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh, model_type: str = "", expert_tp: int = 0) -> Sharding:
-    tp = megatron_back.tp_placement(name, model_type, expert_tp)  # at tp=1 too: fc1's halves are two chunks
-    pp = Placement("shard", 0) if name.startswith("decoder.layers.") else REPLICATE
-    ep = Placement("shard", 1) if name in EXPERT_TENSORS else REPLICATE
-    return Sharding(name, shape, (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)), (pp, ep, tp))
+def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh, model_type: str, stages: list[int]) -> Sharding:
+    """``name`` over the mesh ``(pp, ep, tp)``; a tensor saved per layer only on its stage's ranks, a stacked one's
+    layers over the stages by ``Shard(0)`` (uneven or virtual stages: by :func:`_chunks`, layer by layer)."""
+    tp = megatron_back.tp_placement(name, model_type, _stated_etp(mesh))  # at tp=1 too: fc1's halves are two chunks
+    if _stated_etp(mesh) == 1 and expert_axis(name) is not None:
+        tp = REPLICATE  # expert TP 1: every expert whole (each chunk one expert's gate, up or down)
+    layer = megatron_back_mla.layer_of(name, len(stages) - _MTP_MOST)
+    stacked = name.startswith("decoder.layers.") and layer is None
+    even = mesh.vpp == 1 and not (mesh.pp_first or mesh.pp_last)
+    pp = Placement("shard", 0) if stacked and even else REPLICATE
+    axis = expert_axis(name)
+    ep = Placement("shard", axis) if axis is not None else REPLICATE
+    per_stage = mesh.ep * mesh.tp
+    ranks = None if layer is None else (stages[layer] * per_stage, (stages[layer] + 1) * per_stage)
+    return Sharding(name, shape, (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)), (pp, ep, tp), ranks)
 
 
-def _chunks(sharding: Sharding, rank: int) -> list[Box]:
-    """A rank's boxes cut as megatron-core saves them: one chunk per layer, and per expert."""
-    per = (2 if sharding.name in EXPERT_TENSORS else 1) if sharding.name.startswith("decoder.layers.") else 0
+def _chunks(sharding: Sharding, rank: int, stages: list[int]) -> list[Box]:
+    """A rank's boxes cut as megatron-core saves them: one chunk per layer, and per expert; a tensor saved per
+    layer (DeepSeek-V3's) only on the stage holding its layer (``stages``: :func:`layer_stages`)."""
+    layer = megatron_back_mla.layer_of(sharding.name, len(stages) - _MTP_MOST)  # its stage's: Sharding.ranks
+    axis = expert_axis(sharding.name)
+    if layer is not None:
+        per = 0 if axis is None else 1
+    else:
+        per = (2 if axis is not None else 1) if sharding.name.startswith("decoder.layers.") else 0
     out = []
+    stacked = layer is None and per
     for box in sharding.boxes(rank):
         for lead in _indices(box, per):
+            if stacked and stages[lead[0]] != sharding.coordinate(rank)[0]:
+                continue
             offsets = (*lead, *box.offsets[per:])
             out.append(Box(offsets, (*(1 for _ in lead), *box.sizes[per:])))
     return out
@@ -175,24 +278,57 @@ def _check_sizes(config, shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh,
     for name, dim, what in (("decoder.layers.mlp.linear_fc1.weight", 1, "intermediate_size"),
                             ("decoder.layers.mlp.shared_experts.linear_fc1.weight", 1, "shared expert FFN"),
                             (EXPERT_TENSORS[0], 2, "expert FFN")):
-        cut = name in shapes and megatron_back.tp_placement(name, model_type, _stated_etp(mesh)).kind != "replicate"
+        cut = (name in shapes and megatron_back.tp_placement(name, model_type, _stated_etp(mesh)).kind != "replicate"
+               and not (name == EXPERT_TENSORS[0] and _stated_etp(mesh) == 1))
         if cut and (shapes[name][dim] // 2) % mesh.tp:
             problems.append(f"tp={mesh.tp} does not divide the {what} {shapes[name][dim] // 2} of '{name}'")
-    if mesh.ep > 1 and EXPERT_TENSORS[0] not in shapes:
+    fc1 = next((name for name in shapes if name.endswith(EXPERT_TENSORS[0].removeprefix("decoder.layers."))), None)
+    if mesh.ep > 1 and fc1 is None:
         problems.append(f"ep={mesh.ep}: the model has no experts to place over ep ranks")
-    elif EXPERT_TENSORS[0] in shapes and shapes[EXPERT_TENSORS[0]][1] % mesh.ep:
-        experts = shapes[EXPERT_TENSORS[0]][1]
+    elif fc1 is not None and shapes[fc1][expert_axis(fc1)] % mesh.ep:
+        experts = shapes[fc1][expert_axis(fc1)]
         problems.append(f"ep={mesh.ep} does not divide the {experts} experts; choose an ep that divides {experts}")
-    if mesh.pp > layers or layers % mesh.pp:
-        problems.append(f"pp={mesh.pp} does not split the {layers} layers (num_hidden_layers) into equal stages")
+    problems += _per_layer_cuts(shapes, mesh, model_type)
+    stages = stage_problem(layers, mesh)
+    if stages is not None:
+        problems.append(stages)
     if problems:
         raise ConfigError(f"the mesh {mesh.describe()} does not fit the model ({len(problems)} problem"
                           f"{'s' if len(problems) != 1 else ''}):\n" + "\n".join(f"  - {p}" for p in problems))
 
 
+def _per_layer_cuts(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh, model_type: str) -> list[str]:
+    """Every dim tensor parallelism cuts of a tensor saved per layer (DeepSeek-V3's MLA projections, FFNs) that
+    ``tp`` does not divide, once per tensor kind (the first layer that has it)."""
+    problems, seen = [], set()
+    for name, shape in shapes.items():
+        match = megatron_back_mla.PER_LAYER.match(name)
+        if match is None or mesh.tp == 1:
+            continue
+        kind = name[match.end():]
+        placement = megatron_back.tp_placement(name, model_type)
+        if kind in seen or placement.kind == "replicate" or (_stated_etp(mesh) == 1 and expert_axis(name) is not None):
+            continue
+        seen.add(kind)
+        parts = placement.split_factor if placement.kind == "strided" else 1
+        size = shape[placement.dim] // parts
+        if shape[placement.dim] % parts or size % mesh.tp:
+            what = f"{size} rows of each of its {parts} halves" if parts > 1 else f"{size} (dim {placement.dim})"
+            problems.append(f"tp={mesh.tp} does not divide the {what} of '{name}'")
+    return problems
+
+
 def training_args(info: ModelInfo, mesh: MegatronMesh, shapes: dict[str, tuple[int, ...]]) -> dict[str, object]:
     """The Megatron-LM training arguments ``common.pt`` records for this model and mesh
     (:func:`ckpttool.families.conventions.megatron_back.training_args`)."""
-    return megatron_back.training_args(info, shapes, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
-                                       divisible_by=mesh.divisible_by, iteration=mesh.iteration,
-                                       etp=mesh.expert_tp(info.model_type) if EXPERT_TENSORS[0] in shapes else 0)
+    mtp_layers = len({name.split(".")[2] for name in shapes if name.startswith("mtp.layers.")})
+    experts = any(expert_axis(name) is not None for name in shapes)
+    args = megatron_back.training_args(info, shapes, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
+                                       divisible_by=mesh.divisible_by, iteration=mesh.iteration, mtp_layers=mtp_layers,
+                                       etp=mesh.expert_tp(info.model_type) if experts else 0)
+    layers = int(info.config.get("num_hidden_layers") or 0)
+    args.update(decoder_first_pipeline_num_layers=mesh.pp_first or None,
+                decoder_last_pipeline_num_layers=mesh.pp_last or None,
+                virtual_pipeline_model_parallel_size=mesh.vpp if mesh.vpp > 1 else None,
+                num_layers_per_virtual_pipeline_stage=layers // (mesh.pp * mesh.vpp) if mesh.vpp > 1 else None)
+    return args

@@ -6,12 +6,14 @@ What PEFT 0.21's ``save_pretrained`` writes: keys ``base_model.model.<module>.lo
 every module unless ``rank_pattern`` / ``alpha_pattern`` name it (a key matches a module whose name ends with it,
 at a dot: PEFT's ``get_pattern_key``). The scaling is ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with
 ``use_rslora``. What ckpttool cannot fuse exactly is refused by name: DoRA (``use_dora``), trained biases (``bias``
-other than ``"none"``, ``lora_bias``), ``modules_to_save``, embedding LoRA (``lora_embedding_A``), LoRA on
-stacked expert parameters (``target_parameters`` naming ``gate_up_proj`` / ``down_proj``: PEFT 0.21 supports it, as a
-``ParamWrapper``, and ckpttool does not fuse it yet), and any other PEFT method than LoRA. LoRA on a 2-D parameter
-(``target_parameters`` naming a ``weight``: PEFT moves Mixtral's router ``mlp.gate``, no ``nn.Linear`` in
+other than ``"none"``, ``lora_bias``), ``modules_to_save``, embedding LoRA (``lora_embedding_A``), and any other PEFT method than LoRA. LoRA on a 2-D
+parameter (``target_parameters`` naming a ``weight``: PEFT moves Mixtral's router ``mlp.gate``, no ``nn.Linear`` in
 transformers 5, there) is fused: its delta is rounded to the weight's dtype before the add, as PEFT's
-``ParamWrapper.get_delta_weight`` does.
+``ParamWrapper.get_delta_weight`` does. So is LoRA on stacked expert parameters (``target_parameters`` naming
+``mlp.experts.gate_up_proj`` / ``down_proj``): PEFT nests one ``ParamWrapper`` per parameter on the experts module,
+so their keys are ``mlp.experts.base_layer.lora_A.weight`` (the first parameter) and ``mlp.experts.lora_A.weight``
+(the last), which do not say which parameter each is; A is ``(r*E, in)`` and B ``(out, r*E)``, and the base's
+shapes tell the parameter when the adapter is attached (:mod:`ckpttool.lora.attach`).
 """
 
 from __future__ import annotations
@@ -110,9 +112,6 @@ def read_adapter_config(path: Path) -> dict[str, object]:
         ("lora_bias", bool(config.get("lora_bias")), "lora_bias = true: lora_B's bias is not fused yet"),
         ("modules_to_save", bool(config.get("modules_to_save")), f"modules_to_save = {config.get('modules_to_save')!r}"
          ": whole modules saved beside the adapter are not fused yet"),
-        ("target_parameters", any(not str(p).endswith("weight") for p in config.get("target_parameters") or ()),
-         f"target_parameters = {config.get('target_parameters')!r}: LoRA on stacked expert parameters (PEFT's "
-         "ParamWrapper over an MoE's gate_up_proj / down_proj) is not fused yet; LoRA on a 2-D weight is"),
     ]
     for _key, bad, why in refused:
         if bad:
@@ -177,8 +176,6 @@ def lora_deltas(root: str, config: Mapping[str, object], config_label: str, tens
                     "not a LoRA weight (expected <module>.lora_A.weight and <module>.lora_B.weight)")
             raise SourceError(f"'{label}': '{key}': {what}")
         pairs.setdefault(found["module"], {})[found["which"]] = tensor
-    ranks = config.get("rank_pattern") or {}
-    alphas = config.get("alpha_pattern") or {}
     parameters = [str(p) for p in config.get("target_parameters") or ()]  # type: ignore[union-attr]
     deltas = {}
     for module, pair in sorted(pairs.items()):
@@ -192,16 +189,52 @@ def lora_deltas(root: str, config: Mapping[str, object], config_label: str, tens
                               "expected A (r, in) and B (out, r) of one rank r")
         if a.dtype != b.dtype or a.dtype not in ("F32", "BF16", "F16", "F64"):
             raise SourceError(f"'{label}': '{a.key}' is {a.dtype} and '{b.key}' {b.dtype}; expected one floating dtype")
-        r_key, alpha_key = pattern_key(ranks, module), pattern_key(alphas, module)  # type: ignore[arg-type]
-        r = ranks[r_key] if r_key is not None else config.get("r", 8)  # type: ignore[index]
-        alpha = alphas[alpha_key] if alpha_key is not None else config.get("lora_alpha", 8)  # type: ignore[index]
+        stacked = stacked_parameters(module, parameters)
+        # PEFT matches the patterns against a stacked parameter's own name (experts.gate_up_proj), a module's else
+        found = [_rank_alpha(config, name) for name in stacked or (module,)]
+        if len({(r, alpha) for r, alpha, _ in found}) > 1:
+            raise SourceError(f"'{label}': '{a.key}' is the LoRA of one of {list(stacked)}, to which {config_label}'s "
+                              "rank_pattern / alpha_pattern give different (r, alpha) "
+                              f"{[(r, alpha) for r, alpha, _ in found]}; not fused yet")
+        r, alpha, r_key = found[0]
+        scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r  # type: ignore[operator]
+        if stacked:  # r rows of A per expert
+            if a.shape[0] % r:
+                raise SourceError(f"'{label}': '{a.key}' has {a.shape[0]} rows, not a multiple of r = {r} "
+                                  f"(LoRA on the stacked experts {list(stacked)}: r rows per expert)")
+            deltas[module] = LoraDelta(root, module, a, b, scaling, rounded=True, experts=a.shape[0] // r,
+                                       parameters=stacked)
+            continue
         if r != a.shape[0]:
             raise SourceError(f"'{label}': '{a.key}' has rank {a.shape[0]} but {config_label} says r = {r} for "
                               f"'{module}'{' (rank_pattern)' if r_key is not None else ''}")
-        scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r  # type: ignore[operator]
         parameter = any(f"{module}.weight" == p or f"{module}.weight".endswith(f".{p}") for p in parameters)
         deltas[module] = LoraDelta(root, module, a, b, scaling, bool(config.get("fan_in_fan_out")) and not parameter,
                                    rounded=parameter)
     if not deltas:
         raise SourceError(f"'{label}': holds no LoRA weights (no '<module>.lora_A.weight'); is it a LoRA adapter?")
     return deltas
+
+
+def _rank_alpha(config: Mapping[str, object], name: str) -> tuple[object, object, str | None]:
+    """``r``, ``lora_alpha`` and the ``rank_pattern`` key for module or parameter ``name``, as PEFT finds them."""
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    r_key, alpha_key = pattern_key(ranks, name), pattern_key(alphas, name)  # type: ignore[arg-type]
+    r = ranks[r_key] if r_key is not None else config.get("r", 8)  # type: ignore[index]
+    alpha = alphas[alpha_key] if alpha_key is not None else config.get("lora_alpha", 8)  # type: ignore[index]
+    return r, alpha, r_key
+
+
+def stacked_parameters(module: str, parameters: list[str]) -> tuple[str, ...]:
+    """The stacked parameters (in-memory names) of ``target_parameters`` that PEFT's key module ``module`` may hold
+    LoRA for: ``model.layers.0.mlp.experts.base_layer`` (nested ``ParamWrapper``) and ``model.layers.0.mlp.experts``
+    both give ``model.layers.0.mlp.experts.gate_up_proj`` and ``...down_proj`` for those two. Empty for a module
+    that is no stacked parameter's (a 2-D ``weight`` is a module's own)."""
+    owner = re.sub(r"(\.base_layer)+$", "", module)
+    found = []
+    for parameter in parameters:
+        leaf = parameter.rsplit(".", 1)[-1]
+        name = f"{owner}.{leaf}"
+        if leaf != "weight" and (name == parameter or name.endswith(f".{parameter}")):
+            found.append(name)
+    return tuple(found)

@@ -10,6 +10,12 @@ target and is fused into it the same way.
 PEFT names a module as transformers holds it in memory; the output holds the names ``save_pretrained`` writes.
 Where a family renames one (Mixtral's router ``mlp.gate`` is saved as ``block_sparse_moe.gate``), its
 :class:`~ckpttool.families.rules.Rename` rules map the adapter's name to the output's.
+
+LoRA on a stacked expert parameter (``mlp.experts.gate_up_proj`` ``(E, 2I, H)``, saved per expert as ``w1`` and
+``w3``) goes to every expert's tensors by the family's :class:`~ckpttool.families.rules.Unstack` rule: expert ``e``'s
+part ``i`` takes rows ``i*n ..`` of that expert's delta. PEFT's keys do not say which parameter a pair is, so the
+one parameter whose per-expert tensors have the shapes A and B make is it (gate_up: A ``(r*E, H)``, B
+``(2I, r*E)``; down: A ``(r*E, I)``, B ``(H, r*E)``: never both).
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ckpttool.errors import SourceError
-from ckpttool.families.rules import Rename, Rules
+from ckpttool.families.rules import Rename, Rules, Unstack
 from ckpttool.io.dtypes import FLOAT_DTYPES
 from ckpttool.lora.adapter import Adapter
+from ckpttool.plan.lora import LoraDelta
 from ckpttool.plan.plan import Plan, Target
 
 
@@ -44,6 +51,19 @@ def attach_adapters(plan: Plan, adapters: Sequence[Adapter], rules: Rules = ()) 
     for adapter in adapters:
         fused = 0
         for module, delta in adapter.deltas.items():
+            if delta.parameters:
+                placed = unstacked(delta, targets, rules)
+                if isinstance(placed, str):
+                    problems.append(placed)
+                    continue
+                for name, one in placed:
+                    if targets[name].dequant is not None or targets[name].source_dtype not in FLOAT_DTYPES:
+                        problems.append(_not_float(delta, targets[name]))
+                        break
+                    added.setdefault(name, []).append(one)
+                else:
+                    fused += len(placed)
+                continue
             name = disk_name(f"{module}.weight", rules)
             target = targets.get(name)
             if target is None:
@@ -59,9 +79,7 @@ def attach_adapters(plan: Plan, adapters: Sequence[Adapter], rules: Rules = ()) 
                                 + (" (fan_in_fan_out)" if delta.fan_in_fan_out else ""))
                 continue
             if target.dequant is not None or target.source_dtype not in FLOAT_DTYPES:
-                problems.append(f"'{delta.a.key}': the base's '{name}' is stored {target.source_dtype}"
-                                f"{' and quantized' if target.dequant is not None else ''}; ckpttool fuses LoRA into "
-                                "floating-point weights only (PEFT's merge into a quantized base differs)")
+                problems.append(_not_float(delta, target))
                 continue
             added.setdefault(name, []).append(delta)
             fused += 1
@@ -83,6 +101,41 @@ def disk_name(name: str, rules: Rules) -> str:
         if isinstance(rule, Rename) and re.match(rule.pattern, name):
             return re.sub(rule.pattern, rule.replacement, name)
     return name
+
+
+def unstacked(delta: LoraDelta, targets: dict[str, Target], rules: Rules) -> list[tuple[str, LoraDelta]] | str:
+    """Where a stacked expert parameter's ``delta`` goes: per expert and part, the target's name and the delta
+    of its rows (:attr:`~ckpttool.plan.lora.LoraDelta.expert`, ``row_offset``), for the one parameter of
+    ``delta.parameters`` whose per-expert targets (by ``rules``' :class:`Unstack`) have the shapes A and B make;
+    or, when none has, what is wrong (a line naming the adapter's tensors and what the base holds)."""
+    out, cols, experts = delta.b.shape[0], delta.a.shape[1], delta.experts
+    seen = []
+    for parameter in delta.parameters:
+        rule = next((r for r in rules if isinstance(r, Unstack) and re.match(r.pattern, parameter)), None)
+        if rule is None:
+            seen.append(f"no rule of the family saves '{parameter}' per expert")
+            continue
+        prefix = re.match(rule.pattern, parameter).group(1)  # type: ignore[union-attr]
+        names = [[n.format(prefix=prefix, expert=e) for n in rule.names] for e in range(experts + 1)]
+        parts = len(rule.names)
+        shape = (out // parts, cols)
+        first = targets.get(names[0][0])
+        fits = (out % parts == 0 and names[experts][0] not in targets
+                and all(targets.get(n) is not None and targets[n].shape == shape for e in names[:experts] for n in e))
+        if fits:
+            return [(name, replace(delta, expert=e, row_offset=i * shape[0]))
+                    for e in range(experts) for i, name in enumerate(names[e])]
+        seen.append(f"'{parameter}' is saved as {parts * experts} tensors like '{names[0][0]}' "
+                    f"({list(first.shape) if first is not None else 'not in the base'})"
+                    + ("" if names[experts][0] not in targets else f" for more than {experts} experts"))
+    return (f"'{delta.a.key}' {list(delta.a.shape)} and '{delta.b.key}' {list(delta.b.shape)} ({experts} experts of "
+            f"rank {delta.rank}) fit none of the stacked parameters they may be on: {'; '.join(seen)}")
+
+
+def _not_float(delta: LoraDelta, target: Target) -> str:
+    return (f"'{delta.a.key}': the base's '{target.name}' is stored {target.source_dtype}"
+            f"{' and quantized' if target.dequant is not None else ''}; ckpttool fuses LoRA into "
+            "floating-point weights only (PEFT's merge into a quantized base differs)")
 
 
 def _fused(target: Target, deltas: list) -> Target:

@@ -53,9 +53,12 @@ def fuse_findings(plan: Plan, output: str | Path, files: Mapping[str, str]) -> l
 def _untrained(plan: Plan) -> list[Finding]:
     """One ``lora-untrained`` finding per adapter whose every ``lora_B`` is zero."""
     deltas: dict[str, list[LoraDelta]] = {}
+    seen = set()
     for target in plan.targets:
-        for delta in target.lora:
-            deltas.setdefault(delta.adapter, []).append(delta)
+        for delta in target.lora:  # a stacked expert pair is on 2E targets: its B is read once
+            if (delta.b.file, delta.b.key) not in seen:
+                seen.add((delta.b.file, delta.b.key))
+                deltas.setdefault(delta.adapter, []).append(delta)
     found = []
     for adapter, listed in deltas.items():
         if all(not delta.b.read_rows(0, delta.b.shape[0]).any() for delta in listed):

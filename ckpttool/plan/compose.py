@@ -21,6 +21,7 @@ from ckpttool.layout.layout import Box, Shape
 from ckpttool.plan.plan import Copy, Slice, Target, check_tiling
 from ckpttool.plan.transforms import Transform
 from ckpttool.layout.regions import map_region
+from ckpttool.quant.decode import FP8_BLOCKS
 
 
 def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, Target],
@@ -75,6 +76,8 @@ def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, 
             problems.append(f"'{name}': is made of '{sl.source}', which the source does not hold")
             continue
         if getattr(target, "dequant", None) is not None:
+            if bound is None and [s for s in slices if s.dst.intersect(box) is not None] == [sl]:
+                return _dequantized(name, box, sl, target)  # one box of one FP8 matrix: dequantized on its own
             problems.append(f"'{name}': is made of '{sl.source}', which is computed from quantized weights; only "
                             "stored elements are carried through: merge with a dtype first, then use that output")
             continue
@@ -113,6 +116,46 @@ def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, 
     local = bound.bound(wanted_box.sizes, name)  # the same map on the box: whole blocks, the same dims
     return Target(name, wanted_box.sizes, dtype, source_dtype, tuple(copies), tuple(dict.fromkeys(sources)),
                   transform=local), []
+
+
+def _dequantized(name: str, box: Box, sl: Slice, target: Target) -> tuple[Target | None, list[str]]:
+    """``box`` of a tensor that ``sl``, one box of an FP8 block-scaled matrix ``target`` dequantized, fills whole, as
+    a dequantized target of its own: its stored elements those of the box, its scales the blocks the box covers
+    (``split --to megatron --dtype``: each chunk of a rank is one box of one HF weight). The box must start on a
+    block boundary (the decoder numbers blocks from the chunk's first row and column); at most one leading unit
+    dim (an expert's chunk of a stacked Megatron tensor: the decoder's stacked form, ``ndim`` 3)."""
+    dq, scale = target.dequant, target.scale
+    assert dq is not None
+    options = dict(dq.params)
+    lead = len(box.sizes) - 2
+    wanted = sl.dst.intersect(box)
+    region = map_region(sl.src, sl.dst, wanted) if wanted is not None else None
+    if (dq.method != FP8_BLOCKS or int(options.get("ndim", 2)) != 2 or scale is None or target.transform is not None
+            or target.aux or lead not in (0, 1) or any(n != 1 for n in box.sizes[:lead])):
+        return None, [f"'{name}': is made of '{sl.source}', which is computed from quantized weights ({dq.method}); "
+                      "only FP8 block-scaled matrices are dequantized while splitting: merge with a dtype first, then "
+                      "split that output"]
+    if wanted != box or region is None or len(region.sizes) != 2:
+        return None, [f"'{name}': {box.describe(box.sizes)} is not one box of '{sl.source}' (FP8), which is "
+                      "dequantized only as whole boxes of it: merge with a dtype first, then split that output"]
+    (b0, b1), (r0, c0), (rows, cols) = tuple(options["block"]), region.offsets, region.sizes  # type: ignore[misc]
+    if r0 % b0 or c0 % b1:
+        return None, [f"'{name}': rows {r0}..{r0 + rows} and columns {c0}..{c0 + cols} of '{sl.source}' (FP8) start "
+                      f"inside its {b0}x{b1} scale blocks; it is dequantized while splitting only in whole blocks: "
+                      "choose a tp whose shards hold whole blocks, or merge with --dtype first, then split that output"]
+    plain, problems = compose(name, box, (sl,), {sl.source: replace(target, dequant=None, scale=None)})
+    if plain is None:
+        return None, problems
+    first = (r0 // b0, c0 // b1)
+    blocks = (-(-(r0 + rows) // b0) - first[0], -(-(c0 + cols) // b1) - first[1])
+    shape = (*(1,) * lead, *blocks)
+    scales, problems = compose(scale.name, Box.whole(shape), (Slice(scale.name, Box(first, blocks), Box.whole(shape)),),
+                               {scale.name: scale})
+    if scales is None:
+        return None, problems
+    params = tuple((k, v) for k, v in dq.params if k != "ndim") + ((("ndim", 3),) if lead else ())
+    return replace(plain, sources=tuple(dict.fromkeys((*plain.sources, *scales.sources))),
+                   dequant=replace(dq, stored=box.sizes, params=params), scale=scales), []
 
 
 def _carried(slices: Sequence[Slice], targets: Mapping[str, Target],

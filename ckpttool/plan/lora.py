@@ -91,6 +91,15 @@ class LoraDelta:
         fan_in_fan_out: the base weight is stored ``(in, out)`` (GPT-2's ``Conv1D``); the delta is transposed.
         rounded: the delta is rounded to the weight's dtype before the add (LoRA on a parameter, PEFT's
             ``ParamWrapper``, which casts its delta to the parameter's dtype).
+        experts: LoRA on a stacked expert parameter ``(E, out, in)`` (``ParamWrapper``): A is ``(r*E, in)``, one
+            block of ``r`` rows per expert, and B ``(out, r*E)``, its columns interleaved by expert, so
+            expert ``e``'s delta is ``B[:, e::E] @ A[e*r:(e+1)*r] * scaling`` (PEFT's
+            ``einsum("o r e, e r i -> e o i")``, bit for bit: tests/test_lora_experts.py). 1 for a matrix.
+        expert: which expert's delta this target takes.
+        row_offset: the target's rows are the expert's delta rows from here (``w3`` is the second half of
+            ``gate_up_proj``).
+        parameters: before it is attached, the stacked parameters (in-memory names, ``...mlp.experts.down_proj``)
+            the delta may be on; PEFT's keys do not say which, the shapes do (:func:`ckpttool.lora.attach`).
     """
 
     adapter: str
@@ -100,21 +109,28 @@ class LoraDelta:
     scaling: float
     fan_in_fan_out: bool = False
     rounded: bool = False
+    experts: int = 1
+    expert: int = 0
+    row_offset: int = 0
+    parameters: tuple[str, ...] = ()
 
     @property
     def rank(self) -> int:
-        return self.a.shape[0]
+        return self.a.shape[0] // self.experts
 
     def rows(self, start: int, stop: int, scratch: Scratch | None = None) -> torch.Tensor:
         """Rows ``start..stop`` of the delta as PEFT's ``get_delta_weight`` computes them (float32, or float64 for a
         float64 adapter): the product into ``scratch("lora", shape, dtype)`` when given (the executor's per-thread
         buffer, reused chunk after chunk), scaled in place: the same operations, so the same bits."""
-        if self.fan_in_fan_out:
+        if self.experts > 1:  # this expert's block of A and its interleaved columns of B
+            a = self.a.read_rows(self.expert * self.rank, (self.expert + 1) * self.rank)
+            b = self.b.read_rows(self.row_offset + start, self.row_offset + stop)[:, self.expert::self.experts]
+        elif self.fan_in_fan_out:
             a = self.a.read_rows(0, self.a.shape[0])[:, start:stop]
             b = self.b.read_rows(0, self.b.shape[0])
         else:
             a = self.a.read_rows(0, self.a.shape[0])
-            b = self.b.read_rows(start, stop)
+            b = self.b.read_rows(self.row_offset + start, self.row_offset + stop)
         if self.b.dtype in CAST_UP:
             a, b = a.float(), b.float()
         if scratch is None:
@@ -126,9 +142,10 @@ class LoraDelta:
 
     def temporary_bytes(self, rows: int) -> int:
         """What :meth:`rows` reads and converts besides its product, for ``rows`` rows of a weight: A and the rows
-        of B (B whole with ``fan_in_fan_out``), and their float32 copies."""
+        of B (B whole with ``fan_in_fan_out``; every expert's columns of them for a stacked parameter), and their
+        float32 copies."""
         b_rows = self.b.shape[0] if self.fan_in_fan_out else rows
-        return (self.a.shape[0] * self.a.shape[1] + b_rows * self.rank) * (itemsize(self.a.dtype) + 4)
+        return (self.rank * self.a.shape[1] + b_rows * self.b.shape[1]) * (itemsize(self.a.dtype) + 4)
 
     def product_bytes(self, rows: int, cols: int) -> int:
         """The product buffer (``scratch("lora")``) for ``rows`` rows of a weight of ``cols`` columns."""

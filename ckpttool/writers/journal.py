@@ -157,7 +157,8 @@ def _layout_text(out: OutputFile, index: Mapping[str, int]) -> str:
         if t.scale is not None:
             parts.extend(f"\n s {index[c.piece.file]} {c.piece.key!r} {c.piece.byte_offset}" for c in t.scale.copies)
         for d in t.lora:  # another adapter, or the same one changed since: other bytes
-            parts.append(f"\n l {d.a.file!r} {_stat(d.a.file)} {d.a.byte_offset} {d.b.byte_offset} {d.scaling!r}")
+            parts.append(f"\n l {d.a.file!r} {_stat(d.a.file)} {d.a.byte_offset} {d.b.byte_offset} {d.scaling!r}"
+                         + (f" e {d.expert}/{d.experts} {d.row_offset}" if d.experts > 1 else ""))
         for aux in t.aux:
             parts.extend(f"\n a {index[c.piece.file]} {c.piece.key!r} {c.piece.byte_offset}" for c in aux.copies)
     return "".join(parts)

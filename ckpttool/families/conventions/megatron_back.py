@@ -32,8 +32,10 @@ from ckpttool.plan.plan import Slice
 from ckpttool.plan.transforms import Chain, Permute, Transform, Transpose
 from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import REPLICATE, SHARD0, PlacementRules, placement_of
-from ckpttool.families.conventions import megatron_core
+from ckpttool.families.conventions import megatron_back_mla, megatron_core
+from ckpttool.families.conventions import megatron_mla as mla
 from ckpttool.families.registry import adapter_for
+from ckpttool.families import mtp
 from ckpttool.layout.placements import Placement
 
 #: tensors whose rows are the (padded) vocab
@@ -43,8 +45,10 @@ EXPERT_TENSORS = ("decoder.layers.mlp.experts.experts.linear_fc1.weight",
                   "decoder.layers.mlp.experts.experts.linear_fc2.weight",
                   "decoder.layers.mlp.experts.experts.linear_fc1.bias",
                   "decoder.layers.mlp.experts.experts.linear_fc2.bias")
+#: the end of a per-layer expert tensor's name (:func:`expert_axis`)
+_PER_LAYER_EXPERT = tuple(n.removeprefix("decoder.layers.") for n in EXPERT_TENSORS)
 #: model types whose HuggingFace tensors this convention places
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gpt_oss")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gpt_oss", *megatron_back_mla.MODEL_TYPES)
 
 #: Megatron-Core tensor name (regex, searched) -> its tensor-parallel placement; the first match applies
 TP_RULES: PlacementRules = (
@@ -66,6 +70,7 @@ FAMILY_TP_RULES: Mapping[str, PlacementRules] = {
         (r"\.(linear_proj|router)\.bias$", REPLICATE),
         (r"^decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.(weight|bias)$", REPLICATE),
     ),
+    **{model_type: megatron_back_mla.TP_RULES for model_type in megatron_back_mla.MODEL_TYPES},
 }
 #: the experts' placements when expert tensor parallelism cuts them (``expert_tensor_parallel_size`` = tp), for every
 #: family: fc1 ``[gate_r; up_r]`` on each rank (its bias too), fc2 by input columns, fc2's bias whole (added once,
@@ -98,15 +103,27 @@ def tp_placement(name: str, model_type: str = "", expert_tp: int = 0) -> Placeme
     return placement
 
 
+def expert_axis(name: str) -> int | None:
+    """The expert axis of Megatron-Core global tensor ``name``: 1 for the stacked layers' experts
+    (:data:`EXPERT_TENSORS`), 0 for a per-layer one's (``decoder.layers.{i}.mlp.experts.experts.*``), None for a
+    tensor that is no expert's."""
+    if name in EXPERT_TENSORS:
+        return 1
+    if megatron_back_mla.PER_LAYER.match(name) and name.endswith(_PER_LAYER_EXPERT):
+        return 0
+    return None
+
+
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron-LM's ``_vocab_size_with_padding``: ``vocab`` rounded up to a multiple of ``divisible_by * tp``."""
     multiple = divisible_by * tp
     return -(-vocab // multiple) * multiple
 
 
-def megatron_shapes(info: ModelInfo, vocab_rows: int) -> dict[str, Shape]:
-    """The global tensors megatron-core's GPT model of ``info`` saves (local spec, stacked layers), in the order
-    its ``sharded_state_dict`` lists them, with ``vocab_rows`` (padded) vocab rows.
+def megatron_shapes(info: ModelInfo, vocab_rows: int, mtp_layers: int = 0) -> dict[str, Shape]:
+    """The global tensors megatron-core's GPT model of ``info`` saves (local spec, stacked layers; DeepSeek-V3's
+    per layer, with ``mtp_layers`` MTP layers: :mod:`.megatron_back_mla`), in the order its ``sharded_state_dict``
+    lists them, with ``vocab_rows`` (padded) vocab rows.
 
     Raises:
         ConfigError: a model type or a layer structure this convention has no Megatron-Core form for (layers
@@ -120,6 +137,9 @@ def megatron_shapes(info: ModelInfo, vocab_rows: int) -> dict[str, Shape]:
     shapes: dict[str, Shape] = {"embedding.word_embeddings.weight": (vocab_rows, disk["model.embed_tokens.weight"][1])}
     if info.model_type == "gpt_oss":
         return _gpt_oss_shapes(info, layers, shapes, vocab_rows)
+    if info.model_type in megatron_back_mla.MODEL_TYPES:
+        disk = {**disk, **{n: s for layer in mtp.expected(info).values() for n, s in layer.items()}}
+        return megatron_back_mla.megatron_shapes(disk, config, vocab_rows, "lm_head.weight" in info.tied, mtp_layers)
     kinds = {_layer_kind(disk, i) for i in range(layers)}
     if len(kinds) != 1:
         raise ConfigError(f"{info.model_type}: its layers are not all alike ({', '.join(sorted(kinds))}); Megatron-Core "
@@ -233,10 +253,12 @@ def from_hf(info: ModelInfo, vocab_rows: int) -> list[tuple[str, Shape, tuple[Sl
     return [(t.name, t.shape, t.slices, t.true_rows) for t in tensors]
 
 
-def megatron_tensors(info: ModelInfo, vocab_rows: int) -> list[MegatronTensor]:
-    """Every global tensor megatron-core saves for ``info``, in its order, as slices of on-disk HuggingFace
-    tensors: the family's Megatron-Core cut (or the convention's) run on those tensors, turned around. A
-    HuggingFace target the cut builds through a transform comes back through its inverse.
+def megatron_tensors(info: ModelInfo, vocab_rows: int, mtp_layers: int = 0) -> list[MegatronTensor]:
+    """Every global tensor megatron-core saves for ``info`` (with its first ``mtp_layers`` MTP layers), in its
+    order, as slices of on-disk HuggingFace tensors: the family's Megatron-Core cut (or the convention's) run on
+    those tensors, turned around. A HuggingFace target the cut builds through a transform comes back through its
+    inverse. The copies of the embedding and output layer a release keeps in each MTP layer
+    (:data:`.megatron_mla.MTP_SHARED`) are no Megatron-Core tensor's: Megatron shares the main ones.
 
     Raises:
         ConfigError: as :func:`megatron_shapes`, or a tensor the cut cannot place (the config contradicts it), or
@@ -246,7 +268,7 @@ def megatron_tensors(info: ModelInfo, vocab_rows: int) -> list[MegatronTensor]:
         >>> [t.name for t in megatron_tensors(info, 1024)][:2]  # doctest: +SKIP
         ['embedding.word_embeddings.weight', 'decoder.layers.self_attention.linear_qkv.layer_norm_weight']
     """
-    shapes = megatron_shapes(info, vocab_rows)
+    shapes = megatron_shapes(info, vocab_rows, mtp_layers)
     vocab = info.disk_shapes["model.embed_tokens.weight"][0]
     tensors = {name: TensorLayout(name, shape, "", (), (Padding(0, vocab),) if name in VOCAB and shape[0] != vocab else ())
                for name, shape in shapes.items()}
@@ -258,8 +280,11 @@ def megatron_tensors(info: ModelInfo, vocab_rows: int) -> list[MegatronTensor]:
                           + "; ".join(message for _, message in problems[:5]))
     slices: dict[str, list[Slice]] = {name: [] for name in shapes}
     transforms: dict[str, Transform | None] = {}
+    copies = tuple(f".{part}" for part in mla.MTP_SHARED.values())
     for spec in specs:
         name = info.tied.get(spec.name, spec.name)
+        if spec.name.startswith("model.layers.") and spec.name.endswith(copies) and all(sl.source in mla.MTP_SHARED for sl in spec.slices):
+            continue
         inverse = spec.transform.bound(spec.shape, spec.name).inverse() if spec.transform is not None else None
         for sl in spec.slices:
             if inverse is None:
@@ -311,11 +336,14 @@ def _named(transform: Transform | None) -> str:
 
 
 def training_args(info: ModelInfo, shapes: Mapping[str, Shape], *, tp: int, pp: int, ep: int, divisible_by: int,
-                  iteration: int, etp: int = 0) -> dict[str, object]:
+                  iteration: int, etp: int = 0, mtp_layers: int = 0) -> dict[str, object]:
     """The Megatron-LM training arguments ``common.pt`` records for this model (its Megatron-Core global tensors'
     ``shapes``) on ``tp`` x ``pp`` x ``ep`` ranks, experts cut by ``etp`` (0: the model's default): those its
     ``load_checkpoint`` compares and the ones a reader needs to tell padding from vocab."""
     config = info.config
+    per_layer = info.model_type in megatron_back_mla.MODEL_TYPES
+    if per_layer:  # the sizes below read off stacked names
+        shapes = {**shapes, **megatron_back_mla.stacked_view(shapes, config)}
     heads = int(config.get("num_attention_heads") or 0)
     groups = int(config.get("num_key_value_heads") or heads)
     qkv = shapes["decoder.layers.self_attention.linear_qkv.weight"]
@@ -345,6 +373,8 @@ def training_args(info: ModelInfo, shapes: Mapping[str, Shape], *, tp: int, pp: 
         args.update(_gpt_oss_args(config))
     if etp:
         args["expert_tensor_parallel_size"] = etp
+    if per_layer:
+        args.update(megatron_back_mla.training_args(config, shapes, qkv[0], mtp_layers))
     if shared:
         args.update(moe_shared_expert_intermediate_size=shared[1] // 2,
                     moe_shared_expert_gate="decoder.layers.mlp.shared_experts.gate_weight" in shapes)
