@@ -204,3 +204,45 @@ def test_a_moe_layer_is_refused_naming_it(cli, tmp_path):
     refused(cli, tmp_path, megatron_as_dcp(tmp_path, config_edit=moe),
             "'decoder.layers.3.mlp.linear_fc1.weight': layer 3 is a MoE layer ('E' in the config's "
             "hybrid_override_pattern); Nemotron-H's MoE layers from Megatron-Core are not cut yet")
+
+
+# what megatron-core 0.16.1 does not build on a CPU: its checkpoints are refused naming the model
+# ------------------------------------------------------------------------------------------------
+
+
+def named_dcp(tmp_path: Path, names: dict[str, tuple[int, ...]], config: Path) -> Path:
+    """A plain DCP holding ``names`` (tiny tensors) next to the config of ``config``."""
+    import torch.distributed.checkpoint as dcp
+
+    out = tmp_path / "src"
+    dcp.save({n: torch.zeros(shape) for n, shape in names.items()}, checkpoint_id=out, no_dist=True)
+    (out / "config.json").write_text(config.read_text())
+    return out
+
+
+def test_a_megatron_core_llava_checkpoint_is_refused_naming_the_model(cli, tmp_path):
+    src = named_dcp(tmp_path, {
+        "language_model.embedding.word_embeddings.weight": (8, 4),
+        "language_model.decoder.layers.0.self_attention.linear_qkv.weight": (12, 4),
+        "vision_model.conv1.weight": (4, 3, 2, 2),
+        "vision_projection.encoder.linear_fc1.weight": (4, 4),
+    }, FIXTURES / "gemma3_vl_fsdp2_dcp" / "checkpoint" / "config.json")
+    before = tree_digest(src)
+    result = cli("merge", src, tmp_path / "out")
+    assert_failed_cleanly(result, tmp_path / "out", "'language_model.embedding.word_embeddings.weight': a Megatron-Core "
+                          "LLaVAModel (vision encoder, projector and language model) checkpoint, which ckpttool does "
+                          "not cut: megatron-core 0.16.1 does not build this model on a CPU as it ships")
+    assert tree_digest(src) == before
+
+
+def test_a_megatron_core_gated_deltanet_checkpoint_is_refused_naming_the_model(cli, tmp_path):
+    layer = "decoder.layers.0.self_attention."
+    src = named_dcp(tmp_path, {
+        "embedding.word_embeddings.weight": (8, 4),
+        layer + "in_proj.weight.query": (4, 4), layer + "in_proj.weight.z": (4, 4), layer + "A_log": (2,),
+        "output_layer.weight": (8, 4),
+    }, FIXTURES / "qwen3_next_fsdp2_dcp" / "checkpoint" / "config.json")
+    result = cli("merge", src, tmp_path / "out")
+    assert_failed_cleanly(result, tmp_path / "out", f"'{layer}in_proj.weight.query': a Megatron-Core GPTModel with "
+                          "gated DeltaNet layers (experimental_attention_variant 'gated_delta_net', Qwen3-Next style) "
+                          "checkpoint, which ckpttool does not cut")
