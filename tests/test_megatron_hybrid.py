@@ -246,3 +246,14 @@ def test_a_megatron_core_gated_deltanet_checkpoint_is_refused_naming_the_model(c
     assert_failed_cleanly(result, tmp_path / "out", f"'{layer}in_proj.weight.query': a Megatron-Core GPTModel with "
                           "gated DeltaNet layers (experimental_attention_variant 'gated_delta_net', Qwen3-Next style) "
                           "checkpoint, which ckpttool does not cut")
+
+
+def test_the_legacy_format_of_the_same_run_is_refused_with_one_line(cli, tmp_path):
+    """``--ckpt-format torch`` keeps each rank's heads: refused once, pointing at torch_dist, nothing written."""
+    before = tree_digest(MEGATRON / "legacy")
+    result = cli("merge", MEGATRON / "legacy", tmp_path / "out", "--config", MEGATRON / "config.json")
+    assert_failed_cleanly(result, tmp_path / "out", "'decoder.layers.0.mixer.dt_bias': a Mamba-2 mixer saved with "
+                          "--ckpt-format torch (each TP rank's fused in_proj [z, x, B, C, dt] and its own heads' "
+                          "conv1d, A_log, D, dt_bias and norm), which ckpttool does not regroup; merge the same run's "
+                          "--ckpt-format torch_dist checkpoint")
+    assert tree_digest(MEGATRON / "legacy") == before

@@ -72,6 +72,9 @@ def megatron_core_cut(layout: Layout, info: ModelInfo) -> CutResult:
         layer the config's pattern makes another kind, a part of a shape the config contradicts, a fused legacy
         ``in_proj``, a MoE layer).
     """
+    legacy = _legacy_mixer(layout)
+    if legacy is not None:
+        return [], [], [legacy]
     config = info.config
     kinds = hybrid.layer_kinds(config) or []
     key = hybrid.kind_key(config)
@@ -113,6 +116,22 @@ def megatron_core_cut(layout: Layout, info: ModelInfo) -> CutResult:
     llama, notes, more = megatron_core.to_hf(replace(layout, tensors=rest), info)
     specs += [replace(s, name=_nemotron_name(s.name)) for s in llama]
     return specs, notes, problems + more
+
+
+def _legacy_mixer(layout: Layout) -> tuple[str, str] | None:
+    """One refusal for a ``--ckpt-format torch`` source holding Mamba mixers: each rank saved its own heads' fused
+    ``in_proj`` and per-head tensors, which the legacy reader (with no TP table for them) would not regroup."""
+    if layout.format != "megatron-legacy":
+        return None
+    for fqn in layout.tensors:
+        match = _LAYER.match(fqn)
+        mamba = megatron_mamba.MIXER.match(match[2]) if match is not None else None
+        if mamba is not None and mamba["part"] is not None:
+            return (fqn, f"'{fqn}': a Mamba-2 mixer saved with --ckpt-format torch (each TP rank's fused in_proj "
+                         "[z, x, B, C, dt] and its own heads' conv1d, A_log, D, dt_bias and norm), which ckpttool "
+                         "does not regroup; merge the same run's --ckpt-format torch_dist checkpoint, whose mixer "
+                         "parts are global")
+    return None
 
 
 def _kind(kind: str | None) -> str:
