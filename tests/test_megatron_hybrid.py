@@ -105,6 +105,18 @@ def test_the_plan_fuses_the_mixer_parts_in_transformers_order():
     assert specs["backbone.norm_f.weight"].slices[0].source == "decoder.final_norm.weight"
 
 
+def test_the_source_audits_clean_and_the_dry_run_names_each_part(cli):
+    src, config = MEGATRON / "torch_dist", MEGATRON / "config.json"
+    audit = cli("audit", src, "--config", config)
+    assert audit.exit_code == 0, audit.output
+    assert "audit: PASS, 0 errors, 0 warnings" in audit.output
+    dry = cli("merge", src, "--config", config, "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert ("backbone.layers.2.mixer.in_proj.weight  F32 [100x32]  <- decoder.layers.2.mixer.in_proj.weight.z, "
+            "decoder.layers.2.mixer.in_proj.weight.x, decoder.layers.2.mixer.in_proj.weight.B, "
+            "decoder.layers.2.mixer.in_proj.weight.C, decoder.layers.2.mixer.in_proj.weight.dt (10 pieces)") in dry.output
+
+
 def test_megatron_args_with_another_layer_pattern_are_named():
     import argparse
 
