@@ -232,32 +232,27 @@ def named_dcp(tmp_path: Path, names: dict[str, tuple[int, ...]], config: Path) -
     return out
 
 
-def test_a_megatron_core_llava_checkpoint_is_refused_naming_the_model(cli, tmp_path):
-    src = named_dcp(tmp_path, {
-        "language_model.embedding.word_embeddings.weight": (8, 4),
-        "language_model.decoder.layers.0.self_attention.linear_qkv.weight": (12, 4),
-        "vision_model.conv1.weight": (4, 3, 2, 2),
-        "vision_projection.encoder.linear_fc1.weight": (4, 4),
-    }, FIXTURES / "gemma3_vl_fsdp2_dcp" / "checkpoint" / "config.json")
+GDN = "decoder.layers.0.self_attention."
+
+
+@pytest.mark.parametrize("names, config, message", [
+    ({"language_model.embedding.word_embeddings.weight": (8, 4),
+      "language_model.decoder.layers.0.self_attention.linear_qkv.weight": (12, 4),
+      "vision_model.conv1.weight": (4, 3, 2, 2), "vision_projection.encoder.linear_fc1.weight": (4, 4)},
+     "gemma3_vl_fsdp2_dcp", "'language_model.embedding.word_embeddings.weight': a Megatron-Core LLaVAModel (vision "
+     "encoder, projector and language model) checkpoint, which ckpttool does not cut: megatron-core 0.16.1 does not "
+     "build this model on a CPU as it ships"),
+    ({"embedding.word_embeddings.weight": (8, 4), GDN + "in_proj.weight.query": (4, 4), GDN + "in_proj.weight.z": (4, 4),
+      GDN + "A_log": (2,), "output_layer.weight": (8, 4)},
+     "qwen3_next_fsdp2_dcp", f"'{GDN}in_proj.weight.query': a Megatron-Core GPTModel with gated DeltaNet layers "
+     "(experimental_attention_variant 'gated_delta_net', Qwen3-Next style) checkpoint, which ckpttool does not cut"),
+], ids=["llava", "gated_deltanet"])
+def test_a_megatron_core_model_that_does_not_build_on_cpu_is_refused_naming_it(cli, tmp_path, names, config, message):
+    src = named_dcp(tmp_path, names, FIXTURES / config / "checkpoint" / "config.json")
     before = tree_digest(src)
     result = cli("merge", src, tmp_path / "out")
-    assert_failed_cleanly(result, tmp_path / "out", "'language_model.embedding.word_embeddings.weight': a Megatron-Core "
-                          "LLaVAModel (vision encoder, projector and language model) checkpoint, which ckpttool does "
-                          "not cut: megatron-core 0.16.1 does not build this model on a CPU as it ships")
+    assert_failed_cleanly(result, tmp_path / "out", message)
     assert tree_digest(src) == before
-
-
-def test_a_megatron_core_gated_deltanet_checkpoint_is_refused_naming_the_model(cli, tmp_path):
-    layer = "decoder.layers.0.self_attention."
-    src = named_dcp(tmp_path, {
-        "embedding.word_embeddings.weight": (8, 4),
-        layer + "in_proj.weight.query": (4, 4), layer + "in_proj.weight.z": (4, 4), layer + "A_log": (2,),
-        "output_layer.weight": (8, 4),
-    }, FIXTURES / "qwen3_next_fsdp2_dcp" / "checkpoint" / "config.json")
-    result = cli("merge", src, tmp_path / "out")
-    assert_failed_cleanly(result, tmp_path / "out", f"'{layer}in_proj.weight.query': a Megatron-Core GPTModel with "
-                          "gated DeltaNet layers (experimental_attention_variant 'gated_delta_net', Qwen3-Next style) "
-                          "checkpoint, which ckpttool does not cut")
 
 
 def test_the_legacy_format_of_the_same_run_is_refused_with_one_line(cli, tmp_path):
