@@ -13,6 +13,7 @@ names the producer's own save), so the test can compare the live output with the
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -157,6 +158,9 @@ SCENARIOS = {name.removeprefix("scenario_"): fn for name, fn in globals().items(
 
 
 def main() -> None:
+    from ckpttool.model.architecture import DESCRIBE_ENV
+
+    os.environ.setdefault(DESCRIBE_ENV, "inline")  # one transformers import per rank, not a subprocess per config
     run_scenarios(SCENARIOS, "out", timeout=120)
 
 

@@ -20,7 +20,7 @@ from conftest import load_output, tree_digest
 from live_transforms_worker import model_entries
 from test_live import digests, launch
 # imported here, transformers describes the configs in this process (a subprocess each would cost seconds)
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 import ckpttool
 
@@ -54,11 +54,10 @@ def assert_loads_strictly_with_the_references_logits(directory: Path, reference:
         assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
     logits = []
     for path in (directory, reference):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32).eval()
-        model.load_state_dict({k: v.float() for k, v in load_output(path).items()}, strict=True)
+        model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+        assert not any(loading.values()), loading  # strict: nothing missing, unexpected or mismatched
         with torch.no_grad():
-            logits.append(model(TOKENS).logits)
+            logits.append(model.eval()(TOKENS).logits)
     assert torch.equal(*logits)
 
 
