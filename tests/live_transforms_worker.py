@@ -67,6 +67,27 @@ def scenario_titan_fsdp2(out: Path, world: int) -> None:
     save_both(state, out, "titan_fsdp2", config(fixture / "reference" / "config.json"))
 
 
+def scenario_titan_midhead(out: Path, world: int) -> None:
+    """torchtitan's Llama 3 with Q and K rows cut in the middle of a head (rows 0..12 | 12..32 of Q, 0..4 | 4..16 of
+    K: head_dim 8) as plain tensors with PieceSpecs: a chunk of the permutation reads rows from both ranks."""
+    from ckpttool.io.sidecar import PieceSpec
+    from ckpttool.live import save_hf
+
+    fixture = FIXTURES / "torchtitan_llama3_fsdp2"
+    rank = dist.get_rank()
+    state, specs = {}, {}
+    for name, tensor in model_entries(fixture / "checkpoint").items():
+        cut = {"wq.weight": 12, "wk.weight": 4}.get(name.rsplit(".", 2)[-2] + ".weight") if ".qkv_linear." in name else None
+        if cut is None:
+            state[name] = tensor
+            continue
+        start, stop = (0, cut) if rank == 0 else (cut, tensor.shape[0])
+        state[name] = tensor[start:stop].clone()
+        specs[name] = PieceSpec(tuple(tensor.shape), (start, 0))
+    save_hf(state, out / "titan_midhead", config=config(fixture / "reference" / "config.json"), specs=specs,
+            max_shard_size="24KB", bucket_bytes=32 * 1024)
+
+
 def scenario_titan_tp(out: Path, world: int) -> None:
     """torchtitan's Llama 3 under TP: column-parallel Q/K/V/w1/w3/lm_head (rows), row-parallel wo/w2 and the
     embedding (columns), norms replicated."""

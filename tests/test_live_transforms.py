@@ -37,7 +37,7 @@ TOKENS = torch.tensor([[1, 5, 9, 12, 3, 7, 16, 2]])
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("live_transforms")
-    codes, outputs, _ = launch(2, out, *DCP_SAVED, "oss_megatron", worker=WORKER)
+    codes, outputs, _ = launch(2, out, *DCP_SAVED, "titan_midhead", "oss_megatron", worker=WORKER)
     assert codes == [0, 0], "\n".join(outputs)
     return out
 
@@ -76,6 +76,12 @@ def test_torchtitan_qk_rows_are_permuted_as_torchtitans_own_to_hf_permutes_them(
     assert not torch.equal(got, raw)
     assert sorted(got.tolist()) == sorted(raw.tolist())  # the same rows, in another order
     assert torch.equal(got, load_output(TITAN / "reference")["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_qk_rows_cut_in_the_middle_of_a_head_equal_the_fsdp2_job(job):
+    """Q and K split across ranks inside a head: the permutation's chunks read rows held by both ranks."""
+    assert digests(job / "titan_midhead") == digests(job / "titan_fsdp2")
+    assert_loads_strictly_with_the_references_logits(job / "titan_midhead", TITAN / "reference")
 
 
 def test_gpt_oss_from_megatron_core_tp2_ep2_equals_the_offline_merge_of_its_torch_dist(job, tmp_path):
