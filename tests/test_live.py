@@ -30,15 +30,15 @@ LLAMA = fixture_dir("llama_fsdp2_dcp") / "reference"
 MIXTRAL = fixture_dir("mixtral_fsdp2_dcp") / "reference"
 
 
-def launch(world: int, out: Path, *scenarios: str, timeout: float = 300) -> tuple[list[int], list[str], float]:
-    """Run ``world`` worker processes (one per rank) and wait; their return codes, outputs and the time taken."""
+def launch(world: int, out: Path, *scenarios: str, timeout: float = 300, worker: Path = WORKER) -> tuple[list[int], list[str], float]:
+    """Run ``world`` ``worker`` processes (one per rank) and wait; their return codes, outputs and the time taken."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world", str(world), "--port", str(port),
+        subprocess.Popen([sys.executable, str(worker), "--rank", str(r), "--world", str(world), "--port", str(port),
                           "--out", str(out), *scenarios], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for r in range(world)
     ]

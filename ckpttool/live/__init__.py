@@ -87,6 +87,7 @@ def save_hf(
     timeout: float = TIMEOUT,
     force: bool = False,
     audit: bool = True,
+    raw_names: bool = False,
 ) -> LiveResult:
     """Write a HuggingFace safetensors checkpoint of a model sharded over the ranks of a running job.
 
@@ -112,10 +113,16 @@ def save_hf(
         timeout: seconds any rank waits for another before all of them give up.
         force: replace a non-empty destination.
         audit: audit what was written and refuse to publish on errors (as ``ckpttool merge`` does).
+        raw_names: with no config to map them, write tensors named in a framework's own convention (torchtitan,
+            Megatron-Core, DeepSpeed MoE) under those names, unchanged (transformers loads none of them); without
+            it such a save is refused, as ``ckpttool merge`` refuses it. With a config, the family's names and
+            transforms apply (torchtitan's Q/K rows permuted to HF's RoPE halves, gpt-oss's Megatron-Core experts
+            interleaved and transposed), exactly as the offline merge applies them.
 
     Raises:
         CoverageError: the ranks' pieces do not cover every tensor exactly once (the same message on every rank).
-        ConfigError: the tensors do not match the config.
+        ConfigError: the tensors do not match the config, or (without ``raw_names``) are named in a convention of
+            their own and no config maps them.
         LiveGatherError: a rank failed, died or did not arrive within ``timeout``; it is named.
         ArgumentError: ``dtype`` is not one ckpttool casts to.
 
@@ -142,7 +149,7 @@ def save_hf(
             return held
 
         everyone = collect(group, watch, "exchange what each rank holds", describe)
-        plan = collect(group, watch, "plan", lambda: plan_gather(everyone, config_dict, dtype, local["notes"]))[group.rank]
+        plan = collect(group, watch, "plan", lambda: plan_gather(everyone, config_dict, dtype, local["notes"], raw_names))[group.rank]
         files = tuple(assign_files(plan, max_shard_size))
         owner = share_out([f.nbytes for f in files], group.world)
         staging = Staging(dest, force=force)

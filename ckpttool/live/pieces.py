@@ -20,7 +20,7 @@ from ckpttool.io.dtypes import cast_dtype, dtype_name
 from ckpttool.layout.layout import Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.plan.plan import Plan
-from ckpttool.errors import SourceError
+from ckpttool.errors import ConfigError, SourceError
 from ckpttool.families.source import plan_layout
 from ckpttool.io.sidecar import PieceSpec
 
@@ -89,8 +89,19 @@ def _placement(fqn: str, value: torch.Tensor, spec: PieceSpec | None) -> tuple[t
     return value, tuple(value.shape), tuple(0 for _ in value.shape)
 
 
-def plan_gather(everyone: Sequence[list[Held]], config: dict[str, object] | None, dtype: str | None, notes: list[str]) -> Plan:
-    """The plan every rank builds from everyone's pieces: the offline merge's, with ranks for files."""
+def plan_gather(everyone: Sequence[list[Held]], config: dict[str, object] | None, dtype: str | None, notes: list[str],
+                raw_names: bool = False) -> Plan:
+    """The plan every rank builds from everyone's pieces: the offline merge's, with ranks for files.
+
+    The family's transforms (torchtitan's Q/K rows from Meta's RoPE pairs to HF's halves, gpt-oss's Megatron-Core
+    experts interleaved and transposed) are in that plan and applied by the merge's writer, as offline.
+
+    Raises:
+        ConfigError: as the offline merge refuses; and, without ``raw_names``, tensors named in a convention of
+            their own (torchtitan, Megatron-Core, DeepSpeed MoE) with no config to map them: written as they are,
+            transformers could load none of them (nor use torchtitan's Q/K rows, still in Meta's order).
+        CoverageError: a tensor not covered exactly once.
+    """
     builder = LayoutBuilder("", "live")
     for rank, held in enumerate(everyone):
         for h in held:
@@ -108,7 +119,21 @@ def plan_gather(everyone: Sequence[list[Held]], config: dict[str, object] | None
     planned = plan_layout(layout, config_path=None, config=config, model=info, dtype=cast_dtype(dtype), notes=notes,
                           no_config="no config given")
     planned.refuse()
+    if planned.raw_names is not None and not raw_names:
+        raise _raw_names_refusal(planned.raw_names, config)
     return planned.plan
+
+
+def _raw_names_refusal(convention: str, config: dict[str, object] | None) -> ConfigError:
+    """The live form of the merge's refusal of a convention's own names (no paths: the source is the job)."""
+    why = "no config was given" if config is None else (
+        f"transformers has no causal LM for the config's model_type {config.get('model_type')!r}")
+    order = " and its Q/K rows in Meta's RoPE order" if convention == "torchtitan" else ""
+    return ConfigError(
+        f"the live tensors are named in the {convention} convention, not HuggingFace's, and {why}, so the gather "
+        f"would write {convention} names{order}, which transformers cannot load. Pass config= (the HuggingFace "
+        f"model's config: a transformers config, or the dict of its config.json) to write HuggingFace names, or "
+        f"raw_names=True to keep the {convention} names")
 
 
 def _rank_file(rank: int) -> str:

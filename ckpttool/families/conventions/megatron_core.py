@@ -27,8 +27,20 @@ NAME = "Megatron-Core"
 #: the layout formats written in this convention
 FORMATS = ("megatron-dist", "megatron-legacy")
 
-#: every name of a Megatron-Core GPT model starts so (a layout named so is in this convention, whatever its reader)
-_NAMES = re.compile(r"^(?:embedding\.|decoder\.|output_layer\.|mtp\.layers\.)")
+#: every name of a Megatron-Core GPT model starts so (a layout named so is in this convention, whatever its reader);
+#: LLaVAModel's towers too, to be refused by name (:data:`_UNCUT`)
+_NAMES = re.compile(r"^(?:embedding\.|decoder\.|output_layer\.|mtp\.layers\.|vision_model\.|vision_projection\.|"
+                    r"language_model\.(?:embedding|decoder|output_layer)\.)")
+#: Megatron-Core models whose tensors are not cut, by a name only they hold: megatron-core 0.16.1 builds neither on a
+#: CPU as it ships (docs/formats.md, "Megatron-Core hybrid and vision-language models"), so no cut could be proven
+#: against the producer
+_UNCUT = (
+    (re.compile(r"^(?:vision_model|vision_projection|language_model)\."),
+     "LLaVAModel (vision encoder, projector and language model)"),
+    (re.compile(r"\.self_attention\.(?:in_proj\.weight\.(?:query|key|value|z|beta|alpha)$|conv1d\.(?:weight|bias)\."
+                r"(?:query|key|value)$|A_log$|dt_bias$|out_norm\.)"),
+     "GPTModel with gated DeltaNet layers (experimental_attention_variant 'gated_delta_net', Qwen3-Next style)"),
+)
 _LAYER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
 #: SequentialMLP in 0.16 saves ``mlp.experts.experts.linear_fc1.weight`` (L, E, ...): its prefix plus "experts."
 _EXPERT = re.compile(r"^mlp\.experts\.(?:experts\.)?(?:(\d+)\.)?(linear_fc1|linear_fc2)\.weight(_w|_v)?$")
@@ -98,7 +110,7 @@ class MegatronCoreConvention(Convention):
 
     def holds_names(self, names: Collection[str], info: ModelInfo | None) -> bool:
         """Every name is a Megatron-Core GPT name and some are its decoder layers'."""
-        return (any(name.startswith("decoder.layers.") for name in names)
+        return (any(name.startswith(("decoder.layers.", "language_model.decoder.layers.")) for name in names)
                 and all(_NAMES.match(name) for name in names))
 
     def cut(self, layout: Layout, info: ModelInfo, family: FamilyAdapter) -> CutResult:
@@ -116,6 +128,9 @@ def to_hf(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str],
         ``(specs, notes, problems)``; a problem is ``(source tensor, message)`` for a tensor with no HF place or
         with a shape the config contradicts.
     """
+    uncut = refused_model(layout.tensors)
+    if uncut is not None:
+        return [], [], [uncut]
     cut = _Cut(info)
     problems: list[tuple[str, str]] = []
     notes = [
@@ -179,6 +194,19 @@ def to_hf(layout: Layout, info: ModelInfo) -> tuple[list[TargetSpec], list[str],
         notes.append(f"MTP layer mtp.layers.{index} -> model.layers.{layer}, with copies of the embedding and output "
                      "layer it shares (embed_tokens, shared_head.head)")
     return cut.result(), notes, problems
+
+
+def refused_model(names: Collection[str]) -> tuple[str, str] | None:
+    """``(tensor, message)`` naming the Megatron-Core model whose tensors ``names`` are when it is one ckpttool does
+    not cut (:data:`_UNCUT`: LLaVAModel, GPTModel with gated DeltaNet layers), else None."""
+    for pattern, model in _UNCUT:
+        fqn = next((name for name in names if pattern.search(name)), None)
+        if fqn is not None:
+            return (fqn, f"'{fqn}': a Megatron-Core {model} checkpoint, which ckpttool does not cut: megatron-core "
+                         "0.16.1 does not build this model on a CPU as it ships, so no cut is proven against it (see "
+                         "docs/formats.md, 'Megatron-Core hybrid and vision-language models'). Merge the model's "
+                         "HuggingFace export or an FSDP2 / DCP save of the transformers model instead")
+    return None
 
 
 def _cut_mtp(cut: _Cut, fqn: str, part: str, layer: int, shape: tuple[int, ...],

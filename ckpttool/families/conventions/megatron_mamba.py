@@ -1,0 +1,97 @@
+"""Megatron-Core's Mamba-2 mixer (``megatron.core.ssm.mamba_mixer.MambaMixer``) as HuggingFace's Mamba-2 mixers
+(Nemotron-H's ``NemotronHMamba2Mixer``) hold it, as boxes.
+
+How megatron-core 0.16 saves a mixer in ``torch_dist`` (``MambaMixer.sharded_state_dict``): each TP rank holds
+``in_proj`` rows ``[z, x, B, C, dt]`` of its own heads and groups, fused; the checkpoint splits them into five
+tensors, each sharded over TP on dim 0 and so *global* in the checkpoint: ``in_proj.weight.z [I, H]``, ``.x [I, H]``,
+``.B [G*N, H]``, ``.C [G*N, H]``, ``.dt [Nh, H]`` (``I`` = heads x head_dim, ``G`` groups, ``N`` the state size,
+``Nh`` heads); ``conv1d.weight`` / ``conv1d.bias`` likewise as ``.x``, ``.B``, ``.C``. ``A_log``, ``D``,
+``dt_bias`` (``[Nh]``), the gated norm's ``norm.weight`` (``[I]``) and ``out_proj.weight [H, I]`` are whole global
+tensors. Transformers' mixer fuses them back in that order: ``in_proj.weight [2I + 2GN + Nh, H]`` split
+``[z | x, B, C | dt]`` and ``conv1d [I + 2GN, 1, K]`` as ``[x, B, C]``; every part is a row range.
+
+The layer's pre-norm is ``norm.weight`` on the local spec and Transformer Engine's fused
+``mixer.in_proj.layer_norm_weight`` on the TE spec: both are the layer's ``norm``.
+
+A fused ``mixer.in_proj.weight`` (``--ckpt-format torch``, one file per TP rank) interleaves the parts per rank;
+it is refused, not cut.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from ckpttool.errors import ConfigError
+from ckpttool.layout.layout import Box, Shape
+from ckpttool.model.architecture import config_value
+from ckpttool.plan.plan import Slice, TargetSpec
+
+#: a Mamba layer tensor (after ``decoder.layers.{L}.``): group ``part`` names what it is
+MIXER = re.compile(r"^(?:mixer\.(?P<part>in_proj\.weight\.(?:z|x|B|C|dt)|conv1d\.(?:weight|bias)\.(?:x|B|C)"
+                   r"|in_proj\.weight|in_proj\.layer_norm_weight|A_log|D|dt_bias|norm\.weight|out_proj\.weight)"
+                   r"|(?P<norm>norm\.weight))$")
+_WHOLE = ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")
+
+
+def sizes(config: Mapping[str, object]) -> tuple[int, int, int]:
+    """``(I, G*N, Nh)`` of the config's Mamba-2 mixer: inner size (heads x head_dim), groups x state, heads.
+
+    Raises:
+        ConfigError: the config lacks one of ``mamba_num_heads``, ``mamba_head_dim``, ``n_groups``,
+            ``ssm_state_size``.
+    """
+    heads = config_value(config, "mamba_num_heads")
+    head_dim = config_value(config, "mamba_head_dim")
+    groups = config_value(config, "n_groups", "mamba_n_groups")
+    state = config_value(config, "ssm_state_size", "mamba_state_dim")
+    if not all(isinstance(v, int) and v > 0 for v in (heads, head_dim, groups, state)):
+        raise ConfigError("the config does not give the Mamba-2 mixer's sizes (mamba_num_heads, mamba_head_dim, "
+                          "n_groups, ssm_state_size)")
+    return heads * head_dim, groups * state, heads
+
+
+def cut(fqn: str, part: str | None, target: str, shape: Shape, config: Mapping[str, object]) -> tuple[str, int, int]:
+    """Where Megatron-Core mixer tensor ``fqn`` goes: ``(HF name under target, first row, rows in all)``.
+
+    ``part`` is :data:`MIXER`'s group (None: the layer's pre-norm); ``target`` the HF layer prefix
+    (``backbone.layers.3.``). The tensor fills rows ``first..first+shape[0]`` of a target of ``rows in all`` rows.
+
+    Raises:
+        ConfigError: a fused ``in_proj.weight`` (legacy format), or a shape the config contradicts.
+    """
+    inner, gn, heads = sizes(config)
+    if part is None or part == "in_proj.layer_norm_weight":
+        return target + "norm.weight", 0, shape[0] if shape else 0
+    if part == "in_proj.weight":
+        raise ConfigError(f"'{fqn}': a fused Mamba in_proj (rows [z, x, B, C, dt] of one TP rank's heads, as "
+                          "--ckpt-format torch saves it) is not cut; save the checkpoint with --ckpt-format torch_dist, "
+                          "whose in_proj.weight.{z,x,B,C,dt} are global")
+    if part in _WHOLE:
+        expected = {"A_log": heads, "D": heads, "dt_bias": heads, "norm.weight": inner,
+                    "out_proj.weight": config_value(config, "hidden_size")}[part]
+        _check(fqn, shape, expected, part)
+        return target + "mixer." + part, 0, expected
+    tensor, section = part.rsplit(".", 1)
+    if tensor == "in_proj.weight":
+        starts = {"z": 0, "x": inner, "B": 2 * inner, "C": 2 * inner + gn, "dt": 2 * inner + 2 * gn}
+        rows = {"z": inner, "x": inner, "B": gn, "C": gn, "dt": heads}
+        total = 2 * inner + 2 * gn + heads
+    else:
+        starts, rows, total = {"x": 0, "B": inner, "C": inner + gn}, {"x": inner, "B": gn, "C": gn}, inner + 2 * gn
+    _check(fqn, shape, rows[section], part)
+    return target + "mixer." + tensor, starts[section], total
+
+
+def _check(fqn: str, shape: Shape, rows: int, part: str) -> None:
+    if not shape or shape[0] != rows:
+        raise ConfigError(f"'{fqn}': {shape[0] if shape else 'no'} rows, expected {rows} for the Mamba-2 mixer's "
+                          f"'{part}' from the config (mamba_num_heads, mamba_head_dim, n_groups, ssm_state_size)")
+
+
+def spec(name: str, pieces: list[tuple[str, int, Shape]], total: int) -> TargetSpec:
+    """One HF target of ``total`` rows tiled by ``(source, first row, source shape)`` pieces, each whole."""
+    rest = pieces[0][2][1:]
+    slices = tuple(Slice(src, Box.whole(shape), Box((first, *(0 for _ in rest)), shape))
+                   for src, first, shape in pieces)
+    return TargetSpec(name, (total, *rest), slices)
