@@ -243,21 +243,23 @@ def parse_sidecar(text: str, label: str) -> Sidecar:
 
 
 def _piece(p: Any, label: str) -> SidecarPiece:
-    if not isinstance(p, dict) or not isinstance(p.get("fqn"), str):
+    # the hot path of a sidecar merge (one call per piece, ~90k for a DeepSeek-V3-sized model): the message of
+    # an error is built only when one is raised, and the dims are checked by C-level set/min, not per element
+    if type(p) is not dict or type(p.get("fqn")) is not str:
         raise SourceError(f"'{label}': every piece needs an \"fqn\"")
-    where = f"'{label}': '{p['fqn']}'"
-    shape, offsets, sizes = (_dims(p, k, where) for k in ("global_shape", "offsets", "sizes"))
+    fqn = p["fqn"]
+    shape, offsets, sizes = (_dims(p, k, label, fqn) for k in ("global_shape", "offsets", "sizes"))
     if not len(shape) == len(offsets) == len(sizes):
-        raise SourceError(f"{where}: global_shape, offsets and sizes have different lengths")
-    try:
-        dtype = dtype_name(p.get("dtype", ""))
-    except SourceError:
-        raise SourceError(f"{where}: unknown dtype {p.get('dtype')!r}") from None
-    raw_padding = p.get("padding") or []
-    if not isinstance(raw_padding, list):
-        raise SourceError(f"{where}: \"padding\" must be a list of {{\"dim\", \"true_size\"}}")
-    padding = tuple(Padding(_int(x, "dim", where), _int(x, "true_size", where)) for x in raw_padding)
+        raise SourceError(f"'{label}': '{fqn}': global_shape, offsets and sizes have different lengths")
+    dtype = _dtype(p.get("dtype", ""), label, fqn)
+    padding: tuple[Padding, ...] = ()
     fusion = None
+    raw_padding = p.get("padding")
+    if raw_padding:
+        where = f"'{label}': '{fqn}'"
+        if not isinstance(raw_padding, list):
+            raise SourceError(f"{where}: \"padding\" must be a list of {{\"dim\", \"true_size\"}}")
+        padding = tuple(Padding(_int(x, "dim", where), _int(x, "true_size", where)) for x in raw_padding)
     if p.get("fusion") is not None:
         f = p["fusion"]
         parts = f.get("parts") if isinstance(f, dict) else None
@@ -265,13 +267,32 @@ def _piece(p: Any, label: str) -> SidecarPiece:
             isinstance(f, dict) and _is_int(f.get("dim")) and isinstance(parts, list)
             and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and _is_int(x[1]) for x in parts)
         ):
-            raise SourceError(f"{where}: fusion must be {{\"dim\": int, \"parts\": [[name, size], ...]}}")
+            raise SourceError(f"'{label}': '{fqn}': fusion must be {{\"dim\": int, \"parts\": [[name, size], ...]}}")
         fusion = Fusion(f["dim"], tuple((name, size) for name, size in parts))
-    coords = tuple((k, _int(p, k, where)) for k in COORDINATES if p.get(k) is not None)
-    key = p.get("key", p["fqn"])
-    if not isinstance(key, str):
-        raise SourceError(f"{where}: \"key\" must be a string")
-    return SidecarPiece(p["fqn"], key, shape, offsets, sizes, dtype, padding, fusion, coords)
+    coords = tuple((k, _int(p, k, f"'{label}': '{fqn}'")) for k in COORDINATES if p.get(k) is not None)
+    key = p.get("key", fqn)
+    if type(key) is not str:
+        raise SourceError(f"'{label}': '{fqn}': \"key\" must be a string")
+    return SidecarPiece(fqn, key, shape, offsets, sizes, dtype, padding, fusion, coords)
+
+
+#: dtype names already resolved (a sidecar repeats a handful of them ~90k times)
+_DTYPES: dict[str, str] = {}
+
+
+def _dtype(value: Any, label: str, fqn: str) -> str:
+    if type(value) is str and value in _DTYPES:
+        return _DTYPES[value]
+    try:
+        found = dtype_name(value)
+    except SourceError:
+        raise SourceError(f"'{label}': '{fqn}': unknown dtype {value!r}") from None
+    if type(value) is str:
+        _DTYPES[value] = found
+    return found
+
+
+_INT = frozenset((int,))
 
 
 def _is_int(value: Any) -> bool:
@@ -285,8 +306,9 @@ def _int(doc: Any, key: str, where: str) -> int:
     return value
 
 
-def _dims(doc: dict[str, Any], key: str, where: str) -> tuple[int, ...]:
+def _dims(doc: dict[str, Any], key: str, label: str, fqn: str) -> tuple[int, ...]:
     value = doc.get(key)
-    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
-        raise SourceError(f"{where}: \"{key}\" must be a list of non-negative integers")
+    # every element exactly an int (JSON's bool is not one) and none negative
+    if type(value) is not list or not _INT.issuperset(map(type, value)) or (value and min(value) < 0):
+        raise SourceError(f"'{label}': '{fqn}': \"{key}\" must be a list of non-negative integers")
     return tuple(value)

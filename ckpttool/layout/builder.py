@@ -78,6 +78,10 @@ class LayoutBuilder:
             self._pieces[fqn] = []
             self._padding[fqn], self._fusion[fqn] = padding, fusion
             return True
+        if (type(global_shape) is tuple and type(fqn) is str and global_shape == self._shape.get(fqn)
+                and dtype == self._dtype[fqn] and padding == self._padding[fqn]):
+            # the other common case: a further piece of a tensor declared before (a TP shard), agreeing with it
+            return True
         if not isinstance(fqn, str):
             self.problem(f"{fqn!r:.60}: a tensor name that is not a string in {where}")
             return False

@@ -50,9 +50,9 @@ def read(root: Path, model: ModelInfo | None) -> Layout:
         if not data.exists():  # a FIFO or a device is there: read_header says it is not a regular file
             raise SourceNotFoundError(f"'{path.name}' describes '{s.file}', which does not exist")
         header = read_header(data, s.file)
+        where, entries = f"'{path.name}'", header.entries
         for p in s.pieces:
-            entry = header.entries.get(p.key)
-            where = f"'{path.name}'"
+            entry = entries.get(p.key)
             if entry is None:
                 raise SourceError(f"'{s.file}': has no tensor '{p.key}' (for '{p.fqn}', named by {where})")
             if entry.shape != p.sizes or entry.dtype != p.dtype:

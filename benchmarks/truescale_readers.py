@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""True-scale dry runs of the readers other than HF safetensors: ckpttool's sidecar format at ~90k pieces.
+
+DeepSeek-V3-671B's BF16 model (``truescale.config(bf16=True)``: its real names and shapes, 46k tensors) written
+as ckpttool sidecars of 8 ranks: every 2-D tensor cut in two along dim 0 (a TP pair: ranks ``2g`` and
+``2g + 1``, the pair ``g`` chosen round-robin by tensor), every 1-D tensor held whole by one rank: ~90k pieces.
+Each rank file is a real safetensors header followed by a hole (``os.truncate``) for its data; the
+``*.ckpttool.json`` sidecars are real. Nothing reads the data: ``merge --dry-run`` and ``audit --no-data`` read
+headers and sidecars only.
+
+Each command runs in a fresh process twice (``many_tensors_bench.timed``: wall, CPU, peak RSS): first with an
+empty description cache (``CKPTTOOL_CACHE``), then with the cache it left.
+
+    python benchmarks/truescale_readers.py [--workdir /tmp/ckpttool-truescale-readers] [--keep] [--layers 61]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from many_tensors_bench import release  # noqa: E402  (this folder is no package)
+from truescale import ITEMSIZE, _claim, _inside, measure, config  # noqa: E402
+
+RANKS = 8
+
+
+def _write_rank(path: Path, pieces: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    """A safetensors file of ``pieces`` (key, dtype, shape): a real header, the data a hole."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, dtype, shape in pieces:
+        n = ITEMSIZE[dtype]
+        for d in shape:
+            n *= d
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+    os.truncate(path, 8 + len(raw) + offset)
+
+
+def generate_sidecar(root: Path, cfg: dict, ranks: int = RANKS) -> dict:
+    """Write ``cfg``'s model as ``ranks`` sparse rank files with their sidecars into ``root`` (a new directory).
+    Returns ``{"tensors", "pieces", "files", "apparent_bytes", "disk_bytes"}``."""
+    tensors = release(cfg)
+    per_rank: list[list[dict]] = [[] for _ in range(ranks)]
+    for i, name in enumerate(sorted(tensors)):
+        dtype, shape = tensors[name]
+        pair = i % (ranks // 2)
+        if len(shape) == 2 and shape[0] % 2 == 0:
+            half = shape[0] // 2
+            for tp in range(2):
+                per_rank[2 * pair + tp].append({
+                    "fqn": name, "key": name, "global_shape": list(shape), "offsets": [tp * half, 0],
+                    "sizes": [half, shape[1]], "dtype": dtype, "tp_rank": tp})
+        else:
+            per_rank[2 * pair].append({"fqn": name, "key": name, "global_shape": list(shape),
+                                       "offsets": [0] * len(shape), "sizes": list(shape), "dtype": dtype})
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(cfg, indent=2))
+    for rank, pieces in enumerate(per_rank):
+        base = f"rank-{rank:05d}-of-{ranks:05d}"
+        _write_rank(root / f"{base}.safetensors", [(p["key"], p["dtype"], tuple(p["sizes"])) for p in pieces])
+        doc = {"format": "ckpttool-sidecar", "version": 1, "rank": rank, "world_size": ranks,
+               "file": f"{base}.safetensors", "pieces": pieces}
+        (root / f"{base}.ckpttool.json").write_text(json.dumps(doc, indent=1))
+    paths = list(root.iterdir())
+    return {"tensors": len(tensors), "pieces": sum(map(len, per_rank)), "files": ranks,
+            "apparent_bytes": sum(p.stat().st_size for p in paths),
+            "disk_bytes": sum(p.stat().st_blocks * 512 for p in paths)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-truescale-readers"))
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--keep", action="store_true", help="reuse the checkpoints in --workdir if there")
+    parser.add_argument("--only-second", action="store_true", help="skip the first (empty cache) runs")
+    args = parser.parse_args()
+    workdir = _claim(args.workdir)
+    cache = _inside(workdir / "cache", workdir)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["CKPTTOOL_CACHE"] = str(_inside(workdir / "generator-cache", workdir))
+    sources = {"sidecar": (_inside(workdir / "sidecar", workdir), generate_sidecar)}
+    for name, (src, make) in sources.items():
+        if not (args.keep and src.exists()):
+            shutil.rmtree(src, ignore_errors=True)
+            start = time.perf_counter()
+            made = make(src, config(args.layers, bf16=True))
+            print(f"{name}: built in {time.perf_counter() - start:.1f} s: {made}")
+    tool = [sys.executable, "-m", "ckpttool"]
+    print(f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f}")
+    os.environ["CKPTTOOL_CACHE"] = str(cache)
+    for name, (src, _) in sources.items():
+        cmds = {"merge --dry-run": [*tool, "merge", str(src), "--dry-run", "--json"],
+                "audit --no-data": [*tool, "audit", str(src), "--no-data", "--json"]}
+        for cmd, argv in cmds.items():
+            if not args.only_second:
+                shutil.rmtree(cache, ignore_errors=True)
+            for run in ("second",) if args.only_second else ("first", "second"):
+                r = measure(f"{name}-{'-'.join(cmd.split()[::2])}-{run}", argv, workdir)
+                peak = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in r["peaks"].items()) or "no predicted peak"
+                print(f"{name:8} {cmd:16} {run:6} {r['wall']:6.2f} s  cpu {r['cpu']:6.2f} s  "
+                      f"peak RSS {r['rss'] / 2**20:7.1f} MiB  exit {r['rc']}  {peak}  load {os.getloadavg()[0]:.1f}")
+                if r["message"]:
+                    print(f"{'':36}{r['message']}")
+
+
+if __name__ == "__main__":
+    main()
