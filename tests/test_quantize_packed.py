@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import ckpttool
 from ckpttool.errors import ArgumentError
+from ckpttool.io.dtypes import torch_dtype
 from ckpttool.families.quantize_packed import PackScheme
 from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
 from ckpttool.quant.codecs import codec
@@ -34,7 +35,7 @@ def oracle() -> dict[str, torch.Tensor]:
 
 
 def _scratch(name, shape, dtype):
-    return torch.empty(shape, dtype={"BF16": torch.bfloat16, "F32": torch.float32}[dtype])
+    return torch.empty(shape, dtype=torch_dtype(dtype))
 
 
 def _encode(method: str, params: tuple, w: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, step: int):
