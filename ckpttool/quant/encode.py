@@ -249,6 +249,12 @@ def e2m1_codes(q: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     return code.bitwise_or_(sign.bitwise_and_(8))
 
 
+def e2m1_scratch(n: int) -> dict[str, int]:
+    """The buffers :func:`e2m1_codes` takes for ``n`` values: ``|q|``'s bits, the codes, ``0..2`` below one (then
+    the signs), int32 each."""
+    return {"e2m1": n * 4, "e2m1.code": n * 4, "e2m1.sub": n * 4}
+
+
 @cache
 def _below_one() -> torch.Tensor:
     return torch.tensor(_BELOW_ONE, dtype=torch.int32)
@@ -320,7 +326,7 @@ def _mxfp4_scratch(stored: tuple[int, ...], blocks: bool) -> dict[str, int]:
     n = math.prod(stored)
     sizes = {"bf16": n * 2, "work": n * 4, "abs": n * 4, "amax": n // MXFP4_GROUP * 4}
     if blocks:
-        sizes.update({"e2m1": n * 4, "e2m1.code": n * 4, "e2m1.sub": n * 4})  # |q|'s bits, the codes, 0..2 / signs
+        sizes.update(e2m1_scratch(n))
         # what torch allocates besides: the high nibbles shifted and the pairs or-ed (int32 each, half the codes),
         # and the group scales' mask and inverses
         sizes["mxfp4-temporaries"] = n * (2 + 2) + n // MXFP4_GROUP * (1 + 4 + 4)

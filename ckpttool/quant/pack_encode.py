@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from ckpttool.fast.deferred import torch
 from ckpttool.quant.decode import RowForRow, Scratch
-from ckpttool.quant.encode import RoundTrip, e2m1_codes
+from ckpttool.quant.encode import RoundTrip, e2m1_codes, e2m1_scratch
 from ckpttool.quant.packed import NVFP4_GROUP
 
 INT_PACKED = "int-pack"
@@ -267,7 +267,7 @@ class Nvfp4Part:
         values and :func:`~ckpttool.quant.encode.e2m1_codes`' buffer, its codes and masks, the round trip."""
         del scales, out_dtype
         n = math.prod(stored)
-        return {"bf16": n * 2, "e2m1": n * 4, "nvfp4-temporaries": n * (4 + 1 + 1 + 4 + 4 + 4 + 8 + 4 + 4 + 4 + 2)}
+        return {"bf16": n * 2, **e2m1_scratch(n), "nvfp4-temporaries": n * (4 + 1 + 1 + 4 + 4 + 4 + 8 + 4 + 4 + 4 + 2)}
 
 
 def _scratch(stored: tuple[int, ...], packed: bool) -> dict[str, int]:
