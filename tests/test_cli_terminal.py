@@ -194,6 +194,9 @@ def test_ctrl_c_while_starting_prints_one_line(how):
 
 def test_importing_ckpttool_leaves_ctrl_c_alone():
     code = "import signal, ckpttool; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # the child starts with Ctrl-C at its default whatever launched the suite (a background job started without
+    # job control ignores SIGINT, and its children inherit that), so Python installs its own handler at start-up
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert result.stdout.strip() == "True", result.stderr
     assert not started_as_command()
