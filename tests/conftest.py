@@ -117,6 +117,35 @@ def model_cache(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def describe_inline():
+    """For a test module that imports transformers anyway (``pytestmark = pytest.mark.usefixtures("describe_inline")``):
+    its configs are described in this process, not one subprocess each."""
+    from ckpttool.model.architecture import DESCRIBE_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DESCRIBE_ENV, "inline")
+        yield
+
+
+def build_in_row_chunks(plan, targets, rows: int):
+    """Build ``targets`` of ``plan`` chunk by chunk, ``rows`` rows each, as the executor does: (each target's chunks
+    in order, the buffer sizes ``buffer_sizes`` predicts, the size of each predicted buffer actually allocated)."""
+    from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+
+    small = [c for t in targets for c in chunks(t, 0, rows=rows)]
+    sizes = buffer_sizes(small)
+    reader = Reader(plan.root, piece_uses(small), sizes)
+    parts: dict = {t.name: [] for t in targets}
+    try:
+        for chunk in small:
+            parts[chunk.target.name].append(build(chunk, reader).clone())
+        allocated = {n: len(b) for n, b in reader._local.buffers.items() if n in sizes}
+    finally:
+        reader.close()
+    return parts, sizes, allocated
+
+
 @pytest.fixture
 def copy_fixture(tmp_path: Path):
     """Copy a fixture (checkpoint + config next to it) into tmp_path, to damage it safely."""

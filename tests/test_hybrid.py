@@ -24,20 +24,15 @@ from conftest import fixture_dir, load_output, tree_digest
 from ckpttool.families import nemotron_h, qwen3_next
 from ckpttool.families.hybrid import grouped_rows_note, layer_kinds, missing_mixer_cause
 from ckpttool.families.registry import adapter_for
-from ckpttool.model.architecture import DESCRIBE_ENV, ModelInfo, special_floats
+from ckpttool.model.architecture import ModelInfo, special_floats
 
 SOURCES = ("qwen3_next_fsdp2_dcp", "qwen3_next_hf_tp2", "nemotron_h_fsdp2_dcp")
 TOKENS = [[5, 17, 199, 3, 250, 42, 7, 100, 11, 128, 64, 2]]
 QKVZ = "model.layers.0.linear_attn.in_proj_qkvz.weight"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def describe_inline():
-    """Six new configs are described here, and transformers is imported here anyway (logits, tiny models): one import
-    in this process instead of one per description in a subprocess."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(DESCRIBE_ENV, "inline")
-        yield
+#: transformers is imported here anyway: configs are described in this process (conftest.describe_inline)
+pytestmark = pytest.mark.usefixtures("describe_inline")
 
 
 def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

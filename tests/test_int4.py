@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers  # imported first, as in the whole suite: each architecture is described in this process
-from conftest import FIXTURES, assert_failed_cleanly, load_output
+from conftest import build_in_row_chunks, FIXTURES, assert_failed_cleanly, load_output
 from test_quantized import rewrite
 
 import ckpttool
 from ckpttool.errors import ConfigError
-from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
 from ckpttool.quant.formats import read_quantization
 
 INT4 = "quantized_qwen3_int4"
@@ -168,16 +167,7 @@ def test_dequantizing_streams_in_row_chunks_within_the_predicted_buffers(name):
     reference; each buffer allocated at the size buffer_sizes predicts."""
     plan = ckpttool.prepare(checkpoint(name), dtype="bfloat16").plan
     targets = [t for t in plan.targets if t.dequant is not None]
-    small = [c for t in targets for c in chunks(t, 0, rows=3)]
-    sizes = buffer_sizes(small)
-    reader = Reader(plan.root, piece_uses(small), sizes)
-    parts: dict[str, list[torch.Tensor]] = {t.name: [] for t in targets}
-    try:
-        for chunk in small:
-            parts[chunk.target.name].append(build(chunk, reader).clone())
-        allocated = {n: len(b) for n, b in reader._local.buffers.items() if n in sizes}
-    finally:
-        reader.close()
+    parts, sizes, allocated = build_in_row_chunks(plan, targets, 3)
     assert allocated == {n: max(sizes[n], 1) for n in allocated}
     expected = load_output(reference(name))
     assert Counter(len(p) >= 3 for p in parts.values()) == Counter({True: len(targets)})

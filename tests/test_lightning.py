@@ -29,7 +29,6 @@ from safetensors.torch import load_file
 import ckpttool
 from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, load_output, tree_digest
 from ckpttool.families.buffers import HISTORICAL
-from ckpttool.model.architecture import DESCRIBE_ENV
 from ckpttool.readers import read_layout
 from ckpttool.readers.lightning import classes
 from test_fuzz import only_ckpt_errors
@@ -41,12 +40,8 @@ CKPT = "epoch=0-step=1.ckpt"
 ROTARY = "model.layers.{}.self_attn.rotary_emb.inv_freq"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def describe_inline():
-    """transformers is imported here anyway (logits): describe the config in this process, not in a subprocess."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(DESCRIBE_ENV, "inline")
-        yield
+#: transformers is imported here anyway: configs are described in this process (conftest.describe_inline)
+pytestmark = pytest.mark.usefixtures("describe_inline")
 
 
 @pytest.fixture(scope="module")

@@ -20,19 +20,14 @@ from safetensors.torch import load_file
 
 import ckpttool
 from conftest import FIXTURES, assert_failed_cleanly, load_output, tree_digest
-from ckpttool.model.architecture import DESCRIBE_ENV
 
 MEGATRON = FIXTURES / "megatron_nemotron_h_tp2_pp2"
 #: Megatron's forward (its scan through the documented stand-in) against transformers' torch path, fp32 on CPU
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def describe_inline():
-    """transformers is imported here anyway (logits): describe the configs in this process."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(DESCRIBE_ENV, "inline")
-        yield
+#: transformers is imported here anyway: configs are described in this process (conftest.describe_inline)
+pytestmark = pytest.mark.usefixtures("describe_inline")
 
 
 @pytest.fixture(scope="module")

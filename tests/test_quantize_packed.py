@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers  # imported first, as in the whole suite: each architecture is described in this process
-from conftest import FIXTURES, assert_failed_cleanly, load_output
+from conftest import build_in_row_chunks, FIXTURES, assert_failed_cleanly, load_output
 from safetensors.torch import load_file
 
 import ckpttool
 from ckpttool.errors import ArgumentError
 from ckpttool.io.dtypes import torch_dtype
 from ckpttool.families.quantize_packed import PackScheme
-from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
 from ckpttool.quant.codecs import codec
 from ckpttool.quant.pack_encode import INT_PACKED, INT_SCALES, INT_ZERO_POINTS, NVFP4_PART, WEIGHT_SHAPE
 
@@ -169,16 +168,7 @@ def test_packing_streams_in_row_chunks_within_the_predicted_buffers(packed, sche
     plan = ckpttool.prepare(packed[source], quantize=scheme).plan
     targets = [t for t in plan.targets if t.dequant is not None]
     assert len(targets) == 14 * per
-    small = [c for t in targets for c in chunks(t, 0, rows=3)]
-    sizes = buffer_sizes(small)
-    reader = Reader(plan.root, piece_uses(small), sizes)
-    parts: dict[str, list[torch.Tensor]] = {t.name: [] for t in targets}
-    try:
-        for chunk in small:
-            parts[chunk.target.name].append(build(chunk, reader).clone())
-        allocated = {n: len(b) for n, b in reader._local.buffers.items() if n in sizes}
-    finally:
-        reader.close()
+    parts, sizes, allocated = build_in_row_chunks(plan, targets, 3)
     assert allocated == {n: max(sizes[n], 1) for n in allocated}
     whole = load_output(packed[output])
     for name, pieces in parts.items():

@@ -28,7 +28,6 @@ from torch.distributed.checkpoint import FileSystemReader
 import ckpttool
 from ckpttool.commands.meshes import MegatronMesh
 from ckpttool.commands.split_megatron import layer_stages
-from ckpttool.model.architecture import DESCRIBE_ENV
 
 MEGATRON_VENV = Path(os.environ.get("CKPTTOOL_MEGATRON_VENV", "/work/venv-megatron"))
 HERE = Path(__file__).parent
@@ -41,12 +40,8 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def describe_inline():
-    """Four configs are described here and transformers is imported anyway (the merge back): once, in process."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(DESCRIBE_ENV, "inline")
-        yield
+#: transformers is imported here anyway: configs are described in this process (conftest.describe_inline)
+pytestmark = pytest.mark.usefixtures("describe_inline")
 
 
 def fixture(case: str) -> Path:

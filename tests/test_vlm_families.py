@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from ckpttool.families import adapter_for
-from ckpttool.model.architecture import DESCRIBE_ENV, model_info
+from ckpttool.model.architecture import model_info
 from ckpttool.verify.image import ImageInput, image_input, with_token_types
 from conftest import assert_failed_cleanly, load_output, tree_digest
 
@@ -73,12 +73,8 @@ NAMES = sorted(FAMILIES)
 TOKENS = [[1, 5, 9, 17, 30, 2]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def describe_inline():
-    """transformers is imported here anyway: configs are described in this process, not one subprocess each."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(DESCRIBE_ENV, "inline")
-        yield
+#: transformers is imported here anyway: configs are described in this process (conftest.describe_inline)
+pytestmark = pytest.mark.usefixtures("describe_inline")
 
 
 def _build(name: str) -> torch.nn.Module:
