@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ckpttool.model.architecture import ModelInfo, read_config
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.config_file import read_config
 from ckpttool.execute.distributed import Group, share_out
 from ckpttool.io.dtypes import cast_dtype, dtype_name, prevailing_float
 from ckpttool.plan.plan import Plan
