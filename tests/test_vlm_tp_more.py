@@ -99,3 +99,29 @@ def test_a_falcon_h1_without_its_mamba_mixers_is_one_root_cause(tmp_path, cli):
         "layers 0-1")]
     assert tree_digest(src) == before
 
+
+
+# ------------------------------------------------------------------------------------------------
+# Qwen3-VL (dense and MoE): split --to dcp --tp 2, the vision side whole, the language model as a Llama's
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ("qwen3_vl_fsdp2_dcp", "qwen3_vl_moe_fsdp2_dcp"))
+def test_qwen3_vl_splits_over_tp_with_its_vision_tower_whole_and_merges_back_bit_for_bit(name, tmp_path):
+    """No adapter serves Qwen3-VL; the default plan replicates the vision tower, its merger and deepstack mergers
+    (transformers' plans leave them out: its TP=2 save of Qwen3-VL holds them whole) and cuts the language model as
+    Qwen3-VL-MoE's text plan does (the routed experts replicated: ``ep`` shards them). Refused before (no placement
+    known for ``model.visual.*``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reference = fixture_dir(name) / "reference"
+    ckpttool.split(reference, tmp_path / "dcp", tp=2)
+    meta = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
+    chunks = {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks) for k, v in meta.items()}
+    visual = [k for k in chunks if k.startswith("model.visual.")]
+    assert "model.visual.deepstack_merger_list.1.linear_fc2.weight" in visual
+    assert all(len(chunks[k]) == 1 for k in visual)
+    assert chunks["model.language_model.layers.0.self_attn.q_proj.weight"] == [((0, 0), (16, 32)), ((16, 0), (16, 32))]
+    assert chunks["model.language_model.layers.0.self_attn.o_proj.weight"] == [((0, 0), (32, 16)), ((0, 16), (32, 16))]
+    if name == "qwen3_vl_moe_fsdp2_dcp":
+        assert chunks["model.language_model.layers.0.mlp.experts.gate_up_proj"] == [((0, 0, 0), (4, 16, 32))]  # [E, 2I, H]
+    ckpttool.merge(tmp_path / "dcp", tmp_path / "hf", config=reference)
+    assert_bit_exact(load_output(tmp_path / "hf"), load_output(reference))
