@@ -12,6 +12,7 @@ their cuts are those ``glm4v_hf_tp2``, ``llama4_hf_tp2`` and ``qwen3_next_hf_tp2
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import sys
@@ -125,3 +126,21 @@ def test_qwen3_vl_splits_over_tp_with_its_vision_tower_whole_and_merges_back_bit
         assert chunks["model.language_model.layers.0.mlp.experts.gate_up_proj"] == [((0, 0, 0), (4, 16, 32))]  # [E, 2I, H]
     ckpttool.merge(tmp_path / "dcp", tmp_path / "hf", config=reference)
     assert_bit_exact(load_output(tmp_path / "hf"), load_output(reference))
+
+
+# ------------------------------------------------------------------------------------------------
+# verify without PIL: what a user reads when the checkpoint's image processor cannot be built
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("PIL") is not None, reason="PIL installed: the processor is built")
+def test_verify_without_pil_says_how_to_get_the_checkpoints_own_image_processor():
+    """transformers' image processors need PIL to decode images; without it the pixels are laid out from the config
+    and the note names the missing library and the command that installs it (transformers' message spans two lines:
+    the command used to be cut off after "with pip:")."""
+    from ckpttool.verify.image import image_input
+
+    checkpoint = fixture_dir("qwen3_vl_fsdp2_dcp") / "checkpoint"
+    image = image_input(checkpoint, json.loads((checkpoint / "config.json").read_text()))
+    assert image.source == (
+        "a synthetic 16x16 image laid out from the config (no image processor: AutoImageProcessor requires the PIL "
+        "library but it was not found in your environment. You can install it with pip: `pip install pillow`), "
+        "4 image tokens")
