@@ -31,7 +31,10 @@ from ckpttool.plan.plan import Slice, TargetSpec
 MIXER = re.compile(r"^(?:mixer\.(?P<part>in_proj\.weight\.(?:z|x|B|C|dt)|conv1d\.(?:weight|bias)\.(?:x|B|C)"
                    r"|in_proj\.weight|in_proj\.layer_norm_weight|A_log|D|dt_bias|norm\.weight|out_proj\.weight)"
                    r"|(?P<norm>norm\.weight))$")
-_WHOLE = ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")
+#: the mixer tensors saved whole (one global tensor each, Megatron-Core's name = transformers')
+WHOLE = ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")
+#: the fused tensors megatron-core saves as parts, each part's name in transformers' order of rows
+FUSED = {"in_proj.weight": ("z", "x", "B", "C", "dt"), "conv1d.weight": ("x", "B", "C"), "conv1d.bias": ("x", "B", "C")}
 
 
 def sizes(config: Mapping[str, object]) -> tuple[int, int, int]:
@@ -60,27 +63,39 @@ def cut(fqn: str, part: str | None, target: str, shape: Shape, config: Mapping[s
     Raises:
         ConfigError: a fused ``in_proj.weight`` (legacy format), or a shape the config contradicts.
     """
-    inner, gn, heads = sizes(config)
+    inner, _, heads = sizes(config)
     if part is None or part == "in_proj.layer_norm_weight":
         return target + "norm.weight", 0, shape[0] if shape else 0
     if part == "in_proj.weight":
         raise ConfigError(f"'{fqn}': a fused Mamba in_proj (rows [z, x, B, C, dt] of one TP rank's heads, as "
                           "--ckpt-format torch saves it) is not cut; save the checkpoint with --ckpt-format torch_dist, "
                           "whose in_proj.weight.{z,x,B,C,dt} are global")
-    if part in _WHOLE:
+    if part in WHOLE:
         expected = {"A_log": heads, "D": heads, "dt_bias": heads, "norm.weight": inner,
                     "out_proj.weight": config_value(config, "hidden_size")}[part]
         _check(fqn, shape, expected, part)
         return target + "mixer." + part, 0, expected
     tensor, section = part.rsplit(".", 1)
-    if tensor == "in_proj.weight":
-        starts = {"z": 0, "x": inner, "B": 2 * inner, "C": 2 * inner + gn, "dt": 2 * inner + 2 * gn}
-        rows = {"z": inner, "x": inner, "B": gn, "C": gn, "dt": heads}
-        total = 2 * inner + 2 * gn + heads
-    else:
-        starts, rows, total = {"x": 0, "B": inner, "C": inner + gn}, {"x": inner, "B": gn, "C": gn}, inner + 2 * gn
-    _check(fqn, shape, rows[section], part)
-    return target + "mixer." + tensor, starts[section], total
+    rows, total = fused_rows(tensor, config)
+    first, count = rows[section]
+    _check(fqn, shape, count, part)
+    return target + "mixer." + tensor, first, total
+
+def fused_rows(tensor: str, config: Mapping[str, object]) -> tuple[dict[str, tuple[int, int]], int]:
+    """The rows of every part of fused mixer tensor ``tensor`` (a key of :data:`FUSED`) in transformers' tensor:
+    ``({part: (first row, rows)}, rows in all)``; the one table both directions read (merge: :func:`cut`; split:
+    :mod:`.megatron_back_hybrid`).
+
+    Raises:
+        ConfigError: as :func:`sizes`.
+    """
+    inner, gn, heads = sizes(config)
+    counts = {"z": inner, "x": inner, "B": gn, "C": gn, "dt": heads}
+    rows, first = {}, 0
+    for part in FUSED[tensor]:
+        rows[part] = (first, counts[part])
+        first += counts[part]
+    return rows, first
 
 
 def _check(fqn: str, shape: Shape, rows: int, part: str) -> None:
