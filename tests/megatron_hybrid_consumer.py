@@ -25,11 +25,10 @@ from megatron_load import load_strictly, poison  # noqa: E402
 
 def _einops_stand_in() -> None:
     """``einops.rearrange`` for the patterns ``MambaMixer._ssm_training`` uses, when einops is not installed."""
-    try:
-        import einops  # noqa: F401
+    import importlib.util
+
+    if importlib.util.find_spec("einops") is not None:
         return
-    except ImportError:
-        pass
     moves = {"l b d -> b l d": lambda t: t.transpose(0, 1), "b l d -> l b d": lambda t: t.transpose(0, 1),
              "d 1 w -> d w": lambda t: t.squeeze(1)}
 

@@ -163,3 +163,50 @@ def test_megatron_core_loads_the_split_strictly_and_computes_what_transformers_c
     # Megatron's scan (the producer's stand-in, TP 2 sums) against transformers' torch path, fp32 on CPU
     torch.testing.assert_close(got["logits"][..., :VOCAB], want, rtol=0, atol=1e-4)
     assert torch.equal(got["tokens"], load_file(FIXTURE / "logits.safetensors")["tokens"])
+
+
+# ------------------------------------------------------------------------------------------------
+# the audit's root causes on a damaged Megatron-Core hybrid (the fixture's tensors re-saved as a plain DCP)
+# ------------------------------------------------------------------------------------------------
+
+
+def audited(cli, tmp_path: Path, edit) -> dict:
+    """``audit --json`` of the fixture's tensors after ``edit(state)``: exit 3 (errors found), the source unchanged."""
+    from test_megatron_hybrid import megatron_as_dcp
+
+    src = megatron_as_dcp(tmp_path, edit)
+    before = tree_digest(src)
+    result = cli("audit", src, "--json")
+    assert result.exit_code == 3, result.output
+    assert tree_digest(src) == before
+    return json.loads(result.stdout)
+
+
+def causes(report: dict) -> list[str]:
+    """The error root causes, each in words (the findings gathered under them)."""
+    return [c["cause"] for c in report["causes"] if c["severity"] == "error"]
+
+
+def test_a_dropped_mamba_layer_is_one_root_cause(cli, tmp_path):
+    def drop(state):
+        for name in [n for n in state if n.startswith("decoder.layers.2.mixer.")]:
+            del state[name]
+
+    found = causes(audited(cli, tmp_path, drop))
+    assert ("the Mamba-2 mixer 'backbone.layers.{L}.mixer' is missing (config hybrid_override_pattern: "
+            "'linear_attention'): 8 tensors in layer 2") in found, found
+    assert len(found) == 1, found
+
+
+def test_a_half_tp_cut_in_proj_is_named_as_one_ranks_piece(cli, tmp_path):
+    """Every ``in_proj`` part of layer 2 holds one TP rank's rows (of 2) as if they were the whole."""
+    def half(state):
+        for part in ("z", "x", "B", "C", "dt"):
+            name = f"decoder.layers.2.mixer.in_proj.weight.{part}"
+            state[name] = state[name][: state[name].shape[0] // 2].clone()
+
+    found = causes(audited(cli, tmp_path, half))
+    assert ("'decoder.layers.2.mixer.in_proj.weight.B': 8 rows, expected 16 for the Mamba-2 mixer's "
+            "'in_proj.weight.B' from the config (mamba_num_heads, mamba_head_dim, n_groups, ssm_state_size); 8 rows "
+            "is one of 2 TP pieces: was one tensor-parallel rank's part saved as the whole?") in found, found
+    assert sum("is one of 2 TP pieces" in m for m in found) == 5, found

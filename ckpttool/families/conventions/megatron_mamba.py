@@ -100,8 +100,13 @@ def fused_rows(tensor: str, config: Mapping[str, object]) -> tuple[dict[str, tup
 
 def _check(fqn: str, shape: Shape, rows: int, part: str) -> None:
     if not shape or shape[0] != rows:
+        found = shape[0] if shape else 0
+        # a whole fraction of the rows: one TP rank's heads and groups saved as the global part (the padded-vocab
+        # incident's kind), the cause to name
+        cut = (f"; {found} rows is one of {rows // found} TP pieces: was one tensor-parallel rank's part saved as "
+               "the whole?") if found and rows % found == 0 and rows // found > 1 else ""
         raise ConfigError(f"'{fqn}': {shape[0] if shape else 'no'} rows, expected {rows} for the Mamba-2 mixer's "
-                          f"'{part}' from the config (mamba_num_heads, mamba_head_dim, n_groups, ssm_state_size)")
+                          f"'{part}' from the config (mamba_num_heads, mamba_head_dim, n_groups, ssm_state_size){cut}")
 
 
 def spec(name: str, pieces: list[tuple[str, int, Shape]], total: int) -> TargetSpec:
