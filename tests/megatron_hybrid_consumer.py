@@ -1,5 +1,6 @@
 """The real consumer of a Nemotron-H ``split --to megatron``: megatron-core 0.16.1 builds the hybrid ``MambaModel`` as
-its producer (``fixtures/make_megatron_hybrid.py``) does, at TP=2 x PP=2 on 4 ranks, loads the split with
+its producer (``fixtures/make_megatron_hybrid.py``) does for CASE (``nemotron_h_tp2_pp2``: TP=2 x PP=2;
+``nemotron_h_moe_tp2_ep2``: MoE layers, TP=2 x EP=2, expert TP 1; 4 ranks each), loads the split with
 ``dist_checkpointing.load`` (``strict="raise_all"``: every key asked for is in the checkpoint and nothing else),
 runs its forward (stage 0 sends its hidden states to stage 1 by hand) and the last stage's TP rank 0 writes the
 logits, gathered over tensor parallel, for the test to compare with transformers'.
@@ -8,7 +9,7 @@ The producer's ``mamba_ssm`` stand-in computes the scan; the Megatron venv of th
 Python, which ``MambaMixer`` imports): a stand-in of the three ``rearrange`` patterns a training forward uses is
 put in its place, and any other pattern fails loudly.
 
-    torchrun --nproc_per_node 4 tests/megatron_hybrid_consumer.py CHECKPOINT_DIR LOGITS_OUT
+    torchrun --nproc_per_node 4 tests/megatron_hybrid_consumer.py CASE CHECKPOINT_DIR LOGITS_OUT
 """
 
 from __future__ import annotations
@@ -45,17 +46,18 @@ def _einops_stand_in() -> None:
     sys.modules["einops"] = module
 
 
-def main(checkpoint: str, out: str) -> None:
+def main(case: str, checkpoint: str, out: str) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     _einops_stand_in()
-    producer._init(producer.TP, producer.PP)
+    producer._use(case)
+    producer._init(producer.TP, producer.PP, producer.EP)
     from megatron.core import parallel_state as ps
 
     rows = producer.base.padded_vocab(producer.VOCAB, producer.DIVISIBLE_BY, producer.TP)
-    model = producer._build(producer.TP, producer.PP, rows)
+    model = producer._build(producer.TP, producer.PP, rows, producer.EP)
     poison([model])
     load_strictly({"model": model}, checkpoint, {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
     ids = torch.tensor(producer.tokens(), dtype=torch.long)
@@ -72,11 +74,11 @@ def main(checkpoint: str, out: str) -> None:
         else:
             parts = [torch.empty_like(result) for _ in range(producer.TP)]
             dist.all_gather(parts, result.contiguous(), group=ps.get_tensor_model_parallel_group())
-            if ps.get_tensor_model_parallel_rank() == 0:
+            if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
                 save_file({"tokens": ids, "logits": torch.cat(parts, dim=-1).float().contiguous()}, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -1,13 +1,19 @@
-"""Nemotron-H and Megatron-Core, beyond the merge (issue 30): ``split --to megatron`` of the hybrid ``MambaModel``
-and the audit's root causes on a damaged one.
+"""Nemotron-H and Megatron-Core, beyond the dense merge (issue 30): Nemotron-H with MoE layers from megatron-core's
+hybrid ``MambaModel``, ``split --to megatron`` of both, and the audit's root causes on a damaged one.
 
-The producer is the judge: splitting the fixture's HF reference (``megatron_nemotron_h_tp2_pp2``,
-``fixtures/make_megatron_hybrid.py``, pattern ``M*M-``) at the layout megatron-core 0.16.1 saved it at (TP=2 x PP=2)
+Fixtures (``fixtures/make_megatron_hybrid.py``, megatron-core 0.16.1 on CPU): ``megatron_nemotron_h_tp2_pp2``
+(pattern ``M*M-``, TP=2 x PP=2) and ``megatron_nemotron_h_moe_tp2_ep2`` (pattern ``ME*E``: 4 routed experts top-2,
+sigmoid router with an FP32 expert bias, scaling 2.5, one shared expert, squared-ReLU experts; TP=2 x EP=2, expert
+TP 1). The MoE one merges bit for bit into transformers' ``NemotronHForCausalLM`` names
+(``mixer.gate.{weight,e_score_correction_bias}``, ``mixer.experts.{e}.{up,down}_proj``, ``mixer.shared_experts.*``),
+loads strictly and gives Megatron's logits.
+
+The producer is the judge of the split: splitting a fixture's HF reference at the layout megatron-core saved it at
 gives megatron-core's own checkpoint: the same global tensors bit for bit (the Mamba-2 mixer's
-``in_proj.weight.{z,x,B,C,dt}`` and ``conv1d.{weight,bias}.{x,B,C}`` parts cut by the merge's own table), the same
-keys (``_extra_state`` included), the same chunks, each on a rank of the same pipeline stage. Merging the split back
-gives the reference. megatron-core itself loads the split strictly and its forward gives transformers' logits
-(marked slow; skipped without ``/work/venv-megatron``).
+``in_proj.weight.{z,x,B,C,dt}`` and ``conv1d.{weight,bias}.{x,B,C}`` parts cut by the merge's own table, the experts
+stacked), the same keys (``_extra_state`` included), the same chunks, each on a rank of the same pipeline stage.
+Merging the split back gives the reference. megatron-core itself loads the split strictly and its forward gives
+transformers' logits (marked slow; skipped without ``/work/venv-megatron``).
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import ckpttool
 MEGATRON_VENV = Path(os.environ.get("CKPTTOOL_MEGATRON_VENV", "/work/venv-megatron"))
 CONSUMER = Path(__file__).with_name("megatron_hybrid_consumer.py")
 FIXTURE = FIXTURES / "megatron_nemotron_h_tp2_pp2"
-#: the layout megatron-core saved the fixture at
-LAYOUT = dict(tp=2, pp=2, make_vocab_size_divisible_by=64)
+MOE = FIXTURES / "megatron_nemotron_h_moe_tp2_ep2"
+#: case -> the split options of the layout megatron-core saved it at
+LAYOUTS = {"nemotron_h_tp2_pp2": dict(tp=2, pp=2, make_vocab_size_divisible_by=64),
+           "nemotron_h_moe_tp2_ep2": dict(tp=2, ep=2, etp=1, make_vocab_size_divisible_by=64)}
 VOCAB = 251
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -38,16 +46,100 @@ VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 pytestmark = pytest.mark.usefixtures("describe_inline")
 
 
+def fixture(case: str) -> Path:
+    return FIXTURES / f"megatron_{case}"
+
+
 @pytest.fixture(scope="module")
-def split(tmp_path_factory) -> Path:
-    """The reference split once at the fixture's own layout; the source is not modified."""
-    out = tmp_path_factory.mktemp("nemotron_h_split") / "out"
-    before = tree_digest(FIXTURE / "reference")
-    result = ckpttool.split(FIXTURE / "reference", out, to="megatron", iteration=10, config=FIXTURE / "config.json",
-                            **LAYOUT)
-    assert "nemotron_h" in result.adapter
-    assert tree_digest(FIXTURE / "reference") == before
+def splits(tmp_path_factory):
+    """Each fixture's reference split once at its own layout; the source is not modified."""
+    done: dict[str, Path] = {}
+
+    def get(case: str) -> Path:
+        if case not in done:
+            done[case] = tmp_path_factory.mktemp(case) / "out"
+            before = tree_digest(fixture(case) / "reference")
+            result = ckpttool.split(fixture(case) / "reference", done[case], to="megatron", iteration=10,
+                                    config=fixture(case) / "config.json", **LAYOUTS[case])
+            assert "nemotron_h" in result.adapter
+            assert tree_digest(fixture(case) / "reference") == before
+        return done[case]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def split(splits) -> Path:
+    return splits("nemotron_h_tp2_pp2")
+
+
+# ------------------------------------------------------------------------------------------------
+# Nemotron-H MoE from megatron-core
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def merged_moe(tmp_path_factory) -> Path:
+    """The MoE fixture's torch_dist merged once through the CLI; the source is not modified."""
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    src, out = MOE / "torch_dist", tmp_path_factory.mktemp("nemotron_h_moe") / "out"
+    before = tree_digest(src)
+    result = CliRunner().invoke(main, ["merge", str(src), str(out), "--config", str(MOE / "config.json")])
+    assert result.exit_code == 0, result.output
+    assert "family:   nemotron_h (Megatron-Core convention)" in result.output
+    assert tree_digest(src) == before
     return out
+
+
+def test_the_moe_model_merges_to_megatrons_own_gathered_state_bit_for_bit(merged_moe):
+    got, want = load_output(merged_moe), load_output(MOE / "reference")
+    assert sorted(got) == sorted(want)
+    assert "backbone.layers.3.mixer.experts.3.up_proj.weight" in got
+    assert "backbone.layers.1.mixer.gate.e_score_correction_bias" in got
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    summary = json.loads((merged_moe / "ckpttool-audit.json").read_text())["summary"]
+    assert (summary["verdict"], summary["errors"], summary["warnings"]) == ("pass", 0, 0), summary
+
+
+def test_the_moe_merge_loads_strictly_and_computes_what_megatron_computed(merged_moe):
+    from transformers import NemotronHForCausalLM
+
+    megatron = load_file(MOE / "logits.safetensors")
+    model, info = NemotronHForCausalLM.from_pretrained(str(merged_moe), output_loading_info=True, dtype=torch.float32)
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        assert not info.get(key), (key, info[key])
+    with torch.no_grad():
+        logits = model.eval()(megatron["tokens"]).logits
+    torch.testing.assert_close(logits[0], megatron["logits"][0, :, :VOCAB], atol=1e-4, rtol=0)
+
+
+def test_the_moe_source_audits_clean(cli):
+    audit = cli("audit", MOE / "torch_dist", "--config", MOE / "config.json")
+    assert audit.exit_code == 0, audit.output
+    assert "audit: PASS, 0 errors, 0 warnings" in audit.output
+
+
+def test_a_moe_tensor_the_table_does_not_name_is_refused(cli, tmp_path):
+    """A gated shared expert (``shared_experts.gate_weight``): Nemotron-H has none; refused naming it, nothing written."""
+    from test_megatron_hybrid import megatron_as_dcp
+
+    def gated(state):
+        state["decoder.layers.3.mlp.shared_experts.gate_weight"] = torch.zeros(1, 32)
+
+    def moe(config):
+        config["hybrid_override_pattern"] = "M*ME"
+
+    src = megatron_as_dcp(tmp_path, gated, moe)
+    before = tree_digest(src)
+    result = cli("merge", src, tmp_path / "out")
+    assert_failed_cleanly(result, tmp_path / "out", "'decoder.layers.3.mlp.shared_experts.gate_weight': layer 3 is a "
+                          "MoE layer ('E' in the config's hybrid_override_pattern), whose Megatron-Core tensors are "
+                          "mlp.experts.experts.linear_fc1.weight, ", "; not 'mlp.shared_experts.gate_weight'")
+    assert tree_digest(src) == before
 
 
 def read_all(directory: Path):
@@ -71,12 +163,14 @@ def stages_of(metadata, per_stage: int) -> dict[tuple[str, tuple[int, ...] | Non
             if not index.fqn.startswith(("rng_state", *VOCAB_TENSORS))}
 
 
-def test_the_split_is_megatrons_own_checkpoint(split):
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_the_split_is_megatrons_own_checkpoint(case, splits):
     """Same tensors bit for bit (vocab padding aside: zeros here), same keys, chunks and pipeline stages."""
-    mine, mine_md = read_all(split / "iter_0000010")
-    real, real_md = read_all(FIXTURE / "torch_dist" / "iter_0000010")
+    mine, mine_md = read_all(splits(case) / "iter_0000010")
+    real, real_md = read_all(fixture(case) / "torch_dist" / "iter_0000010")
     assert sorted(mine) == sorted(real)
-    assert "decoder.layers.2.mixer.in_proj.weight.dt" in mine and "decoder.layers.0.mixer.conv1d.bias.C" in mine
+    assert "decoder.layers.2.mixer.in_proj.weight.dt" in mine or "decoder.layers.3.mlp.router.expert_bias" in mine
+    assert "decoder.layers.0.mixer.conv1d.bias.C" in mine
     for name, want in real.items():
         got = mine[name]
         assert (got.shape, got.dtype) == (want.shape, want.dtype), name
@@ -91,12 +185,14 @@ def test_the_split_is_megatrons_own_checkpoint(split):
         if hasattr(meta, "chunks"):
             chunks = lambda md: sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.state_dict_metadata[name].chunks)  # noqa: E731
             assert chunks(mine_md) == chunks(real_md), name
-    assert stages_of(mine_md, 2) == stages_of(real_md, 2)
+    per_stage = LAYOUTS[case]["tp"] * LAYOUTS[case].get("ep", 1)
+    assert stages_of(mine_md, per_stage) == stages_of(real_md, per_stage)
 
 
-def test_merging_the_split_gives_the_reference_bit_for_bit(split, tmp_path):
-    ckpttool.merge(split, tmp_path / "back", config=FIXTURE / "config.json")
-    got, want = load_output(tmp_path / "back"), load_output(FIXTURE / "reference")
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_merging_the_split_gives_the_reference_bit_for_bit(case, splits, tmp_path):
+    ckpttool.merge(splits(case), tmp_path / "back", config=fixture(case) / "config.json")
+    got, want = load_output(tmp_path / "back"), load_output(fixture(case) / "reference")
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
@@ -128,15 +224,29 @@ def test_a_tp_that_cuts_through_the_mamba_groups_is_refused(cli, tmp_path):
                           "megatron-core gives each rank whole heads and groups")
 
 
-def test_a_moe_layer_is_not_written_naming_it(cli, tmp_path):
-    """A pattern with ``E``: its layer has no Megatron-Core form here yet; nothing is written."""
+def test_common_pt_records_the_moe_routing(splits):
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        common = torch.load(splits("nemotron_h_moe_tp2_ep2") / "iter_0000010" / "common.pt", weights_only=True)
+    args = vars(common["args"])
+    assert {k: args[k] for k in ("hybrid_override_pattern", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                                 "moe_shared_expert_intermediate_size", "moe_router_score_function",
+                                 "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+                                 "expert_model_parallel_size", "expert_tensor_parallel_size")} == {
+        "hybrid_override_pattern": "ME*E", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
+        "moe_shared_expert_intermediate_size": 24, "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True, "moe_router_topk_scaling_factor": 2.5,
+        "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1}
+
+
+def test_a_latent_moe_is_not_written_naming_it(cli, tmp_path):
+    """``moe_latent_size`` (fc1/fc2 latent projections around the experts): megatron-core 0.16 has no such tensors."""
     from ckpttool.families.conventions import megatron_back_hybrid
 
-    config = json.loads((FIXTURE / "config.json").read_text())
-    disk = {"backbone.embeddings.weight": (251, 32)}
-    with pytest.raises(ckpttool.ConfigError, match=r"layer 3 is a MoE layer \('E' in the config's "
-                                                   r"hybrid_override_pattern\); ckpttool does not write"):
-        megatron_back_hybrid.megatron_shapes(disk, {**config, "hybrid_override_pattern": "M*ME"}, 256, False)
+    config = {**json.loads((MOE / "config.json").read_text()), "moe_latent_size": 8}
+    disk = {"backbone.embeddings.weight": (251, 32), "backbone.layers.0.norm.weight": (32,)}
+    with pytest.raises(ckpttool.ConfigError, match=r"'backbone.layers.1.mixer' projects its experts through "
+                                                   r"moe_latent_size 8"):
+        megatron_back_hybrid._moe(disk, "backbone.layers.1.", "decoder.layers.1.", config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,22 +257,23 @@ def test_a_moe_layer_is_not_written_naming_it(cli, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not (MEGATRON_VENV / "bin" / "python").is_file(),
                     reason=f"megatron-core venv not at {MEGATRON_VENV} (set CKPTTOOL_MEGATRON_VENV)")
-def test_megatron_core_loads_the_split_strictly_and_computes_what_transformers_computes(split, tmp_path):
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_megatron_core_loads_the_split_strictly_and_computes_what_transformers_computes(case, splits, tmp_path):
     from transformers import NemotronHForCausalLM
 
     out = tmp_path / "logits.safetensors"
     command = [str(MEGATRON_VENV / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=4", str(CONSUMER), str(split / "iter_0000010"), str(out)]
+               "--nproc_per_node=4", str(CONSUMER), case, str(splits(case) / "iter_0000010"), str(out)]
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     got = load_file(out)
-    model = NemotronHForCausalLM.from_pretrained(str(FIXTURE / "reference"), dtype=torch.float32).eval()
+    model = NemotronHForCausalLM.from_pretrained(str(fixture(case) / "reference"), dtype=torch.float32).eval()
     with torch.no_grad():
         want = model(got["tokens"]).logits
     # Megatron's scan (the producer's stand-in, TP 2 sums) against transformers' torch path, fp32 on CPU
     torch.testing.assert_close(got["logits"][..., :VOCAB], want, rtol=0, atol=1e-4)
-    assert torch.equal(got["tokens"], load_file(FIXTURE / "logits.safetensors")["tokens"])
+    assert torch.equal(got["tokens"], load_file(fixture(case) / "logits.safetensors")["tokens"])
 
 
 # ------------------------------------------------------------------------------------------------

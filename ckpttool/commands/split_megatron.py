@@ -163,8 +163,11 @@ def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh, stages
         per_rank[(stage * mesh.ep + ep_rank) * mesh.tp].append((key, object_archive(empty, key)))
 
     if model_type in megatron_back_hybrid.MODEL_TYPES:
-        for module, layer in megatron_back_hybrid.extra_state_modules(shapes):
-            put(f"{module}._extra_state/shard_0_1", mesh.pp - 1 if layer is None else stages[layer], 0)
+        for module, layer, experts in megatron_back_hybrid.extra_state_modules(shapes):
+            stage = mesh.pp - 1 if layer is None else stages[layer]
+            for e in range(experts) if experts else (None,):
+                where = "0_1" if e is None else f"{e}_{experts}"
+                put(f"{module}._extra_state/shard_{where}", stage, 0 if e is None else e // (experts // mesh.ep))
         return per_rank
     stacked = shapes.get("decoder.layers.self_attention.linear_qkv.weight")
     layers = stacked[0] if stacked else 0

@@ -396,11 +396,11 @@ def training_args(info: ModelInfo, shapes: Mapping[str, Shape], *, tp: int, pp: 
         args["expert_tensor_parallel_size"] = etp
     if per_layer:
         args.update(megatron_back_mla.training_args(config, shapes, qkv[0], mtp_layers))
-    if hybrid:
-        args.update(megatron_back_hybrid.training_args(config))
     if shared:
         args.update(moe_shared_expert_intermediate_size=shared[1] // 2,
                     moe_shared_expert_gate="decoder.layers.mlp.shared_experts.gate_weight" in shapes)
+    if hybrid:  # last: its experts and shared expert are not gated (their FFN is fc1's rows, not half of them)
+        args.update(megatron_back_hybrid.training_args(config))
     return args
 
 

@@ -11,16 +11,19 @@ number, ``decoder.layers.{i}.*``, as the kind the pattern gives it:
   and ``mixer.out_proj.weight``;
 - attention (``*``): ``input_layernorm``, ``self_attention.linear_qkv`` (per query group) and ``linear_proj``;
 - a squared-ReLU MLP (``-``): ``pre_mlp_layernorm``, ``mlp.linear_fc1`` (``up_proj``, not gated) and ``linear_fc2``;
+- a MoE layer (``E``): :data:`.megatron_mamba.MOE`'s tensors, the merge's table: ``pre_mlp_layernorm``, the router
+  and its expert bias, the experts stacked over a leading expert axis (``mlp.experts.experts.linear_fc1.weight`` is
+  ``(E, F, H)``, not gated) and the shared expert;
 
 then ``decoder.final_norm`` and ``output_layer``. Which HuggingFace element goes where is the merge's cut
 (:func:`ckpttool.families.nemotron_h.megatron_core_cut`) turned around by :func:`.megatron_back.megatron_tensors`.
 Tensor-parallel placements (:data:`TP_RULES`) are those megatron-core 0.16.1 saves with (read from
 ``fixtures/megatron_nemotron_h_tp2_pp2``): every Mamba part, ``A_log``, ``D``, ``dt_bias`` and the mixer's gated norm
 by rows (each rank its own heads and groups), ``out_proj`` by columns; ``linear_qkv`` and the MLP's ``linear_fc1``
-by rows, ``linear_proj`` and ``linear_fc2`` by columns; the layer norms whole. Every linear layer saves an
-``_extra_state`` (``shard_0_1``), the output layer too.
-
-MoE layers (``E``) are not written: their Megatron-Core cut is not made yet (refused, naming the layer).
+by rows, ``linear_proj`` and ``linear_fc2`` by columns; the layer norms, router and expert bias whole; the experts
+over ``ep`` by their axis and, with expert tensor parallelism (``--etp`` = tp), ``linear_fc1`` by rows and
+``linear_fc2`` by columns (``--etp 1``, as the producer trained: whole). Every linear layer saves an ``_extra_state``
+(``shard_0_1``; the experts' one per expert, ``shard_{e}_{E}``), the output layer too.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ EMBEDDING = "backbone.embeddings.weight"
 #: Megatron-Core tensor name (regex, searched) -> its tensor-parallel placement, per-layer names (no layer axis)
 TP_RULES: PlacementRules = (
     (r"^(embedding\.word_embeddings|output_layer)\.weight$", SHARD0),
+    (r"\.mlp\.experts\.experts\.linear_fc1\.weight$", Placement("shard", 1)),
+    (r"\.mlp\.experts\.experts\.linear_fc2\.weight$", Placement("shard", 2)),
+    (r"\.router\.(weight|expert_bias)$", REPLICATE),
     (r"\.mixer\.(in_proj\.weight\.\w+|conv1d\.(weight|bias)\.\w+|A_log|D|dt_bias|norm\.weight)$", SHARD0),
     (r"\.mixer\.out_proj\.weight$", Placement("shard", 1)),
     (r"\.(linear_qkv\.(weight|bias)|linear_fc1\.weight)$", SHARD0),
@@ -50,7 +56,8 @@ TP_RULES: PlacementRules = (
 )
 #: the linear layers (within a layer) whose ``_extra_state`` megatron-core saves (``shard_0_1``)
 EXTRA_STATE = ("mixer.in_proj", "mixer.out_proj", "self_attention.linear_qkv", "self_attention.linear_proj",
-               "mlp.linear_fc1", "mlp.linear_fc2")
+               "mlp.linear_fc1", "mlp.linear_fc2", "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2",
+               "mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 _MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+?)\.weight(?:\.\w+)?$")
 
 
@@ -66,10 +73,6 @@ def megatron_shapes(disk: Mapping[str, Shape], config: Mapping[str, object], voc
     if kinds is None:
         raise ConfigError("nemotron_h: the config gives no layer pattern (layers_block_type or "
                           "hybrid_override_pattern); Megatron-Core's MambaModel builds its layers from it")
-    if "moe" in kinds:
-        raise ConfigError(f"nemotron_h: layer {kinds.index('moe')} is a MoE layer ('E' in the config's "
-                          f"{hybrid.kind_key(config)}); ckpttool does not write Nemotron-H's MoE layers in the "
-                          "Megatron-Core form yet")
     shapes: dict[str, Shape] = {"embedding.word_embeddings.weight": (vocab_rows, disk[EMBEDDING][1])}
     for i, kind in enumerate(kinds):
         h, m = f"backbone.layers.{i}.", f"decoder.layers.{i}."
@@ -79,6 +82,8 @@ def megatron_shapes(disk: Mapping[str, Shape], config: Mapping[str, object], voc
                               f"{', '.join(repr(n) for n in missing) or 'Megatron-Core form'}")
         if kind == "linear_attention":
             shapes.update(_mamba(disk, h, m, config))
+        elif kind == "moe":
+            shapes.update(_moe(disk, h, m, config))
         elif kind == "full_attention":
             q, k = disk[h + "mixer.q_proj.weight"], disk[h + "mixer.k_proj.weight"]
             shapes[m + "input_layernorm.weight"] = disk[h + "norm.weight"]
@@ -102,7 +107,28 @@ _NEEDS = {
                          "mixer.dt_bias", "mixer.norm.weight", "mixer.out_proj.weight"),
     "full_attention": ("norm.weight", "mixer.q_proj.weight", "mixer.k_proj.weight", "mixer.o_proj.weight"),
     "mlp": ("norm.weight", "mixer.up_proj.weight", "mixer.down_proj.weight"),
+    "moe": ("norm.weight", "mixer.gate.weight", "mixer.experts.0.up_proj.weight", "mixer.experts.0.down_proj.weight"),
 }
+
+
+def _moe(disk: Mapping[str, Shape], h: str, m: str, config: Mapping[str, object]) -> dict[str, Shape]:
+    """One MoE layer's tensors, named by the merge's table (:data:`.megatron_mamba.MOE`), the experts stacked.
+
+    Raises:
+        ConfigError: a latent MoE (``moe_latent_size``: megatron-core 0.16's MoE layer has no latent projections).
+    """
+    if config.get("moe_latent_size") is not None:
+        raise ConfigError(f"nemotron_h: '{h}mixer' projects its experts through moe_latent_size "
+                          f"{config['moe_latent_size']} (fc1_latent_proj, fc2_latent_proj), which megatron-core "
+                          "0.16's MoE layer does not hold")
+    experts = disk[h + "mixer.gate.weight"][0]
+    out: dict[str, Shape] = {}
+    for meg, hf in megatron_mamba.MOE.items():
+        if "{e}" in hf:
+            out[m + meg] = (experts, *disk[h + hf.format(e=0)])
+        elif h + hf in disk:  # the expert bias and the shared expert: only where the model has them
+            out[m + meg] = disk[h + hf]
+    return out
 
 
 def _mamba(disk: Mapping[str, Shape], h: str, m: str, config: Mapping[str, object]) -> dict[str, Shape]:
@@ -120,18 +146,19 @@ def _mamba(disk: Mapping[str, Shape], h: str, m: str, config: Mapping[str, objec
     return out
 
 
-def extra_state_modules(shapes: Mapping[str, Shape]) -> list[tuple[str, int | None]]:
-    """Every module whose ``_extra_state`` megatron-core saves (``shard_0_1``), with its layer (None: the output
-    layer, on the last stage)."""
-    out: list[tuple[str, int | None]] = []
-    for name in shapes:
+def extra_state_modules(shapes: Mapping[str, Shape]) -> list[tuple[str, int | None, int]]:
+    """Every module whose ``_extra_state`` megatron-core saves, with its layer (None: the output layer, on the last
+    stage) and its experts (0: one ``shard_0_1``; ``E``: one ``shard_{e}_{E}`` per expert, on the expert's EP rank)."""
+    out: list[tuple[str, int | None, int]] = []
+    for name, shape in shapes.items():
         match = _MODULE.match(name)
         if match is not None and match[2] in EXTRA_STATE:
-            module = name[:match.end(2)]
-            if (module, int(match[1])) not in out:
-                out.append((module, int(match[1])))
+            experts = shape[0] if match[2].startswith("mlp.experts.") else 0
+            entry = (name[:match.end(2)], int(match[1]), experts)
+            if entry not in out:
+                out.append(entry)
     if "output_layer.weight" in shapes:
-        out.append(("output_layer", None))
+        out.append(("output_layer", None, 0))
     return out
 
 
@@ -158,7 +185,13 @@ def stacked_view(shapes: Mapping[str, Shape], config: Mapping[str, object]) -> d
     groups = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or 0)
     hidden = shapes["embedding.word_embeddings.weight"][1]
-    return {"decoder.layers.self_attention.linear_qkv.weight": (layers, (heads + 2 * groups) * head_dim, hidden)}
+    view: dict[str, Shape] = {"decoder.layers.self_attention.linear_qkv.weight": (layers, (heads + 2 * groups) * head_dim,
+                                                                                  hidden)}
+    for name, shape in shapes.items():  # the first MoE layer's experts and shared expert
+        for part in ("mlp.experts.experts.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+            if name.endswith("." + part):
+                view.setdefault("decoder.layers." + part, (layers, *shape))
+    return view
 
 
 def training_args(config: Mapping[str, object]) -> dict[str, object]:
@@ -174,4 +207,20 @@ def training_args(config: Mapping[str, object]) -> dict[str, object]:
         "position_embedding_type": "none", "swiglu": False, "squared_relu": True,
         "ffn_hidden_size": config.get("intermediate_size"), "kv_channels": config.get("head_dim"),
         "norm_epsilon": config.get("layer_norm_epsilon"),
+        **(_moe_args(config) if "moe" in (hybrid.layer_kinds(config) or ()) else {}),
     }
+
+
+def _moe_args(config: Mapping[str, object]) -> dict[str, object]:
+    """Nemotron-H's router and experts in Megatron-LM's words: sigmoid scores, the expert bias for the choice, the
+    top-k weights normalised and scaled, group-limited when ``n_group`` > 1, squared-ReLU experts and shared expert."""
+    groups = config.get("n_group")
+    return {"num_experts": config.get("n_routed_experts"), "moe_router_topk": config.get("num_experts_per_tok"),
+            "moe_ffn_hidden_size": config.get("moe_intermediate_size"),
+            "moe_shared_expert_intermediate_size": config.get("moe_shared_expert_intermediate_size"),
+            "moe_shared_expert_gate": False, "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True, "moe_router_topk_scaling_factor": config.get("routed_scaling_factor"),
+            "moe_router_pre_softmax": False,
+            "moe_router_num_groups": groups if isinstance(groups, int) and groups > 1 else None,
+            "moe_router_group_topk": config.get("topk_group") if isinstance(groups, int) and groups > 1 else None,
+            "moe_grouped_gemm": False}

@@ -115,3 +115,36 @@ def spec(name: str, pieces: list[tuple[str, int, Shape]], total: int) -> TargetS
     slices = tuple(Slice(src, Box.whole(shape), Box((first, *(0 for _ in rest)), shape))
                    for src, first, shape in pieces)
     return TargetSpec(name, (total, *rest), slices)
+
+
+#: a MoE layer (``E``) of a hybrid ``MambaModel``, after ``decoder.layers.{L}.`` -> Nemotron-H's names after
+#: ``backbone.layers.{L}.``; ``{e}``: one tensor per routed expert of the stacked tensor's leading axis (SequentialMLP
+#: in ``torch_dist``: ``(E, F, H)`` and ``(E, H, F)``). Squared-ReLU experts are not gated: ``linear_fc1`` is
+#: ``up_proj`` whole. The one table both directions read.
+MOE = {
+    "pre_mlp_layernorm.weight": "norm.weight",
+    "mlp.router.weight": "mixer.gate.weight",
+    "mlp.router.expert_bias": "mixer.gate.e_score_correction_bias",
+    "mlp.experts.experts.linear_fc1.weight": "mixer.experts.{e}.up_proj.weight",
+    "mlp.experts.experts.linear_fc2.weight": "mixer.experts.{e}.down_proj.weight",
+    "mlp.shared_experts.linear_fc1.weight": "mixer.shared_experts.up_proj.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mixer.shared_experts.down_proj.weight",
+}
+
+
+def moe_specs(fqn: str, suffix: str, target: str, shape: Shape) -> list[TargetSpec]:
+    """The HF tensors of MoE layer tensor ``fqn`` (``suffix`` after its layer, ``target`` the HF layer prefix):
+    one whole, or one per expert (a box of the leading axis each).
+
+    Raises:
+        ConfigError: a tensor :data:`MOE` does not name.
+    """
+    name = MOE.get(suffix)
+    if name is None:
+        raise ConfigError(f"'{fqn}': '{suffix}' is not a tensor of Nemotron-H's MoE layer ({', '.join(sorted(MOE))})")
+    if "{e}" not in name:
+        return [TargetSpec(target + name, tuple(shape), (Slice(fqn, Box.whole(tuple(shape)), Box.whole(tuple(shape))),))]
+    inner = tuple(shape[1:])
+    return [TargetSpec(target + name.format(e=e), inner,
+                       (Slice(fqn, Box((e, *(0 for _ in inner)), (1, *inner)), Box.whole(inner)),))
+            for e in range(shape[0])]
