@@ -321,3 +321,14 @@ def test_a_half_tp_cut_in_proj_is_named_as_one_ranks_piece(cli, tmp_path):
             "'in_proj.weight.B' from the config (mamba_num_heads, mamba_head_dim, n_groups, ssm_state_size); 8 rows "
             "is one of 2 TP pieces: was one tensor-parallel rank's part saved as the whole?") in found, found
     assert sum("is one of 2 TP pieces" in m for m in found) == 5, found
+
+
+def test_a_model_whose_embedding_is_not_model_embed_tokens_is_refused_with_one_line(cli, tmp_path):
+    """Gemma 3's VLM (``model.language_model.embed_tokens``): no Megatron-Core form, said as such, not a KeyError."""
+    out, src = tmp_path / "out", FIXTURES / "gemma3_vl_fsdp2_dcp" / "checkpoint"
+    before = tree_digest(src)
+    result = cli("split", src, out, "--to", "megatron", "--tp", "2")
+    assert_failed_cleanly(result, out, "model_type 'gemma3': ckpttool knows no Megatron-Core form for it; split --to "
+                          "megatron writes llama, mistral, qwen2, mixtral, qwen2_moe, gpt_oss, deepseek_v3, nemotron_h")
+    assert "internal error" not in result.output
+    assert tree_digest(src) == before
