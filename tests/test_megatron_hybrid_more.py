@@ -19,6 +19,7 @@ transformers' logits (marked slow; skipped without ``/work/venv-megatron``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -28,7 +29,8 @@ import pytest
 import torch
 from conftest import FIXTURES, assert_failed_cleanly, load_output, tree_digest
 from safetensors.torch import load_file
-from torch.distributed.checkpoint import FileSystemReader
+from test_megatron_hybrid import logits_of, megatron_as_dcp
+from test_split_megatron_dsv3 import read_all
 
 import ckpttool
 
@@ -52,20 +54,19 @@ def fixture(case: str) -> Path:
 
 @pytest.fixture(scope="module")
 def splits(tmp_path_factory):
-    """Each fixture's reference split once at its own layout; the source is not modified."""
-    done: dict[str, Path] = {}
+    """Each fixture's reference split once (on first use) at its own layout; the source is not modified."""
+    root = tmp_path_factory.mktemp("splits")
 
-    def get(case: str) -> Path:
-        if case not in done:
-            done[case] = tmp_path_factory.mktemp(case) / "out"
-            before = tree_digest(fixture(case) / "reference")
-            result = ckpttool.split(fixture(case) / "reference", done[case], to="megatron", iteration=10,
-                                    config=fixture(case) / "config.json", **LAYOUTS[case])
-            assert "nemotron_h" in result.adapter
-            assert tree_digest(fixture(case) / "reference") == before
-        return done[case]
+    @functools.cache
+    def split_once(case: str) -> Path:
+        reference, out = fixture(case) / "reference", root / case
+        before = tree_digest(reference)
+        result = ckpttool.split(reference, out, to="megatron", iteration=10, config=fixture(case) / "config.json",
+                                **LAYOUTS[case])
+        assert "nemotron_h" in result.adapter and tree_digest(reference) == before
+        return out
 
-    return get
+    return split_once
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +81,11 @@ def split(splits) -> Path:
 
 @pytest.fixture(scope="module")
 def merged_moe(tmp_path_factory) -> Path:
-    """The MoE fixture's torch_dist merged once through the CLI; the source is not modified."""
-    from click.testing import CliRunner
-
-    from ckpttool.cli import main
-
-    src, out = MOE / "torch_dist", tmp_path_factory.mktemp("nemotron_h_moe") / "out"
-    before = tree_digest(src)
-    result = CliRunner().invoke(main, ["merge", str(src), str(out), "--config", str(MOE / "config.json")])
-    assert result.exit_code == 0, result.output
-    assert "family:   nemotron_h (Megatron-Core convention)" in result.output
-    assert tree_digest(src) == before
+    """The MoE fixture's torch_dist merged once (the Python API); the source is not modified."""
+    out = tmp_path_factory.mktemp("nemotron_h_moe") / "out"
+    before = tree_digest(MOE / "torch_dist")
+    result = ckpttool.merge(MOE / "torch_dist", out, config=MOE / "config.json")
+    assert result.adapter == "nemotron_h (Megatron-Core convention)" and tree_digest(MOE / "torch_dist") == before
     return out
 
 
@@ -106,14 +101,8 @@ def test_the_moe_model_merges_to_megatrons_own_gathered_state_bit_for_bit(merged
 
 
 def test_the_moe_merge_loads_strictly_and_computes_what_megatron_computed(merged_moe):
-    from transformers import NemotronHForCausalLM
-
     megatron = load_file(MOE / "logits.safetensors")
-    model, info = NemotronHForCausalLM.from_pretrained(str(merged_moe), output_loading_info=True, dtype=torch.float32)
-    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        assert not info.get(key), (key, info[key])
-    with torch.no_grad():
-        logits = model.eval()(megatron["tokens"]).logits
+    logits = logits_of(merged_moe, megatron["tokens"].tolist())
     torch.testing.assert_close(logits[0], megatron["logits"][0, :, :VOCAB], atol=1e-4, rtol=0)
 
 
@@ -125,8 +114,6 @@ def test_the_moe_source_audits_clean(cli):
 
 def test_a_moe_tensor_the_table_does_not_name_is_refused(cli, tmp_path):
     """A gated shared expert (``shared_experts.gate_weight``): Nemotron-H has none; refused naming it, nothing written."""
-    from test_megatron_hybrid import megatron_as_dcp
-
     def gated(state):
         state["decoder.layers.3.mlp.shared_experts.gate_weight"] = torch.zeros(1, 32)
 
@@ -140,17 +127,6 @@ def test_a_moe_tensor_the_table_does_not_name_is_refused(cli, tmp_path):
                           "MoE layer ('E' in the config's hybrid_override_pattern), whose Megatron-Core tensors are "
                           "mlp.experts.experts.linear_fc1.weight, ", "; not 'mlp.shared_experts.gate_weight'")
     assert tree_digest(src) == before
-
-
-def read_all(directory: Path):
-    """Every tensor of a DCP directory, whole, and its metadata (torch's own reader, no process group)."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = FileSystemReader(directory).read_metadata()
-    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-             for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
-    dcp.load(state, storage_reader=FileSystemReader(directory), no_dist=True)
-    return state, metadata
 
 
 def stages_of(metadata, per_stage: int) -> dict[tuple[str, tuple[int, ...] | None], int]:
@@ -283,8 +259,6 @@ def test_megatron_core_loads_the_split_strictly_and_computes_what_transformers_c
 
 def audited(cli, tmp_path: Path, edit) -> dict:
     """``audit --json`` of the fixture's tensors after ``edit(state)``: exit 3 (errors found), the source unchanged."""
-    from test_megatron_hybrid import megatron_as_dcp
-
     src = megatron_as_dcp(tmp_path, edit)
     before = tree_digest(src)
     result = cli("audit", src, "--json")
