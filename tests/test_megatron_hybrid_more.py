@@ -200,6 +200,15 @@ def test_a_tp_that_cuts_through_the_mamba_groups_is_refused(cli, tmp_path):
                           "megatron-core gives each rank whole heads and groups")
 
 
+def test_virtual_pipeline_stages_are_refused(cli, tmp_path):
+    """megatron-core's MambaStack asserts it has none: such a checkpoint would not load."""
+    out = tmp_path / "out"
+    result = cli("split", FIXTURE / "reference", out, "--to", "megatron", "--pp", "2", "--vpp", "2", "--config",
+                 FIXTURE / "config.json")
+    assert_failed_cleanly(result, out, "vpp=2: megatron-core's MambaStack (the hybrid model) has no virtual pipeline "
+                          "stages")
+
+
 def test_common_pt_records_the_moe_routing(splits):
     with torch.serialization.safe_globals([argparse.Namespace]):
         common = torch.load(splits("nemotron_h_moe_tp2_ep2") / "iter_0000010" / "common.pt", weights_only=True)

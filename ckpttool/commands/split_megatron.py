@@ -300,7 +300,7 @@ def _check_sizes(config, shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh,
         problems.append(f"ep={mesh.ep} does not divide the {experts} experts; choose an ep that divides {experts}")
     problems += _per_layer_cuts(shapes, mesh, model_type)
     if model_type in megatron_back_hybrid.MODEL_TYPES:
-        problems += megatron_back_hybrid.mesh_problems(config, mesh.tp)
+        problems += megatron_back_hybrid.mesh_problems(config, mesh.tp, mesh.vpp)
     stages = stage_problem(layers, mesh)
     if stages is not None:
         problems.append(stages)

@@ -162,14 +162,16 @@ def extra_state_modules(shapes: Mapping[str, Shape]) -> list[tuple[str, int | No
     return out
 
 
-def mesh_problems(config: Mapping[str, object], tp: int) -> list[str]:
-    """What in the Mamba-2 mixers ``tp`` does not split as megatron-core does (each rank whole heads and whole
-    groups), one line each."""
+def mesh_problems(config: Mapping[str, object], tp: int, vpp: int = 1) -> list[str]:
+    """What of the mesh megatron-core's ``MambaModel`` does not build, one line each: virtual pipeline stages
+    (``MambaStack`` asserts there are none), a ``tp`` that cuts through the Mamba-2 mixers' heads or groups."""
+    problems = []
+    if vpp > 1:
+        problems.append(f"vpp={vpp}: megatron-core's MambaStack (the hybrid model) has no virtual pipeline stages")
     if not any(kind == "linear_attention" for kind in hybrid.layer_kinds(config) or ()):
-        return []
+        return problems
     heads = config.get("mamba_num_heads")
     groups = config.get("n_groups", config.get("mamba_n_groups"))
-    problems = []
     for value, key in ((heads, "mamba_num_heads"), (groups, "n_groups")):
         if isinstance(value, int) and value % tp:
             problems.append(f"tp={tp} does not divide the Mamba-2 mixer's {value} {key}: megatron-core gives each "
