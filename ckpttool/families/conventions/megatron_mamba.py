@@ -15,6 +15,10 @@ The layer's pre-norm is ``norm.weight`` on the local spec and Transformer Engine
 
 A fused ``mixer.in_proj.weight`` (``--ckpt-format torch``, one file per TP rank) interleaves the parts per rank;
 it is refused, not cut.
+
+The rows of every part (:func:`fused_rows`) and a MoE layer's names (:data:`MOE`) are tables both directions read:
+the merge (:func:`ckpttool.families.nemotron_h.megatron_core_cut`) and ``split --to megatron``
+(:mod:`.megatron_back_hybrid`).
 """
 
 from __future__ import annotations
