@@ -32,7 +32,7 @@ from ckpttool.plan.plan import Slice
 from ckpttool.plan.transforms import Chain, Permute, Transform, Transpose
 from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import REPLICATE, SHARD0, PlacementRules, placement_of
-from ckpttool.families.conventions import megatron_back_mla, megatron_core
+from ckpttool.families.conventions import megatron_back_hybrid, megatron_back_mla, megatron_core
 from ckpttool.families.conventions import megatron_mla as mla
 from ckpttool.families.registry import adapter_for
 from ckpttool.families import mtp
@@ -48,7 +48,8 @@ EXPERT_TENSORS = ("decoder.layers.mlp.experts.experts.linear_fc1.weight",
 #: the end of a per-layer expert tensor's name (:func:`expert_axis`)
 _PER_LAYER_EXPERT = tuple(n.removeprefix("decoder.layers.") for n in EXPERT_TENSORS)
 #: model types whose HuggingFace tensors this convention places
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gpt_oss", *megatron_back_mla.MODEL_TYPES)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gpt_oss", *megatron_back_mla.MODEL_TYPES,
+               *megatron_back_hybrid.MODEL_TYPES)
 
 #: Megatron-Core tensor name (regex, searched) -> its tensor-parallel placement; the first match applies
 TP_RULES: PlacementRules = (
@@ -71,6 +72,7 @@ FAMILY_TP_RULES: Mapping[str, PlacementRules] = {
         (r"^decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.(weight|bias)$", REPLICATE),
     ),
     **{model_type: megatron_back_mla.TP_RULES for model_type in megatron_back_mla.MODEL_TYPES},
+    **{model_type: megatron_back_hybrid.TP_RULES for model_type in megatron_back_hybrid.MODEL_TYPES},
 }
 #: the experts' placements when expert tensor parallelism cuts them (``expert_tensor_parallel_size`` = tp), for every
 #: family: fc1 ``[gate_r; up_r]`` on each rank (its bias too), fc2 by input columns, fc2's bias whole (added once,
@@ -114,6 +116,20 @@ def expert_axis(name: str) -> int | None:
     return None
 
 
+def hf_vocab(info: ModelInfo) -> int:
+    """The vocab of the HuggingFace model's embedding (``model.embed_tokens``, Nemotron-H's
+    ``backbone.embeddings``).
+
+    Raises:
+        ConfigError: a model type :func:`megatron_shapes` has no form for (its embedding is not known here).
+    """
+    name = megatron_back_hybrid.EMBEDDING if info.model_type in megatron_back_hybrid.MODEL_TYPES else "model.embed_tokens.weight"
+    if name not in info.disk_shapes:
+        raise ConfigError(f"model_type {info.model_type!r}: ckpttool knows no Megatron-Core form for it; split "
+                          f"--to megatron writes {', '.join(MODEL_TYPES)}")
+    return info.disk_shapes[name][0]
+
+
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron-LM's ``_vocab_size_with_padding``: ``vocab`` rounded up to a multiple of ``divisible_by * tp``."""
     multiple = divisible_by * tp
@@ -133,6 +149,8 @@ def megatron_shapes(info: ModelInfo, vocab_rows: int, mtp_layers: int = 0) -> di
         raise ConfigError(f"model_type {info.model_type!r}: ckpttool knows no Megatron-Core form for it; split "
                           f"--to megatron writes {', '.join(MODEL_TYPES)}")
     disk, config = info.disk_shapes, info.config
+    if info.model_type in megatron_back_hybrid.MODEL_TYPES:
+        return megatron_back_hybrid.megatron_shapes(disk, config, vocab_rows, "lm_head.weight" in info.tied)
     layers = int(config.get("num_hidden_layers") or 0)
     shapes: dict[str, Shape] = {"embedding.word_embeddings.weight": (vocab_rows, disk["model.embed_tokens.weight"][1])}
     if info.model_type == "gpt_oss":
@@ -269,7 +287,7 @@ def megatron_tensors(info: ModelInfo, vocab_rows: int, mtp_layers: int = 0) -> l
         ['embedding.word_embeddings.weight', 'decoder.layers.self_attention.linear_qkv.layer_norm_weight']
     """
     shapes = megatron_shapes(info, vocab_rows, mtp_layers)
-    vocab = info.disk_shapes["model.embed_tokens.weight"][0]
+    vocab = hf_vocab(info)
     tensors = {name: TensorLayout(name, shape, "", (), (Padding(0, vocab),) if name in VOCAB and shape[0] != vocab else ())
                for name, shape in shapes.items()}
     layout = Layout("", megatron_core.FORMATS[0], tensors)

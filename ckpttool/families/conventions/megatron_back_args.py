@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ckpttool.families.conventions import megatron_back_mla
+from ckpttool.families.conventions import megatron_back_hybrid, megatron_back_mla
 from ckpttool.families.conventions.megatron_back import EXPERT_TENSORS
 from ckpttool.layout.layout import Shape
 from ckpttool.model.architecture import ModelInfo
@@ -26,8 +26,11 @@ def training_args(info: ModelInfo, shapes: Mapping[str, Shape], *, tp: int, pp: 
     ``load_checkpoint`` compares and the ones a reader needs to tell padding from vocab."""
     config = info.config
     per_layer = info.model_type in megatron_back_mla.MODEL_TYPES
+    hybrid = info.model_type in megatron_back_hybrid.MODEL_TYPES
     if per_layer:  # the sizes below read off stacked names
         shapes = {**shapes, **megatron_back_mla.stacked_view(shapes, config)}
+    if hybrid:
+        shapes = {**shapes, **megatron_back_hybrid.stacked_view(shapes, config)}
     heads = int(config.get("num_attention_heads") or 0)
     groups = int(config.get("num_key_value_heads") or heads)
     qkv = shapes["decoder.layers.self_attention.linear_qkv.weight"]
@@ -62,6 +65,8 @@ def training_args(info: ModelInfo, shapes: Mapping[str, Shape], *, tp: int, pp: 
     if shared:
         args.update(moe_shared_expert_intermediate_size=shared[1] // 2,
                     moe_shared_expert_gate="decoder.layers.mlp.shared_experts.gate_weight" in shapes)
+    if hybrid:  # last: its experts and shared expert are not gated (their FFN is fc1's rows, not half of them)
+        args.update(megatron_back_hybrid.training_args(config))
     return args
 
 
