@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_failed_cleanly, fixture_dir, tree_digest
+from conftest import assert_failed_cleanly, assert_same_dcp, fixture_dir, tree_digest
 from conftest import dcp_chunks as _chunks
 from conftest import dcp_model_tensors as _tensors
 
@@ -236,3 +236,33 @@ def test_the_moe_names_before_0_3_are_cut_per_expert_too():
     assert got["model.layers.0.mlp.experts.0.down_proj.weight"] == ((4, 6), "layers.0.moe.experts.w2", (0, 0, 0))
     assert got["model.layers.0.mlp.gate.weight"][1] == "layers.0.moe.router.gate.weight"
     assert any("dropped 1 MoE load-balancing expert_bias tensors (layers.0.moe.expert_bias...)" in n for n in notes)
+
+
+# --- issue 29, round 4: DeepSeek-V3 under TP x EP, MTP, experts sharded along dim 1 -----------------------------------
+
+def _merge_against_reference(name: str, out):
+    """Merge fixture ``name`` to ``out`` (its source untouched) and compare with torchtitan's own ``to_hf``:
+    the tensors both hold are equal bit for bit; returns (merged tensors, reference tensors, result)."""
+    from conftest import load_output
+
+    src = fixture_dir(name)
+    before = tree_digest(src)
+    result = ckpttool.merge(src / "checkpoint", out, config=src / "reference" / "config.json")
+    assert tree_digest(src) == before
+    got, want = load_output(out), load_output(src / "reference")
+    for key, tensor in want.items():
+        assert key in got and got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    return got, want, result
+
+
+def test_deepseek_v3_on_fsdp2_x_tp2_x_ep2_merges_and_splits_back_in_torchtitans_chunks(tmp_path):
+    # 4 ranks: MLA's wq_b / wkv_b Shard(0) over TP; the routed experts over (efsdp 2, ep 2), not over TP
+    name = "torchtitan_dsv3q_tp2ep2"
+    got, want, result = _merge_against_reference(name, tmp_path / "hf")
+    assert sorted(got) == sorted(want) and result.audit is not None and not result.audit.findings
+    ckpttool.split(tmp_path / "hf", tmp_path / "back", names="torchtitan", fsdp=2, tp=2, ep=2)
+    chunks = _chunks(tmp_path / "back")
+    assert chunks["layers.1.moe.routed_experts.inner_experts.w2_EDF"][1] == [((e, 0, 0), (1, 32, 16)) for e in range(4)]
+    assert chunks["layers.1.attention.wkv_b.weight"][1] == [((0, 0), (16, 16)), ((16, 0), (16, 16)),
+                                                            ((32, 0), (16, 16)), ((48, 0), (16, 16))]
+    assert_same_dcp(tmp_path / "back", fixture_dir(name) / "checkpoint", tmp_path)
