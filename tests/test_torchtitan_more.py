@@ -9,6 +9,8 @@ run in the torchtitan venv, recorded in fixtures/README.md; not here: the suite 
 from __future__ import annotations
 
 
+import json
+
 import pytest
 import torch
 from conftest import assert_failed_cleanly, assert_same_dcp, fixture_dir, tree_digest
@@ -266,3 +268,63 @@ def test_deepseek_v3_on_fsdp2_x_tp2_x_ep2_merges_and_splits_back_in_torchtitans_
     assert chunks["layers.1.attention.wkv_b.weight"][1] == [((0, 0), (16, 16)), ((16, 0), (16, 16)),
                                                             ((32, 0), (16, 16)), ((48, 0), (16, 16))]
     assert_same_dcp(tmp_path / "back", fixture_dir(name) / "checkpoint", tmp_path)
+
+
+def test_deepseek_v3_with_an_mtp_layer_and_yarn_merges_to_deepseeks_release_layout(tmp_path):
+    # torchtitan 0.3's mtp_layers.0 is HF's model.layers.3 (num_hidden_layers 3), its mtp_norm shared_head.norm;
+    # the embedding and head it shares are copied in, as DeepSeek's release (and vLLM's loader) keeps them
+    name = "torchtitan_dsv3mtp_fsdp2"
+    got, want, result = _merge_against_reference(name, tmp_path / "hf")
+    assert sorted(set(got) - set(want)) == ["model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"]
+    assert torch.equal(got["model.layers.3.embed_tokens.weight"], got["model.embed_tokens.weight"])
+    assert torch.equal(got["model.layers.3.shared_head.head.weight"], got["lm_head.weight"])
+    for part in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "mlp.experts.3.down_proj.weight", "mlp.gate.e_score_correction_bias", "self_attn.q_b_proj.weight"):
+        assert f"model.layers.3.{part}" in want, part
+    assert result.audit is not None and not result.audit.findings  # the MTP layer whole: no mtp-missing finding
+    assert any("MTP layer model.layers.3 written with copies" in note for note in result.plan.notes)
+    # YaRN changes no tensor: the config carries it (rope_type yarn, mscale = mscale_all_dim as torchtitan scales)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+
+
+def test_an_mtp_layer_the_config_does_not_declare_is_refused_naming_it(cli, tmp_path):
+    name = "torchtitan_dsv3mtp_fsdp2"
+    config = {**json.loads((fixture_dir(name) / "reference" / "config.json").read_text()), "num_nextn_predict_layers": 0}
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    src = fixture_dir(name) / "checkpoint"
+    before = tree_digest(src)
+    out = tmp_path / "out"
+    result = cli("merge", src, out, "--config", tmp_path / "cfg" / "config.json")
+    assert_failed_cleanly(result, out, "and 20 more tensors of MTP layer 0: the deepseek_v3 config declares 0 MTP "
+                          "layers (num_nextn_predict_layers), so they have no place",
+                          "One with num_nextn_predict_layers 1 carries them to model.layers.3")
+    assert tree_digest(src) == before
+
+
+def test_experts_fsdp_cut_along_dim_1_merge_and_split_back_in_torchtitans_chunks(tmp_path):
+    # 2 experts on FSDP 4: torchtitan 0.3 shards each expert along dim 1 (Shard(1)) rather than pad dim 0
+    name = "torchtitan_qwen3moe2_fsdp4"
+    src = fixture_dir(name) / "checkpoint"
+    assert _chunks(src)["layers.0.moe.routed_experts.inner_experts.w1_EFD"][1] == [
+        ((0, r, 0), (2, 4, 32)) for r in (0, 4, 8, 12)]
+    got, want, _ = _merge_against_reference(name, tmp_path / "hf")
+    assert sorted(got) == sorted(want)
+    ckpttool.split(tmp_path / "hf", tmp_path / "back", names="torchtitan", fsdp=4)
+    assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))
+
+
+@pytest.mark.parametrize("args, what", [(("--fsdp", "4", "--tp", "2"), "fsdp = 4"),
+                                        (("--dp", "2", "--fsdp", "2"), "dp x fsdp = 4")])
+def test_experts_along_dim_1_beside_tp_or_over_hsdp_are_refused(cli, args, what, tmp_path):
+    hf = tmp_path / "hf"
+    ckpttool.merge(fixture_dir("torchtitan_qwen3moe2_fsdp4") / "checkpoint", hf,
+                   config=fixture_dir("torchtitan_qwen3moe2_fsdp4") / "reference" / "config.json")
+    before = tree_digest(hf)
+    out = tmp_path / "out"
+    result = cli("split", hf, out, "--to", "dcp", "--names", "torchtitan", *args)
+    assert_failed_cleanly(result, out, "'layers.0.moe.routed_experts.inner_experts.w1_EFD': torchtitan 0.3 shards its "
+                          f"2 experts along dim 1 when its expert FSDP size ({what}) exceeds them, a layout ckpttool "
+                          "writes only for torchtitan 0.3 without HSDP, and with tp=1 unless ep>1",
+                          "nothing was written")
+    assert tree_digest(hf) == before

@@ -124,15 +124,21 @@ class TorchtitanConvention(Convention):
         problems: list[tuple[str, str]] = []
         permuted = 0
         dropped: list[str] = []
+        mtp_layers: set[int] = set()
         for tensor in layout.tensors.values():
             if _EXPERT_BIAS.match(tensor.fqn) and not deepseek:
                 dropped.append(tensor.fqn)
                 continue
-            experts = _experts(tensor) if moe else None
+            # DeepSeek-V3's MTP layer K is named as HF's layer num_hidden_layers + K (undeclared: one problem below)
+            fqn, mtp_layer = mla.mtp_as_layer(tensor.fqn, info)
+            if deepseek and mtp_layer is None and fqn.startswith("mtp_layers."):
+                continue
+            mtp_layers |= {mtp_layer} if mtp_layer is not None else set()
+            experts = _experts(tensor, fqn) if moe else None
             if experts is not None:
                 specs.extend(experts)
                 continue
-            hf, rope = _hf_name(tensor.fqn, table)
+            hf, rope = _hf_name(fqn, table if mtp_layer is None else {**table, **mla.MTP_PARTS})
             if hf is None:
                 why = mla.unmapped(tensor.fqn) if deepseek else "MoE and MLA layers are not supported yet"
                 problems.append((tensor.fqn, f"'{tensor.fqn}': not a torchtitan name ckpttool maps to HuggingFace "
@@ -152,7 +158,11 @@ class TorchtitanConvention(Convention):
                 cut = [replace(spec, transform=rope_halves(head_dim)) for spec in cut]
                 permuted += 1
             specs.extend(cut)
-        notes = [f"torchtitan names mapped to HuggingFace's ({len(specs)} tensors)"]
+        if deepseek:
+            problems += mla.undeclared_mtp(list(layout.tensors), info)
+            copies, mtp_notes = mla.mtp_copies(layout, sorted(mtp_layers))
+            specs += copies
+        notes = [f"torchtitan names mapped to HuggingFace's ({len(specs)} tensors)", *(mtp_notes if deepseek else [])]
         if permuted:
             notes.append(f"Q/K rows of {permuted} tensors permuted from Meta's interleaved RoPE pairs to HF's halves "
                          f"(head_dim {head_dim}), as torchtitan's state-dict adapter does")
@@ -169,12 +179,12 @@ class TorchtitanConvention(Convention):
         return f"{info.model_type} (torchtitan convention)"
 
 
-def _experts(tensor: TensorLayout) -> list[TargetSpec] | None:
+def _experts(tensor: TensorLayout, fqn: str) -> list[TargetSpec] | None:
     """A stacked expert tensor of torchtitan's MoE (``[E, ...]``) cut into HF's per-expert on-disk tensors
     (``model.layers.N.mlp.experts.E.gate_proj.weight``: expert ``E`` is the tensor's slab ``E``, no transpose:
     torchtitan's ``w1_EFD``/``w3_EFD`` are ``[E, ffn, dim]`` and ``w2_EDF`` ``[E, dim, ffn]``, HF's Linear layout);
-    None for any other tensor."""
-    match = _EXPERT.match(tensor.fqn)
+    None for any other tensor. ``fqn``: the tensor's name as a main layer's (an MTP layer's is renamed)."""
+    match = _EXPERT.match(fqn)
     if match is None:
         return None
     layer, weight = match.group(1), match.group(2)
@@ -372,28 +382,34 @@ def tp_placement(name: str) -> Placement:
     return _TP.get(".".join(name.split(".")[-2:]), _REPLICATE)
 
 
-def check_mesh(written: TorchtitanNames, release: str, *, fsdp: int, tp: int, ep: int, dp: int = 1) -> None:
-    """Refuse a mesh on which torchtitan ``release`` places the stacked experts of ``written`` otherwise than
-    ckpttool writes them (experts ``Shard(0)`` over FSDP, over ``(efsdp, ep)`` with EP, ``Shard(1)``/``Shard(2)``
-    over TP without EP): torchtitan's FSDP shards experts along dim 1 when its expert FSDP size (``dp x fsdp``,
-    or ``efsdp x ep`` = ``fsdp x tp`` with EP) exceeds the number of experts, and 0.2 shards them over TP within EP.
+def check_mesh(written: TorchtitanNames, release: str, *, fsdp: int, tp: int, ep: int,
+               dp: int = 1) -> Placement | None:
+    """How torchtitan ``release`` places the stacked experts of ``written`` on its expert FSDP dim, where it differs
+    from ckpttool's default (experts ``Shard(0)`` over FSDP, over ``(efsdp, ep)`` with EP): ``Shard(1)`` when its
+    expert FSDP size (``fsdp``, or ``efsdp x ep`` = ``fsdp x tp`` with EP) exceeds the number of experts, as
+    0.3's ``apply_fsdp_to_decoder`` does (each expert cut along dim 1 instead of padding dim 0); None otherwise.
 
     Raises:
-        ConfigError: naming the tensor, the mesh and what to choose instead.
+        ConfigError: a mesh ckpttool does not write so (experts cut along dim 1 over HSDP or beside TP without EP;
+            0.2's experts), naming the tensor, the mesh and what to choose instead.
     """
     stacked = next((t for t in written.tensors if t.stacked), None)
     if stacked is None:
-        return
+        return None
     experts, size = stacked.shape[0], fsdp * tp if ep > 1 else dp * fsdp
     what = "fsdp x tp" if ep > 1 else "dp x fsdp" if dp > 1 else "fsdp"
-    if size > experts:
-        raise ConfigError(
-            f"'{stacked.name}': torchtitan {release} shards its {experts} experts along dim 1 when its expert FSDP "
-            f"size ({what} = {size}) exceeds them, a layout ckpttool does not write; choose {what} at most "
-            f"{experts}; nothing was written")
     if release == "0.2" and ep > 1 and tp > 1:
         raise ConfigError(f"'{stacked.name}': torchtitan 0.2 shards experts over TP within EP (its ETP), a layout "
                           "ckpttool does not write; write 0.3's names, or choose tp=1 or ep=1; nothing was written")
+    if size <= experts:
+        return None
+    # proven on torchtitan 0.3's own saves: FSDP alone (fsdp 4, 2 experts) and FSDP with EP (fsdp 4, ep 2)
+    if release != RELEASES[0] or dp > 1 or (tp > 1 and ep == 1):
+        raise ConfigError(
+            f"'{stacked.name}': torchtitan {release} shards its {experts} experts along dim 1 when its expert FSDP "
+            f"size ({what} = {size}) exceeds them, a layout ckpttool writes only for torchtitan {RELEASES[0]} without "
+            f"HSDP, and with tp=1 unless ep>1; choose {what} at most {experts}; nothing was written")
+    return _SHARD1
 
 
 def _titan_name(hf: str, back: dict[str, tuple[str, str]], release: str,
