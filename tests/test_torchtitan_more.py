@@ -328,3 +328,25 @@ def test_experts_along_dim_1_beside_tp_or_over_hsdp_are_refused(cli, args, what,
                           "writes only for torchtitan 0.3 without HSDP, and with tp=1 unless ep>1",
                           "nothing was written")
     assert tree_digest(hf) == before
+
+
+def test_the_mtp_layer_splits_back_to_torchtitans_own_save_in_the_same_chunks(tmp_path):
+    name = "torchtitan_dsv3mtp_fsdp2"
+    _merge_against_reference(name, tmp_path / "hf")
+    before = tree_digest(tmp_path / "hf")
+    result = ckpttool.split(tmp_path / "hf", tmp_path / "back", names="torchtitan", fsdp=2)
+    assert tree_digest(tmp_path / "hf") == before
+    assert_same_dcp(tmp_path / "back", fixture_dir(name) / "checkpoint", tmp_path)
+    assert "MTP layer model.layers.3 written as torchtitan's mtp_layers.0 (not its copies of the embedding and head" \
+        in " ".join(result.notes)
+
+
+def test_experts_cut_along_dim_1_under_ep_split_back_in_torchtitans_chunks(tmp_path):
+    # 2 experts on FSDP 4 x EP 2: ep Shard(0) (one expert each), efsdp 2 Shard(1) within it
+    name = "torchtitan_qwen3moe2_fsdp4ep2"
+    src = fixture_dir(name) / "checkpoint"
+    assert _chunks(src)["layers.0.moe.routed_experts.inner_experts.w2_EDF"][1] == [
+        ((e, r, 0), (1, 16, 16)) for e in (0, 1) for r in (0, 16)]
+    _merge_against_reference(name, tmp_path / "hf")
+    ckpttool.split(tmp_path / "hf", tmp_path / "back", names="torchtitan", fsdp=4, ep=2)
+    assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))

@@ -71,7 +71,8 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sha
     placement, whole, zeros = adapter_for(model_of(prepared)).tp_placement, frozenset(), frozenset()
     experts_on: Placement | None = None  # torchtitan's FSDP placement of stacked experts, where not ckpttool's
     if names != "hf":
-        written = torchtitan_back.to_torchtitan(memory, model_of(prepared), torchtitan_back.release_of(names))
+        written = torchtitan_back.to_torchtitan(memory, model_of(prepared), torchtitan_back.release_of(names),
+                                                on_disk=[t.name for t in prepared.plan.targets])
         experts_on = torchtitan_back.check_mesh(written, torchtitan_back.release_of(names), fsdp=mesh.fsdp,
                                                 tp=mesh.tp, ep=mesh.ep, dp=mesh.dp)
         memory, placement = written.tensors, torchtitan_back.tp_placement

@@ -13,7 +13,7 @@ stacked as torchtitan's MoE holds them, with the load-balancing bias it asks for
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -83,10 +83,13 @@ def release_of(names: str) -> str:
     return release
 
 
-def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str = RELEASES[0]) -> TorchtitanNames:
+def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str = RELEASES[0],
+                  on_disk: Collection[str] = ()) -> TorchtitanNames:
     """The in-memory tensors of a transformers model (``memory``: HF names, slices of the on-disk tensors) as
     torchtitan ``release``'s model saves them: torchtitan's names, Q/K rows from HF's RoPE halves back to Meta's
-    pairs (none for Qwen3), a tied head kept as torchtitan's state dict holds it.
+    pairs (none for Qwen3), a tied head kept as torchtitan's state dict holds it. DeepSeek-V3's MTP layers that
+    the on-disk tensors (``on_disk``: their names) hold are written as torchtitan's ``mtp_layers.K``
+    (:func:`.torchtitan_mla.mtp_memory`).
 
     Raises:
         ConfigError: a model type torchtitan has no model of here (:data:`FAMILIES`), or tensors with no torchtitan
@@ -103,13 +106,15 @@ def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str 
     permute = info.model_type not in HALVES and not deepseek
     if deepseek and (problem := mla.rope_problem(info)):
         raise ConfigError(f"names='torchtitan': the {info.model_type} model's {problem}; nothing was written")
-    back = {hf: (titan, rope) for titan, (hf, rope) in mla.layer_table(LAYER, info).items()}
+    table = {**mla.layer_table(LAYER, info), **(mla.MTP_PARTS if deepseek else {})}
+    back = {hf: (titan, rope) for titan, (hf, rope) in table.items()}
+    mtp_layers, mtp_tensors = mla.mtp_memory(memory, info, on_disk)
     tensors, unnamed, whole, permuted = [], [], set(), 0
     zeros: list[str] = []
-    for tensor in memory:
+    for tensor in [*memory, *mtp_tensors]:
         experts = _stacked_back(tensor, release)
         if experts:
-            tensors.extend(experts)
+            tensors.extend(replace(e, name=mla.mtp_titan_name(e.name, info)) for e in experts)
             if tensor.name.endswith(".down_proj") and not deepseek:  # a load-balancing bias per MoE layer, zeros
                 bias = re.sub(r"^model\.layers\.(\d+)\..*$", rf"layers.\1.moe.{_BIAS[release]}", tensor.name)
                 tensors.append(replace(tensor, name=bias, shape=tensor.shape[:1], slices=(), stacked=False))
@@ -125,7 +130,9 @@ def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str 
             if problem:
                 raise ConfigError(f"'{tensor.name}': {problem}")
             transform, permuted = rope_halves(head_dim).inverse(), permuted + 1
-        if (release == "0.3" and ".qkv_linear." in name) or EXPERT_BIAS.match(name):
+        whole_tensor = (release == "0.3" and ".qkv_linear." in name) or EXPERT_BIAS.match(name)
+        name = mla.mtp_titan_name(name, info)
+        if whole_tensor:
             whole.add(name)
         tensors.append(replace(tensor, name=name, transform=transform))
     if unnamed:
@@ -137,6 +144,9 @@ def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str 
     if permuted:
         notes.append(f"Q/K rows of {permuted} tensors permuted from HF's RoPE halves back to Meta's interleaved pairs "
                      f"(head_dim {head_dim}), as torchtitan's state-dict adapter's from_hf does")
+    notes += [f"MTP layer model.layers.{n} written as torchtitan's {mla.mtp_titan_name(f'layers.{n}.weight', info).removesuffix('.weight')} "
+              "(not its copies of the embedding and head, embed_tokens and shared_head.head: torchtitan's MTP layers "
+              "share the main model's)" for n in mtp_layers]
     if zeros:
         notes.append(f"wrote {len(zeros)} MoE load-balancing {_BIAS[release]} tensors as zeros (float32; HF's "
                      f"{info.model_type} has none): torchtitan's loader asks for them, and training updates them")

@@ -47,11 +47,18 @@ Qwen3-MoE (no such tensor in HF) drops it.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
+from ckpttool.families import mtp
 from ckpttool.families.conventions import megatron_mla
-from ckpttool.layout.layout import Layout
-from ckpttool.model.architecture import ModelInfo
-from ckpttool.plan.plan import TargetSpec, tensor_specs
+from ckpttool.layout.layout import Box, Layout
+from ckpttool.model.architecture import ModelInfo, config_value
+from ckpttool.plan.plan import Slice, TargetSpec, tensor_specs
+
+if TYPE_CHECKING:  # the families package imports this module: its MemoryTensor only annotates here
+    from ckpttool.families import MemoryTensor
 
 #: the model type whose torchtitan names this module holds
 FAMILY = "deepseek_v3"
@@ -142,6 +149,44 @@ def mtp_copies(layout: Layout, layers: list[int]) -> tuple[list[TargetSpec], lis
     notes = [f"MTP layer model.layers.{n} written with copies of the embedding and head torchtitan shares with it "
              "(embed_tokens, shared_head.head), as DeepSeek's release keeps them" for n in layers]
     return specs, notes
+
+
+def mtp_memory(memory: Sequence[MemoryTensor], info: ModelInfo,
+               on_disk: Collection[str]) -> tuple[list[int], list[MemoryTensor]]:
+    """The MTP layers ``on_disk`` holds (HF's indices) and, for the way back, their tensors as a model's in-memory
+    ones (transformers' causal LM builds none): the decoder block as the last main layer's tensors moved to the MTP
+    layer's index (torchtitan builds it from that layer's config), beside its own parts (:data:`MTP_PARTS`), each
+    whole. The embedding and head copies are left out: torchtitan's MTP layers share the main model's."""
+    expected = mtp.expected(info) if applies(info) else {}
+    layers = mtp.held(on_disk, expected)
+    last = config_value(info.config, "num_hidden_layers")
+    if not layers or not isinstance(last, int) or not memory:
+        return [], []
+    main = f"model.layers.{last - 1}."
+    own = {hf for hf, _ in MTP_PARTS.values()}
+    extra: list[MemoryTensor] = []
+    for n in layers:
+        here = f"model.layers.{n}."
+        extra += [replace(t, name=here + t.name[len(main):],
+                          slices=tuple(replace(sl, source=here + sl.source[len(main):])
+                                       if sl.source.startswith(main) else sl for sl in t.slices))
+                  for t in memory if t.name.startswith(main)]
+        for name, shape in expected[n].items():
+            if name[len(here):] in own:
+                box = Box.whole(shape)
+                extra.append(replace(memory[0], name=name, shape=shape, slices=(Slice(name, box, box),),
+                                     stacked=False, transform=None))
+    return layers, extra
+
+
+def mtp_titan_name(name: str, info: ModelInfo) -> str:
+    """torchtitan's name of ``layers.{n}.rest`` written from HF's MTP layer ``n`` (``n >= num_hidden_layers``):
+    ``mtp_layers.{n - num_hidden_layers}.rest``; any other name as it is."""
+    match = re.match(r"^layers\.(\d+)\.(.+)$", name)
+    first = config_value(info.config, "num_hidden_layers")
+    if match is None or not isinstance(first, int) or int(match[1]) < first or not applies(info):
+        return name
+    return f"mtp_layers.{int(match[1]) - first}.{match[2]}"
 
 
 def unmapped(fqn: str) -> str:
