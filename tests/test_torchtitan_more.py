@@ -242,27 +242,34 @@ def test_the_moe_names_before_0_3_are_cut_per_expert_too():
 
 # --- issue 29, round 4: DeepSeek-V3 under TP x EP, MTP, experts sharded along dim 1 -----------------------------------
 
-def _merge_against_reference(name: str, out):
-    """Merge fixture ``name`` to ``out`` (its source untouched) and compare with torchtitan's own ``to_hf``:
-    the tensors both hold are equal bit for bit; returns (merged tensors, reference tensors, result)."""
+@pytest.fixture(scope="module")
+def titan_merged(tmp_path_factory):
+    """Fixture name -> (merged HF dir, merged tensors, reference tensors, result), each merged once on first use
+    (its source untouched) and compared with torchtitan's own ``to_hf``: the tensors both hold are bit-equal."""
     from conftest import load_output
 
-    src = fixture_dir(name)
-    before = tree_digest(src)
-    result = ckpttool.merge(src / "checkpoint", out, config=src / "reference" / "config.json")
-    assert tree_digest(src) == before
-    got, want = load_output(out), load_output(src / "reference")
-    for key, tensor in want.items():
-        assert key in got and got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
-    return got, want, result
+    cache = {}
+
+    def merged(name: str):
+        if name not in cache:
+            src, out = fixture_dir(name), tmp_path_factory.mktemp(name) / "hf"
+            before = tree_digest(src)
+            result = ckpttool.merge(src / "checkpoint", out, config=src / "reference" / "config.json")
+            assert tree_digest(src) == before
+            got, want = load_output(out), load_output(src / "reference")
+            for key, tensor in want.items():
+                assert key in got and got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+            cache[name] = out, got, want, result
+        return cache[name]
+    return merged
 
 
-def test_deepseek_v3_on_fsdp2_x_tp2_x_ep2_merges_and_splits_back_in_torchtitans_chunks(tmp_path):
+def test_deepseek_v3_on_fsdp2_x_tp2_x_ep2_merges_and_splits_back_in_torchtitans_chunks(titan_merged, tmp_path):
     # 4 ranks: MLA's wq_b / wkv_b Shard(0) over TP; the routed experts over (efsdp 2, ep 2), not over TP
     name = "torchtitan_dsv3q_tp2ep2"
-    got, want, result = _merge_against_reference(name, tmp_path / "hf")
+    hf, got, want, result = titan_merged(name)
     assert sorted(got) == sorted(want) and result.audit is not None and not result.audit.findings
-    ckpttool.split(tmp_path / "hf", tmp_path / "back", names="torchtitan", fsdp=2, tp=2, ep=2)
+    ckpttool.split(hf, tmp_path / "back", names="torchtitan", fsdp=2, tp=2, ep=2)
     chunks = _chunks(tmp_path / "back")
     assert chunks["layers.1.moe.routed_experts.inner_experts.w2_EDF"][1] == [((e, 0, 0), (1, 32, 16)) for e in range(4)]
     assert chunks["layers.1.attention.wkv_b.weight"][1] == [((0, 0), (16, 16)), ((16, 0), (16, 16)),
@@ -270,11 +277,10 @@ def test_deepseek_v3_on_fsdp2_x_tp2_x_ep2_merges_and_splits_back_in_torchtitans_
     assert_same_dcp(tmp_path / "back", fixture_dir(name) / "checkpoint", tmp_path)
 
 
-def test_deepseek_v3_with_an_mtp_layer_and_yarn_merges_to_deepseeks_release_layout(tmp_path):
+def test_deepseek_v3_with_an_mtp_layer_and_yarn_merges_to_deepseeks_release_layout(titan_merged):
     # torchtitan 0.3's mtp_layers.0 is HF's model.layers.3 (num_hidden_layers 3), its mtp_norm shared_head.norm;
     # the embedding and head it shares are copied in, as DeepSeek's release (and vLLM's loader) keeps them
-    name = "torchtitan_dsv3mtp_fsdp2"
-    got, want, result = _merge_against_reference(name, tmp_path / "hf")
+    hf, got, want, result = titan_merged("torchtitan_dsv3mtp_fsdp2")
     assert sorted(set(got) - set(want)) == ["model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"]
     assert torch.equal(got["model.layers.3.embed_tokens.weight"], got["model.embed_tokens.weight"])
     assert torch.equal(got["model.layers.3.shared_head.head.weight"], got["lm_head.weight"])
@@ -284,7 +290,7 @@ def test_deepseek_v3_with_an_mtp_layer_and_yarn_merges_to_deepseeks_release_layo
     assert result.audit is not None and not result.audit.findings  # the MTP layer whole: no mtp-missing finding
     assert any("MTP layer model.layers.3 written with copies" in note for note in result.plan.notes)
     # YaRN changes no tensor: the config carries it (rope_type yarn, mscale = mscale_all_dim as torchtitan scales)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+    assert json.loads((hf / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
 
 
 def test_an_mtp_layer_the_config_does_not_declare_is_refused_naming_it(cli, tmp_path):
@@ -302,24 +308,22 @@ def test_an_mtp_layer_the_config_does_not_declare_is_refused_naming_it(cli, tmp_
     assert tree_digest(src) == before
 
 
-def test_experts_fsdp_cut_along_dim_1_merge_and_split_back_in_torchtitans_chunks(tmp_path):
+def test_experts_fsdp_cut_along_dim_1_merge_and_split_back_in_torchtitans_chunks(titan_merged, tmp_path):
     # 2 experts on FSDP 4: torchtitan 0.3 shards each expert along dim 1 (Shard(1)) rather than pad dim 0
     name = "torchtitan_qwen3moe2_fsdp4"
     src = fixture_dir(name) / "checkpoint"
     assert _chunks(src)["layers.0.moe.routed_experts.inner_experts.w1_EFD"][1] == [
         ((0, r, 0), (2, 4, 32)) for r in (0, 4, 8, 12)]
-    got, want, _ = _merge_against_reference(name, tmp_path / "hf")
+    hf, got, want, _ = titan_merged(name)
     assert sorted(got) == sorted(want)
-    ckpttool.split(tmp_path / "hf", tmp_path / "back", names="torchtitan", fsdp=4)
+    ckpttool.split(hf, tmp_path / "back", names="torchtitan", fsdp=4)
     assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))
 
 
 @pytest.mark.parametrize("args, what", [(("--fsdp", "4", "--tp", "2"), "fsdp = 4"),
                                         (("--dp", "2", "--fsdp", "2"), "dp x fsdp = 4")])
-def test_experts_along_dim_1_beside_tp_or_over_hsdp_are_refused(cli, args, what, tmp_path):
-    hf = tmp_path / "hf"
-    ckpttool.merge(fixture_dir("torchtitan_qwen3moe2_fsdp4") / "checkpoint", hf,
-                   config=fixture_dir("torchtitan_qwen3moe2_fsdp4") / "reference" / "config.json")
+def test_experts_along_dim_1_beside_tp_or_over_hsdp_are_refused(cli, args, what, titan_merged, tmp_path):
+    hf = titan_merged("torchtitan_qwen3moe2_fsdp4")[0]
     before = tree_digest(hf)
     out = tmp_path / "out"
     result = cli("split", hf, out, "--to", "dcp", "--names", "torchtitan", *args)
@@ -330,23 +334,22 @@ def test_experts_along_dim_1_beside_tp_or_over_hsdp_are_refused(cli, args, what,
     assert tree_digest(hf) == before
 
 
-def test_the_mtp_layer_splits_back_to_torchtitans_own_save_in_the_same_chunks(tmp_path):
+def test_the_mtp_layer_splits_back_to_torchtitans_own_save_in_the_same_chunks(titan_merged, tmp_path):
     name = "torchtitan_dsv3mtp_fsdp2"
-    _merge_against_reference(name, tmp_path / "hf")
-    before = tree_digest(tmp_path / "hf")
-    result = ckpttool.split(tmp_path / "hf", tmp_path / "back", names="torchtitan", fsdp=2)
-    assert tree_digest(tmp_path / "hf") == before
+    hf = titan_merged(name)[0]
+    before = tree_digest(hf)
+    result = ckpttool.split(hf, tmp_path / "back", names="torchtitan", fsdp=2)
+    assert tree_digest(hf) == before
     assert_same_dcp(tmp_path / "back", fixture_dir(name) / "checkpoint", tmp_path)
     assert "MTP layer model.layers.3 written as torchtitan's mtp_layers.0 (not its copies of the embedding and head" \
         in " ".join(result.notes)
 
 
-def test_experts_cut_along_dim_1_under_ep_split_back_in_torchtitans_chunks(tmp_path):
+def test_experts_cut_along_dim_1_under_ep_split_back_in_torchtitans_chunks(titan_merged, tmp_path):
     # 2 experts on FSDP 4 x EP 2: ep Shard(0) (one expert each), efsdp 2 Shard(1) within it
     name = "torchtitan_qwen3moe2_fsdp4ep2"
     src = fixture_dir(name) / "checkpoint"
     assert _chunks(src)["layers.0.moe.routed_experts.inner_experts.w2_EDF"][1] == [
         ((e, r, 0), (1, 16, 16)) for e in (0, 1) for r in (0, 16)]
-    _merge_against_reference(name, tmp_path / "hf")
-    ckpttool.split(tmp_path / "hf", tmp_path / "back", names="torchtitan", fsdp=4, ep=2)
+    ckpttool.split(titan_merged(name)[0], tmp_path / "back", names="torchtitan", fsdp=4, ep=2)
     assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))
