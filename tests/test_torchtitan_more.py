@@ -320,17 +320,20 @@ def test_experts_fsdp_cut_along_dim_1_merge_and_split_back_in_torchtitans_chunks
     assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))
 
 
-@pytest.mark.parametrize("args, what", [(("--fsdp", "4", "--tp", "2"), "fsdp = 4"),
-                                        (("--dp", "2", "--fsdp", "2"), "dp x fsdp = 4")])
+@pytest.mark.parametrize("args, what", [(("--fsdp", "4", "--tp", "2"), "0.3 shards its 2 experts along dim 1 when its "
+                                                                    "expert FSDP size (fsdp = 4)"),
+                                        (("--dp", "2", "--fsdp", "2"), "0.3 shards its 2 experts along dim 1 when its "
+                                                                       "expert FSDP size (dp x fsdp = 4)"),
+                                        (("--fsdp", "4", "--names", "torchtitan-0.2"),
+                                         "0.2 shards its 2 experts along dim 1 when its expert FSDP size (fsdp = 4)")])
 def test_experts_along_dim_1_beside_tp_or_over_hsdp_are_refused(cli, args, what, titan_merged, tmp_path):
     hf = titan_merged("torchtitan_qwen3moe2_fsdp4")[0]
     before = tree_digest(hf)
     out = tmp_path / "out"
-    result = cli("split", hf, out, "--to", "dcp", "--names", "torchtitan", *args)
-    assert_failed_cleanly(result, out, "'layers.0.moe.routed_experts.inner_experts.w1_EFD': torchtitan 0.3 shards its "
-                          f"2 experts along dim 1 when its expert FSDP size ({what}) exceeds them, a layout ckpttool "
-                          "writes only for torchtitan 0.3 without HSDP, and with tp=1 unless ep>1",
-                          "nothing was written")
+    names = () if "--names" in args else ("--names", "torchtitan")
+    result = cli("split", hf, out, "--to", "dcp", *names, *args)
+    assert_failed_cleanly(result, out, f"torchtitan {what} exceeds them, a layout ckpttool writes only for torchtitan "
+                          "0.3 without HSDP, and with tp=1 unless ep>1", "nothing was written")
     assert tree_digest(hf) == before
 
 
@@ -353,3 +356,14 @@ def test_experts_cut_along_dim_1_under_ep_split_back_in_torchtitans_chunks(titan
         ((e, r, 0), (1, 16, 16)) for e in (0, 1) for r in (0, 16)]
     ckpttool.split(titan_merged(name)[0], tmp_path / "back", names="torchtitan", fsdp=4, ep=2)
     assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))
+
+
+def test_mtp_layers_in_torchtitan_0_2s_names_are_refused(cli, titan_merged, tmp_path):
+    hf = titan_merged("torchtitan_dsv3mtp_fsdp2")[0]
+    before = tree_digest(hf)
+    out = tmp_path / "out"
+    result = cli("split", hf, out, "--to", "dcp", "--names", "torchtitan-0.2", "--fsdp", "2")
+    assert_failed_cleanly(result, out, "'model.layers.3': an MTP layer (num_nextn_predict_layers), which torchtitan "
+                          "0.2's DeepSeek-V3 does not have (torchtitan 0.3 added mtp_layers); write its names "
+                          "(names='torchtitan'); nothing was written")
+    assert tree_digest(hf) == before

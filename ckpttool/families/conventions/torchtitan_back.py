@@ -109,6 +109,10 @@ def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str 
     table = {**mla.layer_table(LAYER, info), **(mla.MTP_PARTS if deepseek else {})}
     back = {hf: (titan, rope) for titan, (hf, rope) in table.items()}
     mtp_layers, mtp_tensors = mla.mtp_memory(memory, info, on_disk)
+    if mtp_layers and release != RELEASES[0]:  # 0.3 added mtp_layers; 0.2's DeepSeek-V3 builds none
+        raise ConfigError(f"'model.layers.{mtp_layers[0]}': an MTP layer (num_nextn_predict_layers), which torchtitan "
+                          f"{release}'s DeepSeek-V3 does not have (torchtitan {RELEASES[0]} added mtp_layers); write "
+                          f"its names (names='torchtitan'); nothing was written")
     tensors, unnamed, whole, permuted = [], [], set(), 0
     zeros: list[str] = []
     for tensor in [*memory, *mtp_tensors]:
