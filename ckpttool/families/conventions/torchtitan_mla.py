@@ -174,6 +174,8 @@ def mtp_memory(memory: Sequence[MemoryTensor], info: ModelInfo,
         for name, shape in expected[n].items():
             if name[len(here):] in own:
                 box = Box.whole(shape)
+                # a MemoryTensor made from one at hand: the families package imports this module, so its class
+                # only annotates here
                 extra.append(replace(memory[0], name=name, shape=shape, slices=(Slice(name, box, box),),
                                      stacked=False, transform=None))
     return layers, extra
