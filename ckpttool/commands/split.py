@@ -293,7 +293,8 @@ def _names_notes(names: str, prepared: Planned) -> list[str]:
     """What writing ``names`` did, for the summary (none for transformers' own)."""
     if names == "hf":
         return []
-    return to_torchtitan(in_memory(prepared), model_of(prepared), release_of(names)).notes
+    return to_torchtitan(in_memory(prepared), model_of(prepared), release_of(names),
+                         on_disk=[t.name for t in prepared.plan.targets]).notes
 
 
 def _megatron_form(prepared: Planned) -> bool:

@@ -114,15 +114,21 @@ class TorchtitanConvention(Convention):
         problems: list[tuple[str, str]] = []
         permuted = 0
         dropped: list[str] = []
+        mtp_layers: set[int] = set()
         for tensor in layout.tensors.values():
             if EXPERT_BIAS.match(tensor.fqn) and not deepseek:
                 dropped.append(tensor.fqn)
                 continue
-            experts = _experts(tensor) if moe else None
+            # DeepSeek-V3's MTP layer K is named as HF's layer num_hidden_layers + K (undeclared: one problem below)
+            fqn, mtp_layer = mla.mtp_as_layer(tensor.fqn, info)
+            if deepseek and mtp_layer is None and fqn.startswith("mtp_layers."):
+                continue
+            mtp_layers |= {mtp_layer} if mtp_layer is not None else set()
+            experts = _experts(tensor, fqn) if moe else None
             if experts is not None:
                 specs.extend(experts)
                 continue
-            hf, rope = _hf_name(tensor.fqn, table)
+            hf, rope = _hf_name(fqn, table if mtp_layer is None else {**table, **mla.MTP_PARTS})
             if hf is None:
                 why = mla.unmapped(tensor.fqn) if deepseek else "MoE and MLA layers are not supported yet"
                 problems.append((tensor.fqn, f"'{tensor.fqn}': not a torchtitan name ckpttool maps to HuggingFace "
@@ -142,7 +148,11 @@ class TorchtitanConvention(Convention):
                 cut = [replace(spec, transform=rope_halves(head_dim)) for spec in cut]
                 permuted += 1
             specs.extend(cut)
-        notes = [f"torchtitan names mapped to HuggingFace's ({len(specs)} tensors)"]
+        if deepseek:
+            problems += mla.undeclared_mtp(list(layout.tensors), info)
+            copies, mtp_notes = mla.mtp_copies(layout, sorted(mtp_layers))
+            specs += copies
+        notes = [f"torchtitan names mapped to HuggingFace's ({len(specs)} tensors)", *(mtp_notes if deepseek else [])]
         if permuted:
             notes.append(f"Q/K rows of {permuted} tensors permuted from Meta's interleaved RoPE pairs to HF's halves "
                          f"(head_dim {head_dim}), as torchtitan's state-dict adapter does")
@@ -159,12 +169,12 @@ class TorchtitanConvention(Convention):
         return f"{info.model_type} (torchtitan convention)"
 
 
-def _experts(tensor: TensorLayout) -> list[TargetSpec] | None:
+def _experts(tensor: TensorLayout, fqn: str) -> list[TargetSpec] | None:
     """A stacked expert tensor of torchtitan's MoE (``[E, ...]``) cut into HF's per-expert on-disk tensors
     (``model.layers.N.mlp.experts.E.gate_proj.weight``: expert ``E`` is the tensor's slab ``E``, no transpose:
     torchtitan's ``w1_EFD``/``w3_EFD`` are ``[E, ffn, dim]`` and ``w2_EDF`` ``[E, dim, ffn]``, HF's Linear layout);
-    None for any other tensor."""
-    match = _EXPERT.match(tensor.fqn)
+    None for any other tensor. ``fqn``: the tensor's name as a main layer's (an MTP layer's is renamed)."""
+    match = _EXPERT.match(fqn)
     if match is None:
         return None
     layer, weight = match.group(1), match.group(2)

@@ -13,7 +13,7 @@ stacked as torchtitan's MoE holds them, with the load-balancing bias it asks for
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -83,10 +83,13 @@ def release_of(names: str) -> str:
     return release
 
 
-def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str = RELEASES[0]) -> TorchtitanNames:
+def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str = RELEASES[0],
+                  on_disk: Collection[str] = ()) -> TorchtitanNames:
     """The in-memory tensors of a transformers model (``memory``: HF names, slices of the on-disk tensors) as
     torchtitan ``release``'s model saves them: torchtitan's names, Q/K rows from HF's RoPE halves back to Meta's
-    pairs (none for Qwen3), a tied head kept as torchtitan's state dict holds it.
+    pairs (none for Qwen3), a tied head kept as torchtitan's state dict holds it. DeepSeek-V3's MTP layers that
+    the on-disk tensors (``on_disk``: their names) hold are written as torchtitan's ``mtp_layers.K``
+    (:func:`.torchtitan_mla.mtp_memory`).
 
     Raises:
         ConfigError: a model type torchtitan has no model of here (:data:`FAMILIES`), or tensors with no torchtitan
@@ -103,13 +106,19 @@ def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str 
     permute = info.model_type not in HALVES and not deepseek
     if deepseek and (problem := mla.rope_problem(info)):
         raise ConfigError(f"names='torchtitan': the {info.model_type} model's {problem}; nothing was written")
-    back = {hf: (titan, rope) for titan, (hf, rope) in mla.layer_table(LAYER, info).items()}
+    table = {**mla.layer_table(LAYER, info), **(mla.MTP_PARTS if deepseek else {})}
+    back = {hf: (titan, rope) for titan, (hf, rope) in table.items()}
+    mtp_layers, mtp_tensors = mla.mtp_memory(memory, info, on_disk)
+    if mtp_layers and release != RELEASES[0]:  # 0.3 added mtp_layers; 0.2's DeepSeek-V3 builds none
+        raise ConfigError(f"'model.layers.{mtp_layers[0]}': an MTP layer (num_nextn_predict_layers), which torchtitan "
+                          f"{release}'s DeepSeek-V3 does not have (torchtitan {RELEASES[0]} added mtp_layers); write "
+                          f"its names (names='torchtitan'); nothing was written")
     tensors, unnamed, whole, permuted = [], [], set(), 0
     zeros: list[str] = []
-    for tensor in memory:
+    for tensor in [*memory, *mtp_tensors]:
         experts = _stacked_back(tensor, release)
         if experts:
-            tensors.extend(experts)
+            tensors.extend(replace(e, name=mla.mtp_titan_name(e.name, info)) for e in experts)
             if tensor.name.endswith(".down_proj") and not deepseek:  # a load-balancing bias per MoE layer, zeros
                 bias = re.sub(r"^model\.layers\.(\d+)\..*$", rf"layers.\1.moe.{_BIAS[release]}", tensor.name)
                 tensors.append(replace(tensor, name=bias, shape=tensor.shape[:1], slices=(), stacked=False))
@@ -125,7 +134,9 @@ def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str 
             if problem:
                 raise ConfigError(f"'{tensor.name}': {problem}")
             transform, permuted = rope_halves(head_dim).inverse(), permuted + 1
-        if (release == "0.3" and ".qkv_linear." in name) or EXPERT_BIAS.match(name):
+        whole_tensor = (release == "0.3" and ".qkv_linear." in name) or EXPERT_BIAS.match(name)
+        name = mla.mtp_titan_name(name, info)
+        if whole_tensor:
             whole.add(name)
         tensors.append(replace(tensor, name=name, transform=transform))
     if unnamed:
@@ -137,6 +148,9 @@ def to_torchtitan(memory: Sequence[MemoryTensor], info: ModelInfo, release: str 
     if permuted:
         notes.append(f"Q/K rows of {permuted} tensors permuted from HF's RoPE halves back to Meta's interleaved pairs "
                      f"(head_dim {head_dim}), as torchtitan's state-dict adapter's from_hf does")
+    notes += [f"MTP layer model.layers.{n} written as torchtitan's {mla.mtp_titan_name(f'layers.{n}.weight', info).removesuffix('.weight')} "
+              "(not its copies of the embedding and head, embed_tokens and shared_head.head: torchtitan's MTP layers "
+              "share the main model's)" for n in mtp_layers]
     if zeros:
         notes.append(f"wrote {len(zeros)} MoE load-balancing {_BIAS[release]} tensors as zeros (float32; HF's "
                      f"{info.model_type} has none): torchtitan's loader asks for them, and training updates them")
@@ -180,28 +194,34 @@ def tp_placement(name: str) -> Placement:
     return _TP.get(".".join(name.split(".")[-2:]), _REPLICATE)
 
 
-def check_mesh(written: TorchtitanNames, release: str, *, fsdp: int, tp: int, ep: int, dp: int = 1) -> None:
-    """Refuse a mesh on which torchtitan ``release`` places the stacked experts of ``written`` otherwise than
-    ckpttool writes them (experts ``Shard(0)`` over FSDP, over ``(efsdp, ep)`` with EP, ``Shard(1)``/``Shard(2)``
-    over TP without EP): torchtitan's FSDP shards experts along dim 1 when its expert FSDP size (``dp x fsdp``,
-    or ``efsdp x ep`` = ``fsdp x tp`` with EP) exceeds the number of experts, and 0.2 shards them over TP within EP.
+def check_mesh(written: TorchtitanNames, release: str, *, fsdp: int, tp: int, ep: int,
+               dp: int = 1) -> Placement | None:
+    """How torchtitan ``release`` places the stacked experts of ``written`` on its expert FSDP dim, where it differs
+    from ckpttool's default (experts ``Shard(0)`` over FSDP, over ``(efsdp, ep)`` with EP): ``Shard(1)`` when its
+    expert FSDP size (``fsdp``, or ``efsdp x ep`` = ``fsdp x tp`` with EP) exceeds the number of experts, as
+    0.3's ``apply_fsdp_to_decoder`` does (each expert cut along dim 1 instead of padding dim 0); None otherwise.
 
     Raises:
-        ConfigError: naming the tensor, the mesh and what to choose instead.
+        ConfigError: a mesh ckpttool does not write so (experts cut along dim 1 over HSDP or beside TP without EP;
+            0.2's experts over TP within EP), naming the tensor, the mesh and what to choose instead.
     """
     stacked = next((t for t in written.tensors if t.stacked), None)
     if stacked is None:
-        return
+        return None
     experts, size = stacked.shape[0], fsdp * tp if ep > 1 else dp * fsdp
     what = "fsdp x tp" if ep > 1 else "dp x fsdp" if dp > 1 else "fsdp"
-    if size > experts:
-        raise ConfigError(
-            f"'{stacked.name}': torchtitan {release} shards its {experts} experts along dim 1 when its expert FSDP "
-            f"size ({what} = {size}) exceeds them, a layout ckpttool does not write; choose {what} at most "
-            f"{experts}; nothing was written")
     if release == "0.2" and ep > 1 and tp > 1:
         raise ConfigError(f"'{stacked.name}': torchtitan 0.2 shards experts over TP within EP (its ETP), a layout "
                           "ckpttool does not write; write 0.3's names, or choose tp=1 or ep=1; nothing was written")
+    if size <= experts:
+        return None
+    # proven on torchtitan 0.3's own saves: FSDP alone (fsdp 4, 2 experts) and FSDP with EP (fsdp 4, ep 2)
+    if release != RELEASES[0] or dp > 1 or (tp > 1 and ep == 1):
+        raise ConfigError(
+            f"'{stacked.name}': torchtitan {release} shards its {experts} experts along dim 1 when its expert FSDP "
+            f"size ({what} = {size}) exceeds them, a layout ckpttool writes only for torchtitan {RELEASES[0]} without "
+            f"HSDP, and with tp=1 unless ep>1; choose {what} at most {experts}; nothing was written")
+    return _SHARD1
 
 
 def _titan_name(hf: str, back: dict[str, tuple[str, str]], release: str,
