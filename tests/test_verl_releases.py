@@ -6,10 +6,11 @@ PASS, skip the optimizer and RNG files, and two layouts of one run diff equal.""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
-from conftest import FIXTURES, fixture_dir, load_output, tree_digest
+from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, load_output, tree_digest
 
 import ckpttool
 from ckpttool.readers import detect_format
@@ -109,3 +110,49 @@ def test_the_verl_table_names_each_release_that_pickles_a_class_and_no_other():
                 seen.setdefault(key, set()).add(producer["versions"]["verl"])
     for key, entry in verl_classes.TABLE.items():
         assert set(entry.verl) == seen.get(key, set()), (key, entry.verl)
+
+
+# ---------------------------------------------- verl's LoRA actor: base and adapter in one state dict (0.9 on)
+
+LORA = "verl_v0_9_fsdp2_llama_lora"
+
+
+def test_verls_lora_actor_is_fused_with_the_rank_and_alpha_of_its_lora_train_meta(cli, tmp_path):
+    # the reference is PEFT's merge_and_unload of the producer's gathered weights (make_verl_releases.merged_lora)
+    src = fixture_dir(LORA) / "checkpoint"
+    assert json.loads((src / "lora_train_meta.json").read_text()) == {"r": 4, "lora_alpha": 8, "task_type": "CAUSAL_LM"}
+    assert not (src / "adapter_config.json").exists()
+    result = cli("merge", src, tmp_path / "hf", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "fused into 14 tensors (rank 4, scaling 2)" in result.stdout
+
+
+def _lora_copy(tmp_path, meta: str):
+    root = tmp_path / "step"
+    shutil.copytree(fixture_dir(LORA) / "checkpoint", root)
+    (root / "lora_train_meta.json").write_text(meta)
+    return root
+
+
+@pytest.mark.parametrize(("meta", "why"), [
+    ('{"r": 0, "lora_alpha": 8}', "r = 0; expected a positive number (verl writes the LoRA actor's rank and alpha here)"),
+    ('{"r": 4}', "lora_alpha = None; expected a positive number"),
+    ("[4, 8]", "not a JSON object"),
+    ("{r: 4", "not verl's JSON LoRA metadata"),
+])
+def test_a_bad_lora_train_meta_is_refused_naming_the_file(cli, tmp_path, meta, why):
+    root = _lora_copy(tmp_path, meta)
+    before = tree_digest(root)
+    result = cli("merge", root, tmp_path / "hf")
+    assert_failed_cleanly(result, tmp_path / "hf", f"'{root / 'lora_train_meta.json'}': {why}")
+    assert tree_digest(root) == before
+
+
+def test_a_lora_train_meta_whose_rank_is_not_the_adapters_is_refused(cli, tmp_path):
+    root = _lora_copy(tmp_path, '{"r": 8, "lora_alpha": 16, "task_type": "CAUSAL_LM"}')
+    before = tree_digest(root)
+    result = cli("merge", root, tmp_path / "hf")
+    assert_failed_cleanly(result, tmp_path / "hf", "'base_model.model.model.layers.0.mlp.down_proj.lora_A.default."
+                          f"weight' has rank 4 but {root / 'lora_train_meta.json'} says r = 8 for "
+                          "'model.layers.0.mlp.down_proj'")
+    assert tree_digest(root) == before
