@@ -156,3 +156,17 @@ def test_a_lora_train_meta_whose_rank_is_not_the_adapters_is_refused(cli, tmp_pa
                           f"weight' has rank 4 but {root / 'lora_train_meta.json'} says r = 8 for "
                           "'model.layers.0.mlp.down_proj'")
     assert tree_digest(root) == before
+
+
+def test_the_adapter_config_in_verls_lora_adapter_folder_is_used_before_lora_train_meta(cli, tmp_path):
+    # verl 0.5's FSDP worker writes lora_adapter/adapter_config.json (asdict of its LoraConfig) beside the rank files
+    # and no lora_train_meta.json: the fuse reads it there (here with another alpha, to see which file was read)
+    root = _lora_copy(tmp_path, '{"r": 4, "lora_alpha": 8, "task_type": "CAUSAL_LM"}')
+    (root / "lora_train_meta.json").unlink()
+    (root / "lora_adapter").mkdir()
+    (root / "lora_adapter" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 4, "bias": "none", "use_dora": False,
+         "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "target_modules": "all-linear"}))
+    result = cli("merge", root, tmp_path / "hf", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "fused into 14 tensors (rank 4, scaling 1)" in result.stdout

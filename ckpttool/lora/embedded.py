@@ -37,6 +37,9 @@ from ckpttool.layout.layout import Layout, TensorLayout
 from ckpttool.lora.adapter import CONFIG, Adapter, lora_deltas, read_adapter_config, target_modules
 from ckpttool.plan.plan import Target, plan_merge
 
+#: the folder verl's FSDP worker (0.5 on) writes beside a LoRA actor's rank files: PEFT's adapter_config.json (of
+#: ``asdict(peft_config)``) and the adapter's weights
+VERL_ADAPTER = "lora_adapter"
 #: what verl (0.9 on) writes beside a LoRA actor's rank files: the adapter's r and lora_alpha
 VERL_META = "lora_train_meta.json"
 #: the prefix of every name of a model wrapped by ``get_peft_model`` (its ``base_model`` is the LoraModel, whose
@@ -178,8 +181,8 @@ def verl_meta_config(path: Path, embedded: Embedded) -> dict[str, object]:
 
 def embedded_adapter(embedded: Embedded, root: str | Path, config: str | Path | None = None) -> Adapter:
     """The adapter saved with the base, as :func:`~.adapter.read_adapter` gives a PEFT folder's: its config read
-    from ``config`` or, when None, from ``adapter_config.json`` in ``root`` (the source), or else from verl's
-    ``lora_train_meta.json`` there (:func:`verl_meta_config`).
+    from ``config`` or, when None, from ``adapter_config.json`` in ``root`` (the source), or else from the one in
+    verl's ``lora_adapter/`` there, or else from verl's ``lora_train_meta.json`` there (:func:`verl_meta_config`).
 
     Raises:
         SourceError: no config given and none beside the checkpoint (the scaling is only there); the config is
@@ -187,6 +190,8 @@ def embedded_adapter(embedded: Embedded, root: str | Path, config: str | Path | 
     """
     source = Path(root)
     path = Path(config) if config is not None else source / CONFIG
+    if config is None and not path.is_file() and (source / VERL_ADAPTER / CONFIG).is_file():
+        path = source / VERL_ADAPTER / CONFIG
     if config is None and not path.is_file() and (source / VERL_META).is_file():
         path = source / VERL_META
         read = verl_meta_config(path, embedded)
