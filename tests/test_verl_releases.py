@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("describe_inline")  # the module loads tran
 
 #: every fixture a released verl wrote itself (``verl_v<major>_<minor>_*``)
 RELEASES = sorted(p.name for p in FIXTURES.glob("verl_v*") if (p / "producer.json").is_file())
-INPUT_IDS = torch.tensor([[1, 5, 9, 42, 100, 200, 256, 7]])
+INPUT_IDS = torch.tensor([[1, 5, 9, 42, 100, 200, 250, 7]])  # below every fixture's vocabulary (251, 257)
 
 
 def _producer(name: str) -> dict:
