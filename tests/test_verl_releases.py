@@ -170,3 +170,20 @@ def test_the_adapter_config_in_verls_lora_adapter_folder_is_used_before_lora_tra
     result = cli("merge", root, tmp_path / "hf", "--dry-run")
     assert result.exit_code == 0, result.output
     assert "fused into 14 tensors (rank 4, scaling 1)" in result.stdout
+
+
+def test_an_unknown_class_in_a_real_verl_rank_file_is_refused_naming_the_verl_releases_known(cli, tmp_path):
+    from test_versions_more import _repickle
+
+    root = tmp_path / "step"
+    shutil.copytree(fixture_dir("verl_v0_3_fsdp1_llama") / "checkpoint", root)
+    _repickle(root / "model_world_size_4_rank_1.pt", b"placement_types\nShard\n", b"placement_types\nShaxd\n")
+    before = tree_digest(root)
+    result = cli("merge", root, tmp_path / "hf")
+    transformers = json.loads((root / "huggingface" / "config.json").read_text())["transformers_version"]
+    assert_failed_cleanly(  # verl 0.3 writes no fsdp_config.json: only the transformers version is recorded
+        result, tmp_path / "hf", "'model_world_size_4_rank_1.pt': refused to unpickle: it asks for "
+        "'torch.distributed.tensor.placement_types.Shaxd'", "the checkpoint records no verl or torch version (verl "
+        f"writes neither); it records transformers_version {transformers} in 'huggingface/config.json'.",
+        "in verl 0.3.0.post1, 0.5.0 and 0.9.1's FSDPCheckpointManager (FSDP1 and FSDP2;")
+    assert tree_digest(root) == before
