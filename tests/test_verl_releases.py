@@ -135,7 +135,8 @@ def _lora_copy(tmp_path, meta: str):
 
 
 @pytest.mark.parametrize(("meta", "why"), [
-    ('{"r": 0, "lora_alpha": 8}', "r = 0; expected a positive number (verl writes the LoRA actor's rank and alpha here)"),
+    ('{"r": 0, "lora_alpha": 8}',
+     "r = 0; expected a positive number (verl writes the LoRA actor's rank and alpha here)"),
     ('{"r": 4}', "lora_alpha = None; expected a positive number"),
     ("[4, 8]", "not a JSON object"),
     ("{r: 4", "not verl's JSON LoRA metadata"),

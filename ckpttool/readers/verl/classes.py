@@ -7,10 +7,11 @@ newer torch, ``shard_order``). The classes are torch's, not verl's: verl (``FSDP
 the torch beside verl. :data:`TABLE` lists each class with the torch releases whose rank files the fixtures show
 pickling it (``verl_*``, made by ``fixtures/make_verl.py`` under each torch; ``tests/test_versions_more.py`` checks
 both ways) and the verl releases whose own checkpoint manager wrote fixtures pickling it (``verl_v*``, made by
-``fixtures/make_verl_releases.py``; ``tests/test_verl_releases.py`` checks both ways) and maps it to a stand-in that only keeps data: nothing is imported from torch.distributed and nothing
-runs. A class outside the table is refused by :class:`RankAllow`, naming it, the releases ckpttool knows and what
-the checkpoint records of its writer (:func:`refusal`): verl records neither its version nor torch's
-(``fsdp_config.json`` holds ``FSDP_version`` and ``world_size``; ``huggingface/config.json`` the transformers).
+``fixtures/make_verl_releases.py``; ``tests/test_verl_releases.py`` checks both ways) and maps it to a stand-in that
+only keeps data: nothing is imported from torch.distributed and nothing runs. A class outside the table is refused
+by :class:`RankAllow`, naming it, the releases ckpttool knows and what the checkpoint records of its writer
+(:func:`refusal`): verl records neither its version nor torch's (``fsdp_config.json`` holds ``FSDP_version`` and
+``world_size``; ``huggingface/config.json`` the transformers).
 """
 
 from __future__ import annotations
