@@ -1,5 +1,6 @@
-"""More of issue 27: ``diff FUSED BASE --adapter ADAPTER`` (B fused on the fly, as ``merge --adapter`` fuses it, and
-compared with A), on PEFT's own outputs (fixtures/make_lora.py: ``merge_and_unload``'s reference, the base, the adapter).
+"""More of issue 27, on PEFT's own outputs (fixtures/make_lora.py: the base, the adapter, ``merge_and_unload``'s
+reference): ``diff FUSED BASE --adapter ADAPTER`` (B fused on the fly, as ``merge --adapter`` fuses it, and compared
+with A), and LoRA on gpt-oss's experts, which stay stacked on disk as ``(E, in, out)`` (``lora_gpt_oss_experts``).
 """
 
 from __future__ import annotations
@@ -8,9 +9,10 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import fixture_dir, tree_digest
+from conftest import assert_failed_cleanly, build_in_row_chunks, fixture_dir, load_output, tree_digest
 
 pytestmark = pytest.mark.usefixtures("describe_inline")
 
@@ -96,3 +98,103 @@ def test_the_api_fuses_b_only():
 
     result = diff(LLAMA / "checkpoint", LLAMA / "reference", adapters=[LLAMA / "adapter"])
     assert not result.equal and result.counts()["different"] == 14
+
+
+# gpt-oss: LoRA on experts stacked on disk (E, in, out) --------------------------------------------------------------
+
+GPT_OSS = fixture_dir("lora_gpt_oss_experts")
+GATE_UP = "model.layers.{}.mlp.experts.gate_up_proj"
+DOWN = "model.layers.{}.mlp.experts.down_proj"
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_fused(tmp_path_factory):
+    """The gpt-oss fixture's base merged with its adapter through the CLI (once per module)."""
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    out = tmp_path_factory.mktemp("gpt-oss") / "out"
+    result = CliRunner().invoke(main, ["merge", str(GPT_OSS / "checkpoint"), str(out), "--adapter",
+                                       str(GPT_OSS / "adapter")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "fused into 8 tensors (rank 4, scaling 2)" in result.output
+    return out
+
+
+def test_gpt_oss_expert_lora_is_bit_exact_with_merge_and_unload(gpt_oss_fused):
+    out, reference = load_output(gpt_oss_fused), load_output(GPT_OSS / "reference")
+    base = load_output(GPT_OSS / "checkpoint")
+    assert set(out) == set(reference)
+    assert [name for name in out if not torch.equal(out[name], reference[name])] == []
+    changed = sorted(name for name in base if not torch.equal(base[name], reference[name]))
+    assert changed == sorted([*(GATE_UP.format(i) for i in (0, 1)), *(DOWN.format(i) for i in (0, 1)),
+                              *(f"model.layers.{i}.self_attn.{m}_proj.weight" for i in (0, 1) for m in "qo")])
+    assert out[GATE_UP.format(0)].shape == (4, 32, 96) and out[DOWN.format(0)].shape == (4, 48, 32)
+    audit = json.loads((gpt_oss_fused / "ckpttool-audit.json").read_text())
+    assert audit["summary"]["errors"] == 0
+
+
+def test_gpt_oss_expert_lora_loads_strictly_with_the_merged_models_logits(gpt_oss_fused):
+    from transformers import AutoModelForCausalLM
+
+    saved = torch.load(GPT_OSS / "logits.pt")
+    model, info = AutoModelForCausalLM.from_pretrained(gpt_oss_fused, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    with torch.no_grad():
+        logits = model.eval()(saved["tokens"]).logits
+    assert torch.equal(logits, saved["merged"])
+
+
+def _gpt_oss_plan(adapter=GPT_OSS / "adapter"):
+    from ckpttool.commands.merge import prepare
+    from ckpttool.families.registry import adapter_for
+    from ckpttool.lora.adapter import read_adapter
+    from ckpttool.lora.attach import attach_to_family
+
+    prepared = prepare(GPT_OSS / "checkpoint")
+    return attach_to_family(prepared.plan, [read_adapter(adapter)], adapter_for(prepared.model))
+
+
+def test_a_stacked_target_is_fused_expert_by_expert_as_peft_s_whole_einsum():
+    """Chunks of one expert (what a real gpt-oss's 2880 x 5760 experts take) give the reference's bytes, and the
+    executor cuts such a target by experts, not by 256 rows."""
+    from ckpttool.execute.executor import chunks
+
+    plan = _gpt_oss_plan()
+    targets = [t for t in plan.targets if t.name in (GATE_UP.format(1), DOWN.format(1))]
+    assert [d.stacked for t in targets for d in t.lora] == ["e i o", "e i o"]
+    parts, sizes, allocated = build_in_row_chunks(plan, targets, rows=1)
+    reference = load_output(GPT_OSS / "reference")
+    for target in targets:
+        assert len(parts[target.name]) == 4
+        assert torch.equal(torch.cat(parts[target.name]), reference[target.name])
+    one_expert = 32 * 96 * 2
+    assert [c.stop - c.start for c in chunks(targets[0], 0, chunk_bytes=one_expert)] == [1, 1, 1, 1]
+
+
+def test_a_stacked_pair_that_fits_the_stacked_tensor_in_neither_orientation_is_refused(cli, tmp_path):
+    adapter = tmp_path / "adapter"
+    shutil.copytree(GPT_OSS / "adapter", adapter)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight"
+    tensors[key] = tensors[key][:80].clone()  # gate_up's B: 80 rows where the base's 2I is 96
+    save_file(tensors, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    before = tree_digest(GPT_OSS), tree_digest(adapter)
+    result = cli("merge", GPT_OSS / "checkpoint", out, "--adapter", adapter)
+    assert_failed_cleanly(
+        result, out,
+        f"'{adapter / 'adapter_model.safetensors'}': 1 LoRA module cannot be fused into the base:\n"
+        "  - 'base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight' [16, 32] and "
+        f"'{key}' [80, 16] (4 experts of rank 4) fit none of the stacked parameters they may be on: the base holds "
+        "'model.layers.1.mlp.experts.gate_up_proj' stacked, [4, 32, 96], where they make [4, 32, 80] "
+        "((E, in, out), as the family stores it); the base holds 'model.layers.1.mlp.experts.down_proj' stacked, "
+        "[4, 48, 32], where they make [4, 32, 80] ((E, in, out), as the family stores it)")
+    assert (tree_digest(GPT_OSS), tree_digest(adapter)) == before
+
+
+def test_diff_proves_the_gpt_oss_fuse(cli):
+    result = cli("diff", GPT_OSS / "reference", GPT_OSS / "checkpoint", "--adapter", GPT_OSS / "adapter", "-q")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == "equal: 37 tensors identical"

@@ -43,7 +43,7 @@ from ckpttool.families.quantized import ASKS_TO_DEQUANTIZE, OR_KEEP_QUANTIZED
 from ckpttool.commands.merge import prepare
 from ckpttool.families.registry import adapter_for
 from ckpttool.lora.adapter import read_adapter
-from ckpttool.lora.attach import attach_adapters
+from ckpttool.lora.attach import attach_to_family
 
 EQUAL, DIFFERENT, ONLY_A, ONLY_B, SHAPE, DTYPE = "equal", "different", "only-a", "only-b", "shape", "dtype"
 
@@ -200,8 +200,8 @@ def _plan(src: str | Path, format: str | None, config: str | Path | None, dequan
         prepared = prepare(src, format=format, config=config, dtype="float32" if dequantize else None)
         if not adapters:
             return prepared.plan
-        rules = adapter_for(prepared.model).rules if prepared.model is not None else ()
-        return attach_adapters(prepared.plan, [read_adapter(path) for path in adapters], rules)
+        family = adapter_for(prepared.model) if prepared.model is not None else None
+        return attach_to_family(prepared.plan, [read_adapter(path) for path in adapters], family)
     except ConfigError as e:
         if not dequantize or ASKS_TO_DEQUANTIZE not in str(e):
             raise
