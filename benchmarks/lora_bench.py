@@ -8,7 +8,9 @@ filled: a trained adapter), ``lora_alpha`` = 2 x rank. Then runs, each in a fres
 inputs dropped first: the plain ``merge`` of the base, and ``merge --adapter``. Peak RSS is ``ru_maxrss`` of the
 command as the only child of a small probe; it is also given above the ``--dry-run`` baseline (imports and plan, no
 data, the architecture's description cached by a first dry run), next to the merge's own prediction (``predict_peak_bytes`` of the plan, the adapter's deltas attached):
-the fuse must stay within it (issue 27). Not a timed test: run it by hand and keep the figures.
+the fuse must stay within it (issue 27). A dry run, and a plain merge of safetensors (file-to-file copies), import
+no torch, and a fuse does, so the fuse's peak is also given above a process that only imports what a merge
+imports, torch included (merge_bench.py's start-up). Not a timed test: run it by hand and keep the figures.
 
     python benchmarks/lora_bench.py --size-gib 2 --workers 2
 """
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge_bench import drop_cache, measure, tool  # noqa: E402  (the same probe and cache drop)
+from merge_bench import STARTUP, drop_cache, measure, tool  # noqa: E402  (the same probe, cache drop and start-up)
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 2048, 5504, 16, 4, 32000
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -122,6 +124,9 @@ def main() -> None:
             drop_cache(base, adapter)
             results[name].append(measure(cmd))
     baseline = {name: measure([*cmd, "--dry-run"])[1] for name, cmd in commands.items()}
+    # a dry run (and a plain merge's copies) need no torch; a fuse does: its peak is also given above a process
+    # that only imports what a merge imports, torch included
+    startup = measure([sys.executable, "-c", STARTUP + ", ckpttool.lora.attach"])[1]
     predictions = {"merge": predicted(base, None, args.workers), "merge --adapter": predicted(base, adapter, args.workers)}
     nbytes = (base / "model.safetensors").stat().st_size
     print(f"input: bf16 Llama {nbytes / 2**30:.2f} GiB ({config(args.size_gib)['num_hidden_layers']} layers), LoRA rank "
@@ -133,7 +138,8 @@ def main() -> None:
         cpu = statistics.median(r[2] for r in results[name])
         print(f"  {name:16s} {t:7.2f} s  cpu {cpu:6.2f} s  {nbytes / t / 2**20:7.1f} MiB/s  peak RSS {rss / 2**20:6.0f} MiB"
               f"  above --dry-run {(rss - baseline[name]) / 2**20:5.0f} MiB (predicted at most "
-              f"{predictions[name] / 2**20:.0f} MiB)")
+              f"{predictions[name] / 2**20:.0f} MiB); above start-up with torch ({startup / 2**20:.0f} MiB) "
+              f"{(rss - startup) / 2**20:.0f} MiB")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
 
