@@ -321,11 +321,14 @@ def audit_command(
 @click.option("--format-a", type=FORMATS, help="Format of A (detected by default).")
 @click.option("--format-b", type=FORMATS, help="Format of B (detected by default).")
 @click.option("--dequantize", is_flag=True, help="Compare float32 values, FP8/MXFP4 weights dequantized (default: stored bytes).")
+@click.option("--adapter", "adapters", multiple=True, metavar="ADAPTER", type=click.Path(path_type=str),
+              help="Fuse this PEFT LoRA adapter folder into B on the fly, as merge --adapter fuses it (repeatable), "
+              "and compare A with the fuse: is A base B + ADAPTER?")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def diff_command(
     a: str, b: str, config: str | None, config_b: str | None, format_a: str | None, format_b: str | None,
-    as_json: bool, quiet: bool, dequantize: bool = False,
+    as_json: bool, quiet: bool, dequantize: bool = False, adapters: tuple[str, ...] = (),
 ) -> None:
     """Compare two checkpoints of any formats and shardings. Exit 0: equal; 3: different; 1: unreadable."""
     from ckpttool.commands.diff import DiffResult, diff
@@ -334,11 +337,13 @@ def diff_command(
     bar = Bar("diff") if not (as_json or quiet) else None
     result: DiffResult = _run(as_json, lambda: diff(
         a, b, config=config, config_b=config_b, format_a=format_a, format_b=format_b, progress=bar,
-        dequantize=dequantize,
+        dequantize=dequantize, adapters=adapters,
     ), bar)
     if as_json:
         click.echo(json_text(result.to_json()))
     else:
+        for note in result.fused:
+            click.echo(f"B: {escaped(note)}")
         for d in result.differences:
             click.echo(f"  {shown(d.name)}: {escaped(d.describe())}")
         click.echo(result.summary())

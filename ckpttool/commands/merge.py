@@ -24,7 +24,7 @@ from ckpttool.commands.source import plan_source_and_adapter
 from ckpttool.families.source import Planned
 from ckpttool.quant.encode import RoundTrip
 from ckpttool.lora.adapter import read_adapter
-from ckpttool.lora.attach import attach_adapters
+from ckpttool.lora.attach import attach_to_family
 from ckpttool.lora.embedded import Embedded, source_adapter
 from ckpttool.families.registry import adapter_for
 from ckpttool.writers.destination import AUDIT_FILE, check_destination
@@ -281,7 +281,7 @@ def merge(
         read = [*own, *map(read_adapter, adapters)]
         if read and quantizing is not None:
             raise ArgumentError(f"quantize={quantize!r} with adapters: fuse first (a merge given adapters=), then quantize")
-        plan = attach_adapters(plan, read, adapter_for(prepared.model).rules if prepared.model is not None else ())
+        plan = attach_to_family(plan, read, adapter_for(prepared.model) if prepared.model is not None else None)
         # attach_adapters appends one note per adapter, in order: the source's own comes first
         own_note = plan.notes[len(plan.notes) - len(read)] if own else None
         if not plan.targets:

@@ -46,6 +46,8 @@ VERL_META = "lora_train_meta.json"
 #: ``model`` is the transformers model)
 WRAPPED = "base_model.model."
 _LORA = re.compile(r"(?P<module>.+)\.lora_(?P<which>A|B)\.(?P<name>[^.]+)\.weight")
+#: Megatron-Bridge's (and NeMo's) LoRA on a Megatron-Core module, saved with the base (fixtures/make_megatron_lora.py)
+_BRIDGE = re.compile(r"\.adapter\.linear_(in|out)(_w|_v)?\.weight$")
 #: what PEFT keeps beside a LoRA module that ckpttool does not fuse, and why
 _REFUSED = (
     (re.compile(r"\.lora_embedding_[AB]\."), "embedding LoRA (lora_embedding_A / _B) is not fused yet"),
@@ -77,8 +79,15 @@ def split_embedded(layout: Layout) -> Embedded | None:
 
     Raises:
         SourceError: the source holds what ckpttool does not fuse (two adapters, ``modules_to_save``, embedding
-            LoRA, DoRA), naming the tensor.
+            LoRA, DoRA, a Megatron-Bridge LoRA's ``adapter.linear_in`` / ``linear_out``), naming the tensor.
     """
+    bridge = [fqn for fqn in layout.tensors if ".adapter.linear_" in fqn and _BRIDGE.search(fqn)]
+    if bridge:
+        raise SourceError(
+            f"'{layout.root}': '{bridge[0]}': a Megatron-Core LoRA adapter saved with the base (Megatron-Bridge / NeMo's "
+            f"adapter.linear_in / linear_out, {len(bridge)} tensors); ckpttool does not fuse Megatron LoRA yet, and "
+            "merging the base alone would silently drop the adapter. Merge it into the base with Megatron-Bridge's "
+            "LoRAMerge before saving, or export the HuggingFace model with Megatron-Bridge")
     if not any(".lora_A." in fqn or ".base_layer." in fqn for fqn in layout.tensors):
         return None
     base: dict[str, TensorLayout] = {}
