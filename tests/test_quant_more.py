@@ -129,3 +129,82 @@ def test_scales_from_without_a_packing_method_is_a_usage_error(cli, tmp_path):
     assert result.exit_code == 2
     assert "give --quantize int4, int4-asym or nvfp4" in result.output
     assert not out.exists()
+
+
+# ModelOpt FP8 per tensor (quant_method modelopt, quant_algo FP8): fixtures/quantized_llama_fp8_modelopt, made by
+# nvidia-modelopt 0.47 (mtq.quantize FP8_DEFAULT_CFG + export_hf_checkpoint); its reference/ is ModelOpt's own
+# FP8QTensor.dequantize(torch.bfloat16) of each weight (fp8.to(bf16) * scale.to(bf16), in bfloat16).
+FP8 = FIXTURES / "quantized_llama_fp8_modelopt"
+
+
+def test_modelopt_fp8_merges_as_is_byte_for_byte(cli, tmp_path):
+    out = tmp_path / "out"
+    assert cli("merge", FP8 / "checkpoint", out, "-q").exit_code == 0
+    assert_same_tensors(out, FP8 / "checkpoint")
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["quant_algo"]) == ("modelopt", "FP8")
+
+
+def test_modelopt_fp8_dequantizes_bit_exact_with_modelopts_formula_and_loads_strictly(cli, tmp_path):
+    import transformers
+
+    out, wide = tmp_path / "bf16", tmp_path / "f32"
+    assert cli("merge", FP8 / "checkpoint", out, "--dtype", "bfloat16", "-q").exit_code == 0
+    assert_same_tensors(out, FP8 / "reference")  # -0 and all: the bytes of FP8QTensor.dequantize
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    assert torch.isfinite(model(torch.arange(8).unsqueeze(0)).logits).all()
+    assert cli("merge", FP8 / "checkpoint", wide, "--dtype", "float32", "-q").exit_code == 0
+    stored, got = load_output(FP8 / "checkpoint"), load_output(wide)
+    for name, t in stored.items():
+        if t.dtype == torch.float8_e4m3fn:  # in float32, FP8QTensor.dequantize(torch.float32) is exact
+            assert torch.equal(got[name], t.float() * stored[name + "_scale"]), name
+
+
+def _damaged_fp8(tmp_path: Path, **scales: float) -> Path:
+    damaged = tmp_path / "damaged"
+    shutil.copytree(FP8 / "checkpoint", damaged)
+    tensors = load_file(damaged / "model.safetensors")
+    for name, value in scales.items():
+        tensors[name.replace("__", ".") + ".weight_scale"] = torch.tensor(value)
+    save_file(tensors, damaged / "model.safetensors", metadata={"format": "pt"})
+    return damaged
+
+
+def test_a_nan_or_zero_modelopt_fp8_scale_is_named_by_the_audit_and_refused_by_a_dequantizing_merge(cli, tmp_path):
+    up, q = "model.layers.0.mlp.up_proj", "model.layers.1.self_attn.q_proj"
+    damaged = _damaged_fp8(tmp_path, **{up.replace(".", "__"): float("nan"), q.replace(".", "__"): 0.0})
+    result = cli("audit", damaged, "--json")
+    assert result.exit_code == 3
+    found = {(f["code"], f["tensor"]): f["message"] for f in json.loads(result.stdout)["findings"]}
+    assert found[("quant-scale-invalid", up + ".weight_scale")].startswith(f"'{up}.weight_scale': 1 NaN of its 1 scales")
+    assert found[("quant-scale-invalid", q + ".weight_scale")].startswith(f"'{q}.weight_scale': 1 zero of its 1 scales")
+    out = tmp_path / "out"
+    assert_failed_cleanly(cli("merge", damaged, out, "--dtype", "bfloat16"), out,
+                          f"'{up}.weight': its weight_scale is nan, which would make every value of the tensor NaN")
+
+
+def test_a_modelopt_fp8_scale_of_another_shape_is_a_header_finding(tmp_path):
+    import ckpttool
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(FP8 / "checkpoint", damaged)
+    tensors = load_file(damaged / "model.safetensors")
+    name = "model.layers.0.self_attn.k_proj.weight_scale"
+    tensors[name] = torch.ones(32)
+    save_file(tensors, damaged / "model.safetensors", metadata={"format": "pt"})
+    report = ckpttool.audit(damaged)
+    found = [f for f in report.findings if f.code == "quant-scale-shape" and f.tensor == name]
+    assert found and found[0].message.startswith(f"'{name}' is F32 [32]; a ModelOpt FP8 weight scale"), report.findings
+
+
+def test_a_modelopt_algorithm_ckpttool_does_not_read_is_refused_naming_the_key(cli, tmp_path):
+    source = tmp_path / "other"
+    shutil.copytree(FP8 / "checkpoint", source)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"]["quant_algo"] = "W4A8_AWQ"
+    (source / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert_failed_cleanly(cli("merge", source, out, "--dtype", "bfloat16"), out,
+                          "quantization_config.quant_algo is 'W4A8_AWQ'; ckpttool reads ModelOpt 'NVFP4' and 'FP8'")
