@@ -35,7 +35,8 @@ reads its whole source tensor in one chunk (memory: one tensor, not the model).
 
 The scales come from the values, as the producer's observer computes them, not from a release: values that lie on
 a release's grid (a dequantized release) get the scales ``max|q * s| / 7.5``, which are not the release's ``s``
-(its largest code was 7 or -8, not 7.5), so their bytes differ from the release's (see docs/formats.md).
+(its largest code was 7 or -8, not 7.5), so their bytes differ from the release's (see docs/formats.md); to get
+them back, the release's own scales are used instead (:mod:`ckpttool.quant.on_grid`, ``scales_from=``).
 """
 
 from __future__ import annotations
