@@ -23,7 +23,6 @@ release and its output on disk, nothing else: 1.25x the size).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -33,8 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge_bench import drop_cache, measure
+from quant_bench import HEADS, HIDDEN, INTER, KV_HEADS, VOCAB, write_model
 
-HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, GROUP = 4096, 11008, 32, 8, 32003, 32
+GROUP = 32
 CT_CONFIG = {"config_groups": {"group_0": {"format": "pack-quantized", "input_activations": None,
                                            "output_activations": None, "targets": ["Linear"],
                                            "weights": {"dynamic": False, "group_size": GROUP, "num_bits": 4,
@@ -57,42 +57,15 @@ def config(size_gib: float) -> dict:
 def build(src: Path, size_gib: float) -> None:
     """The synthetic INT4 release: seeded codes and scales, one file per layer (memory: one layer at a time)."""
     import torch
-    from safetensors.torch import save_file
 
-    src.mkdir(parents=True)
-    cfg = config(size_gib)
-    kv = HIDDEN * KV_HEADS // HEADS
-    weight_map: dict[str, str] = {}
-    total = 0
+    def int4(name: str, shape: tuple[int, int], g) -> dict:
+        rows, cols = shape
+        words = torch.randint(-2**31, 2**31, (rows, cols // 8), generator=g, dtype=torch.int64)
+        scales = torch.rand(rows, cols // GROUP, generator=g).mul_(4e-3).add_(1e-3).to(torch.bfloat16)
+        return {name + ".weight_packed": words.to(torch.int32), name + ".weight_scale": scales,
+                name + ".weight_shape": torch.tensor(shape, dtype=torch.int64)}
 
-    def save(tensors: dict, file: str) -> None:
-        nonlocal total
-        save_file(tensors, src / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file))
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-
-    g = torch.Generator().manual_seed(0)
-    embed = {n: (0.02 * torch.randn(VOCAB, HIDDEN, generator=g)).to(torch.bfloat16)
-             for n in ("model.embed_tokens.weight", "lm_head.weight")}
-    save({**embed, "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16)}, "model-embed.safetensors")
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors = {p + "input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
-                   p + "post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16)}
-        for name, shape in (("self_attn.q_proj", (HIDDEN, HIDDEN)), ("self_attn.k_proj", (kv, HIDDEN)),
-                            ("self_attn.v_proj", (kv, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HIDDEN)),
-                            ("mlp.gate_proj", (INTER, HIDDEN)), ("mlp.up_proj", (INTER, HIDDEN)),
-                            ("mlp.down_proj", (HIDDEN, INTER))):
-            rows, cols = shape
-            words = torch.randint(-2**31, 2**31, (rows, cols // 8), generator=g, dtype=torch.int64)
-            tensors[p + name + ".weight_packed"] = words.to(torch.int32)
-            tensors[p + name + ".weight_scale"] = torch.rand(rows, cols // GROUP, generator=g).mul_(4e-3).add_(
-                1e-3).to(torch.bfloat16)
-            tensors[p + name + ".weight_shape"] = torch.tensor(shape, dtype=torch.int64)
-        save(tensors, f"model-layer-{i:03d}.safetensors")
-    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}))
-    (src / "config.json").write_text(json.dumps(cfg))
+    write_model(src, config(size_gib), int4)
 
 
 def gib(path: Path) -> float:

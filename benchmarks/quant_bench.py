@@ -59,10 +59,24 @@ def config(size_gib: float) -> dict:
 def build(src: Path, size_gib: float) -> None:
     """The synthetic FP8 checkpoint: seeded values, one file per layer (memory: one layer at a time)."""
     import torch
+
+    def fp8(name: str, shape: tuple[int, int], g) -> dict:
+        values = torch.randn(shape, generator=g).mul_(100).clamp_(-448, 448).to(torch.float8_e4m3fn)
+        grid = (math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK))
+        return {name + ".weight": values,
+                name + ".weight_scale_inv": torch.rand(grid, generator=g).mul_(1e-4).add_(1e-5)}
+
+    write_model(src, config(size_gib), fp8)
+
+
+def write_model(src: Path, cfg: dict, linear) -> None:
+    """A seeded Llama-shaped checkpoint of ``cfg`` in ``src``: bfloat16 embeddings, head and norms, and each Linear
+    weight of the layers as the tensors ``linear(name, shape, generator)`` gives (its quantized form); one
+    safetensors file per layer and an index (memory: one layer at a time)."""
+    import torch
     from safetensors.torch import save_file
 
     src.mkdir(parents=True)
-    cfg = config(size_gib)
     kv = HIDDEN * KV_HEADS // HEADS
     weight_map: dict[str, str] = {}
     total = 0
@@ -85,10 +99,7 @@ def build(src: Path, size_gib: float) -> None:
                             ("self_attn.v_proj", (kv, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HIDDEN)),
                             ("mlp.gate_proj", (INTER, HIDDEN)), ("mlp.up_proj", (INTER, HIDDEN)),
                             ("mlp.down_proj", (HIDDEN, INTER))):
-            values = torch.randn(shape, generator=g).mul_(100).clamp_(-448, 448).to(torch.float8_e4m3fn)
-            grid = (math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK))
-            tensors[p + name + ".weight"] = values
-            tensors[p + name + ".weight_scale_inv"] = torch.rand(grid, generator=g).mul_(1e-4).add_(1e-5)
+            tensors.update(linear(p + name, shape, g))
         save(tensors, f"model-layer-{i:03d}.safetensors")
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}))

@@ -31,7 +31,7 @@ from ckpttool.fast.deferred import torch
 from ckpttool.io.dtypes import itemsize, torch_dtype
 from ckpttool.quant.decode import RowForRow, Scratch
 from ckpttool.quant.encode import RoundTrip, e2m1_codes, e2m1_scratch
-from ckpttool.quant.pack_encode import int_codes, pack_int32
+from ckpttool.quant.pack_encode import OneSourceRow, int_codes, pack_int32, round_trip
 from ckpttool.quant.packed import NVFP4_GROUP
 
 GRID_INT = "grid-int"
@@ -100,12 +100,6 @@ def _off_grid(name: str, source: torch.Tensor, decoded: torch.Tensor, start: int
         "scales_from= (--scales-from) to compute scales from the values, or give the release they came from")
 
 
-def _round_trip(decoded: torch.Tensor, source: torch.Tensor) -> RoundTrip:
-    error, flat = decoded.float().sub_(source.float()).reshape(-1), source.float().reshape(-1)
-    return RoundTrip(float(error.abs().max()) if error.numel() else 0.0, float(torch.dot(error, error)),
-                     float(torch.dot(flat, flat)), float(flat.abs().max()) if flat.numel() else 0.0, flat.numel())
-
-
 def _bfloat16(stored: torch.Tensor) -> torch.Tensor:
     return stored if stored.dtype == torch.bfloat16 else stored.to(torch.bfloat16)
 
@@ -141,7 +135,7 @@ class GridInt(RowForRow):
         decoded = grouped.mul_(scale.unsqueeze(-1)).view(rows, cols)  # compressed-tensors' _dequantize, in bf16
         _off_grid(self.name, w, decoded, start, self.group or cols, self.release)
         out.copy_(pack_int32(codes, self.bits))
-        return _round_trip(decoded, w)
+        return round_trip(decoded, w)
 
     def _zero(self, start: int, rows: int, scale: torch.Tensor) -> torch.Tensor:
         """The zero points of rows ``start..start+rows``, unpacked from the release's words, in the scale's dtype."""
@@ -200,7 +194,7 @@ class GridNvfp4(RowForRow):
         _off_grid(self.name, w, decoded, start, NVFP4_GROUP, self.release)
         pairs = codes.view(rows, cols // 2, 2)
         out.copy_(pairs[..., 0].bitwise_or(pairs[..., 1].bitwise_left_shift(4)))
-        return _round_trip(decoded, w)
+        return round_trip(decoded, w)
 
     def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
         """Temporaries on buffers of their own (an upper bound): :func:`e2m1_codes`' buffers, and the float32
@@ -211,18 +205,11 @@ class GridNvfp4(RowForRow):
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseRows:
+class ReleaseRows(OneSourceRow):
     """A tensor of the release copied as it is (a scale, zero points, ``weight_shape``, a global or input scale):
     row ``k`` of the target is row ``k`` of ``tensor``; reads one source row (none is used)."""
 
     tensor: ReleaseTensor
-
-    def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
-        del start, stop
-        return 0, 1
-
-    def align(self, rows: int) -> int:
-        return max(1, rows)
 
     def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
                scratch: Scratch) -> None:
