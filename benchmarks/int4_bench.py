@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge_bench import drop_cache, measure
-from quant_bench import HEADS, HIDDEN, INTER, KV_HEADS, VOCAB, write_model
+from quant_bench import HEADS, HIDDEN, INTER, KV_HEADS, VOCAB, interleaved, write_model
 
 GROUP = 32
 CT_CONFIG = {"config_groups": {"group_0": {"format": "pack-quantized", "input_activations": None,
@@ -93,16 +92,7 @@ def main() -> None:
             "plain bf16": [*merge, str(bf16), str(out)],
             "re-pack": [*merge, str(bf16), str(out), "--quantize", "int4", "--scales-from", str(src)],
         }
-        results: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
-        for _ in range(args.runs):
-            for name, cmd in commands.items():
-                shutil.rmtree(out, ignore_errors=True)
-                os.sync()
-                drop_cache(src, bf16)
-                results[name].append(measure(cmd))
-        t = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
-        m = {name: statistics.median(r[1] for r in runs) for name, runs in results.items()}
-        cpu = {name: statistics.median(r[2] for r in runs) for name, runs in results.items()}
+        t, m, cpu = interleaved(commands, args.runs, out, (src, bf16))
         print(f"int4 input {gib(src):.2f} GiB, bf16 {gib(bf16):.2f} GiB; {args.workers} workers; {args.runs} runs, "
               "medians")
         for name in commands:

@@ -140,6 +140,21 @@ def codec_cpu(repeats: int = 8) -> float:
     return (time.process_time() - start_cpu) / (repeats * values.numel() / 2**30)
 
 
+def interleaved(commands: dict[str, list[str]], runs: int, out: Path, inputs: tuple[Path, ...]) -> tuple[
+        dict[str, float], dict[str, float], dict[str, float]]:
+    """Each command ``runs`` times, interleaved, ``out`` removed and the page cache of ``inputs`` dropped before
+    each run: the medians of wall seconds, peak RSS and CPU seconds, by name."""
+    results: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
+    for _ in range(runs):
+        for name, cmd in commands.items():
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            drop_cache(*inputs)
+            results[name].append(measure(cmd))
+    return tuple({name: statistics.median(r[i] for r in done) for name, done in results.items()}  # type: ignore[return-value]
+                 for i in range(3))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=2.0)
@@ -167,19 +182,10 @@ def main() -> None:
         "plain bf16": [*merge, str(bf16), str(out)],
         "quantize": [*merge, str(bf16), str(out), "--quantize", "fp8"],
     }
-    results: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
-    for _ in range(args.runs):
-        for name, cmd in commands.items():
-            shutil.rmtree(out, ignore_errors=True)
-            os.sync()
-            drop_cache(src, bf16)
-            results[name].append(measure(cmd))
+    t, m, cpu = interleaved(commands, args.runs, out, (src, bf16))
     baselines = {name: measure([*cmd, "--dry-run"])[1] for name, cmd in commands.items()}
     size = {name: sum(f.stat().st_size for f in (src if "fp8" in name or name == "dequantize" else bf16).iterdir())
             for name in commands}
-    t = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
-    m = {name: statistics.median(r[1] for r in runs) for name, runs in results.items()}
-    cpu = {name: statistics.median(r[2] for r in runs) for name, runs in results.items()}
     print(f"fp8 input {size['plain fp8'] / 2**30:.2f} GiB, bf16 input {size['plain bf16'] / 2**30:.2f} GiB; "
           f"{args.workers} workers; {args.runs} runs, medians")
     for name in commands:
