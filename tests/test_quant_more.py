@@ -16,6 +16,7 @@ import torch
 from conftest import FIXTURES, assert_failed_cleanly, build_in_row_chunks, load_output
 from safetensors.torch import load_file, save_file
 
+from ckpttool.commands.merge import merge as ckpttool_merge
 from ckpttool.commands.merge import prepare
 from ckpttool.commands.release import read_release
 from ckpttool.families.quantize import quantize_block
@@ -208,3 +209,46 @@ def test_a_modelopt_algorithm_ckpttool_does_not_read_is_refused_naming_the_key(c
     out = tmp_path / "out"
     assert_failed_cleanly(cli("merge", source, out, "--dtype", "bfloat16"), out,
                           "quantization_config.quant_algo is 'W4A8_AWQ'; ckpttool reads ModelOpt 'NVFP4' and 'FP8'")
+
+
+def test_a_release_missing_a_weight_of_the_model_or_its_config_is_refused(cli, tmp_path):
+    release = FIXTURES / "quantized_qwen3_int4" / "checkpoint"
+    out = tmp_path / "out"
+    dropped = "model.layers.1.mlp.up_proj.weight"
+    result = cli("merge", FIXTURES / "quantized_qwen3_int4" / "reference", out, "--quantize", "int4",
+                 "--scales-from", release, "--drop", dropped)
+    assert_failed_cleanly(result, out, "the release packs 1 weights the merged model", f"('{dropped}', ...)")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(release / "model.safetensors", bare / "model.safetensors")
+    result = cli("merge", FIXTURES / "quantized_qwen3_int4" / "reference", out, "--quantize", "int4",
+                 "--scales-from", bare)
+    assert_failed_cleanly(result, out, f"--scales-from '{bare}': no config.json there")
+    with pytest.raises(ValueError, match="give quantize='int4', 'int4-asym' or 'nvfp4'"):
+        ckpttool_merge(FIXTURES / "quantized_qwen3_int4" / "reference", out, scales_from=release)
+    assert not out.exists()
+
+
+def test_an_nvfp4_value_off_the_grid_is_refused(cli, tmp_path):
+    fixture = FIXTURES / "quantized_llama_nvfp4_modelopt"
+    source = tmp_path / "trained"
+    shutil.copytree(fixture / "reference", source)
+    tensors = load_file(source / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name][3, 20] = tensors[name][3, 16:32].abs().max() * 0.8  # no E2M1 value is 0.8 of a group's largest
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    result = cli("merge", source, out, "--quantize", "nvfp4", "--scales-from", fixture / "checkpoint")
+    assert_failed_cleanly(result, out, f"'{name}': 1 values of rows 0..64 lie off the grid",
+                          "row 3, group 1 (columns 16..32)")
+
+
+def test_a_release_file_cut_short_is_named():
+    from ckpttool.errors import SourceError
+    from ckpttool.quant.on_grid import ReleaseTensor
+
+    path = FIXTURES / "quantized_qwen3_int4" / "checkpoint" / "model.safetensors"
+    size = path.stat().st_size
+    tensor = ReleaseTensor("x.weight_scale", str(path), size - 8, "BF16", (4, 2))
+    with pytest.raises(SourceError, match=r"the release's 'x.weight_scale' is cut short \(8 of 16 bytes at rows 0..4\)"):
+        tensor.rows(0, 4)
