@@ -49,9 +49,12 @@ def test_the_oracle_dequantized_release_repacks_to_the_release_bytes(cli, tmp_pa
     release = FIXTURES / fixture / "checkpoint"
     out = tmp_path / "out"
     result = cli("merge", FIXTURES / fixture / "reference", out, "--quantize", RELEASES[fixture],
-                 "--scales-from", release, "-q")
+                 "--scales-from", release)
     assert result.exit_code == 0, result.output
     assert_same_tensors(out, release)
+    label = "nvfp4:" if RELEASES[fixture] == "nvfp4" else "int4:"
+    assert f"{label:<10}14 weights quantized; worst round trip " in result.output  # each one exact
+    assert "max |error| 0 (" in result.output and "relative RMS error 0\n" in result.output
     written = json.loads((out / "config.json").read_text())["quantization_config"]
     assert written == json.loads((release / "config.json").read_text())["quantization_config"]
 
