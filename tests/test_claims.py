@@ -28,6 +28,7 @@ EXPECTED = {
     "megatron_v": "megatron-dist",  # megatron_v<major>_<minor>_<case>: torch_dist/ (and legacy/), no checkpoint/
     "torchtitan_": "dcp", "lora_": "hf", "peft_": "dcp", "lightning_": "lightning",
     "qwen3_next_fsdp2_dcp": "dcp", "qwen3_next_hf_tp2": "hf-distributed", "nemotron_h_fsdp2_dcp": "dcp",
+    "falcon_h1_fsdp2_dcp": "dcp",
 }
 
 

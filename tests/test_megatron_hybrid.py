@@ -210,7 +210,7 @@ def test_a_moe_layer_is_refused_naming_it(cli, tmp_path):
 
     refused(cli, tmp_path, megatron_as_dcp(tmp_path, config_edit=moe),
             "'decoder.layers.3.mlp.linear_fc1.weight': layer 3 is a MoE layer ('E' in the config's "
-            "hybrid_override_pattern); Nemotron-H's MoE layers from Megatron-Core are not cut yet")
+            "hybrid_override_pattern), whose Megatron-Core tensors are ", "; not 'mlp.linear_fc1.weight'")
 
 
 # what megatron-core 0.16.1 does not build on a CPU: its checkpoints are refused naming the model

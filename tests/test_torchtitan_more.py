@@ -9,9 +9,11 @@ run in the torchtitan venv, recorded in fixtures/README.md; not here: the suite 
 from __future__ import annotations
 
 
+import json
+
 import pytest
 import torch
-from conftest import assert_failed_cleanly, fixture_dir, tree_digest
+from conftest import assert_failed_cleanly, assert_same_dcp, fixture_dir, tree_digest
 from conftest import dcp_chunks as _chunks
 from conftest import dcp_model_tensors as _tensors
 
@@ -19,7 +21,7 @@ import ckpttool
 from ckpttool.cli.choices import SPLIT_NAMES
 from ckpttool.commands.split_dcp import NAMES
 from ckpttool.errors import ArgumentError, ConfigError
-from ckpttool.families.conventions import torchtitan
+from ckpttool.families.conventions import torchtitan, torchtitan_back
 
 #: fixture -> its mesh (fsdp, tp), as producer.json records it
 MESHES = {"torchtitan_llama3_fsdp2": (2, 1), "torchtitan_llama3_tp2": (1, 2), "torchtitan_qwen3_fsdp2": (2, 1)}
@@ -126,12 +128,12 @@ def test_a_tensor_with_no_torchtitan_name_is_refused_listing_it():
     memory = [MemoryTensor("model.layers.0.self_attn.q_proj.bias", (32,), ())]
     with pytest.raises(ConfigError, match=r"1 tensor of the llama model has no name in torchtitan 0.3's model: "
                                           r"model.layers.0.self_attn.q_proj.bias; nothing was written"):
-        torchtitan.to_torchtitan(memory, info)
+        torchtitan_back.to_torchtitan(memory, info)
 
 
 def test_release_names_and_the_cli_choices_agree():
     assert SPLIT_NAMES == NAMES
-    assert [torchtitan.release_of(n) for n in NAMES if n != "hf"] == list(torchtitan.RELEASES)
+    assert [torchtitan_back.release_of(n) for n in NAMES if n != "hf"] == list(torchtitan_back.RELEASES)
 
 
 # --- torchtitan's MoE: Qwen3-MoE from its own trainer (FSDP2, and EP 2 on gloo) ---------------------------------------
@@ -201,7 +203,7 @@ def test_moe_names_of_0_2_are_written_for_torchtitan_0_2():
 
     config = __import__("json").loads((fixture_dir("torchtitan_qwen3moe_ep2") / "reference" / "config.json").read_text())
     info = model_info(config)
-    written = torchtitan.to_torchtitan(map_from_hf(info), info, "0.2")
+    written = torchtitan_back.to_torchtitan(map_from_hf(info), info, "0.2")
     names = {t.name: t.shape for t in written.tensors}
     assert names["layers.0.moe.experts.w1"] == (4, 16, 32) and names["layers.0.moe.experts.w2"] == (4, 32, 16)
     assert written.zeros == {"layers.0.moe.expert_bias", "layers.1.moe.expert_bias"}
@@ -236,3 +238,132 @@ def test_the_moe_names_before_0_3_are_cut_per_expert_too():
     assert got["model.layers.0.mlp.experts.0.down_proj.weight"] == ((4, 6), "layers.0.moe.experts.w2", (0, 0, 0))
     assert got["model.layers.0.mlp.gate.weight"][1] == "layers.0.moe.router.gate.weight"
     assert any("dropped 1 MoE load-balancing expert_bias tensors (layers.0.moe.expert_bias...)" in n for n in notes)
+
+
+# --- issue 29, round 4: DeepSeek-V3 under TP x EP, MTP, experts sharded along dim 1 -----------------------------------
+
+@pytest.fixture(scope="module")
+def titan_merged(tmp_path_factory):
+    """Fixture name -> (merged HF dir, merged tensors, reference tensors, result), each merged once on first use
+    (its source untouched) and compared with torchtitan's own ``to_hf``: the tensors both hold are bit-equal."""
+    from conftest import load_output
+
+    cache = {}
+
+    def merged(name: str):
+        if name not in cache:
+            src, out = fixture_dir(name), tmp_path_factory.mktemp(name) / "hf"
+            before = tree_digest(src)
+            result = ckpttool.merge(src / "checkpoint", out, config=src / "reference" / "config.json")
+            assert tree_digest(src) == before
+            got, want = load_output(out), load_output(src / "reference")
+            for key, tensor in want.items():
+                assert key in got and got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+            cache[name] = out, got, want, result
+        return cache[name]
+    return merged
+
+
+def test_deepseek_v3_on_fsdp2_x_tp2_x_ep2_merges_and_splits_back_in_torchtitans_chunks(titan_merged, tmp_path):
+    # 4 ranks: MLA's wq_b / wkv_b Shard(0) over TP; the routed experts over (efsdp 2, ep 2), not over TP
+    name = "torchtitan_dsv3q_tp2ep2"
+    hf, got, want, result = titan_merged(name)
+    assert sorted(got) == sorted(want) and result.audit is not None and not result.audit.findings
+    ckpttool.split(hf, tmp_path / "back", names="torchtitan", fsdp=2, tp=2, ep=2)
+    chunks = _chunks(tmp_path / "back")
+    assert chunks["layers.1.moe.routed_experts.inner_experts.w2_EDF"][1] == [((e, 0, 0), (1, 32, 16)) for e in range(4)]
+    assert chunks["layers.1.attention.wkv_b.weight"][1] == [((0, 0), (16, 16)), ((16, 0), (16, 16)),
+                                                            ((32, 0), (16, 16)), ((48, 0), (16, 16))]
+    assert_same_dcp(tmp_path / "back", fixture_dir(name) / "checkpoint", tmp_path)
+
+
+def test_deepseek_v3_with_an_mtp_layer_and_yarn_merges_to_deepseeks_release_layout(titan_merged):
+    # torchtitan 0.3's mtp_layers.0 is HF's model.layers.3 (num_hidden_layers 3), its mtp_norm shared_head.norm;
+    # the embedding and head it shares are copied in, as DeepSeek's release (and vLLM's loader) keeps them
+    hf, got, want, result = titan_merged("torchtitan_dsv3mtp_fsdp2")
+    assert sorted(set(got) - set(want)) == ["model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"]
+    assert torch.equal(got["model.layers.3.embed_tokens.weight"], got["model.embed_tokens.weight"])
+    assert torch.equal(got["model.layers.3.shared_head.head.weight"], got["lm_head.weight"])
+    for part in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "mlp.experts.3.down_proj.weight", "mlp.gate.e_score_correction_bias", "self_attn.q_b_proj.weight"):
+        assert f"model.layers.3.{part}" in want, part
+    assert result.audit is not None and not result.audit.findings  # the MTP layer whole: no mtp-missing finding
+    assert any("MTP layer model.layers.3 written with copies" in note for note in result.plan.notes)
+    # YaRN changes no tensor: the config carries it (rope_type yarn, mscale = mscale_all_dim as torchtitan scales)
+    assert json.loads((hf / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+
+
+def test_an_mtp_layer_the_config_does_not_declare_is_refused_naming_it(cli, tmp_path):
+    name = "torchtitan_dsv3mtp_fsdp2"
+    config = {**json.loads((fixture_dir(name) / "reference" / "config.json").read_text()), "num_nextn_predict_layers": 0}
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    src = fixture_dir(name) / "checkpoint"
+    before = tree_digest(src)
+    out = tmp_path / "out"
+    result = cli("merge", src, out, "--config", tmp_path / "cfg" / "config.json")
+    assert_failed_cleanly(result, out, "and 20 more tensors of MTP layer 0: the deepseek_v3 config declares 0 MTP "
+                          "layers (num_nextn_predict_layers), so they have no place",
+                          "One with num_nextn_predict_layers 1 carries them to model.layers.3")
+    assert tree_digest(src) == before
+
+
+def test_experts_fsdp_cut_along_dim_1_merge_and_split_back_in_torchtitans_chunks(titan_merged, tmp_path):
+    # 2 experts on FSDP 4: torchtitan 0.3 shards each expert along dim 1 (Shard(1)) rather than pad dim 0
+    name = "torchtitan_qwen3moe2_fsdp4"
+    src = fixture_dir(name) / "checkpoint"
+    assert _chunks(src)["layers.0.moe.routed_experts.inner_experts.w1_EFD"][1] == [
+        ((0, r, 0), (2, 4, 32)) for r in (0, 4, 8, 12)]
+    hf, got, want, _ = titan_merged(name)
+    assert sorted(got) == sorted(want)
+    ckpttool.split(hf, tmp_path / "back", names="torchtitan", fsdp=4)
+    assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))
+
+
+@pytest.mark.parametrize("args, what", [(("--fsdp", "4", "--tp", "2"), "0.3 shards its 2 experts along dim 1 when its "
+                                                                    "expert FSDP size (fsdp = 4)"),
+                                        (("--dp", "2", "--fsdp", "2"), "0.3 shards its 2 experts along dim 1 when its "
+                                                                       "expert FSDP size (dp x fsdp = 4)"),
+                                        (("--fsdp", "4", "--names", "torchtitan-0.2"),
+                                         "0.2 shards its 2 experts along dim 1 when its expert FSDP size (fsdp = 4)")])
+def test_experts_along_dim_1_beside_tp_or_over_hsdp_are_refused(cli, args, what, titan_merged, tmp_path):
+    hf = titan_merged("torchtitan_qwen3moe2_fsdp4")[0]
+    before = tree_digest(hf)
+    out = tmp_path / "out"
+    names = () if "--names" in args else ("--names", "torchtitan")
+    result = cli("split", hf, out, "--to", "dcp", *names, *args)
+    assert_failed_cleanly(result, out, f"torchtitan {what} exceeds them, a layout ckpttool writes only for torchtitan "
+                          "0.3 without HSDP, and with tp=1 unless ep>1", "nothing was written")
+    assert tree_digest(hf) == before
+
+
+def test_the_mtp_layer_splits_back_to_torchtitans_own_save_in_the_same_chunks(titan_merged, tmp_path):
+    name = "torchtitan_dsv3mtp_fsdp2"
+    hf = titan_merged(name)[0]
+    before = tree_digest(hf)
+    result = ckpttool.split(hf, tmp_path / "back", names="torchtitan", fsdp=2)
+    assert tree_digest(hf) == before
+    assert_same_dcp(tmp_path / "back", fixture_dir(name) / "checkpoint", tmp_path)
+    assert "MTP layer model.layers.3 written as torchtitan's mtp_layers.0 (not its copies of the embedding and head" \
+        in " ".join(result.notes)
+
+
+def test_experts_cut_along_dim_1_under_ep_split_back_in_torchtitans_chunks(titan_merged, tmp_path):
+    # 2 experts on FSDP 4 x EP 2: ep Shard(0) (one expert each), efsdp 2 Shard(1) within it
+    name = "torchtitan_qwen3moe2_fsdp4ep2"
+    src = fixture_dir(name) / "checkpoint"
+    assert _chunks(src)["layers.0.moe.routed_experts.inner_experts.w2_EDF"][1] == [
+        ((e, r, 0), (1, 16, 16)) for e in (0, 1) for r in (0, 16)]
+    ckpttool.split(titan_merged(name)[0], tmp_path / "back", names="torchtitan", fsdp=4, ep=2)
+    assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))
+
+
+def test_mtp_layers_in_torchtitan_0_2s_names_are_refused(cli, titan_merged, tmp_path):
+    hf = titan_merged("torchtitan_dsv3mtp_fsdp2")[0]
+    before = tree_digest(hf)
+    out = tmp_path / "out"
+    result = cli("split", hf, out, "--to", "dcp", "--names", "torchtitan-0.2", "--fsdp", "2")
+    assert_failed_cleanly(result, out, "'model.layers.3': an MTP layer (num_nextn_predict_layers), which torchtitan "
+                          "0.2's DeepSeek-V3 does not have (torchtitan 0.3 added mtp_layers); write its names "
+                          "(names='torchtitan'); nothing was written")
+    assert tree_digest(hf) == before

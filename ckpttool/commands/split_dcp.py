@@ -7,7 +7,7 @@ one target whose copies reach straight into the source's pieces (:func:`ckpttool
 in the rank files torch's ``FileSystemWriter`` writes (:func:`ckpttool.writers.dcp.lay_out`). Reads no tensor data.
 
 ``names`` other than ``"hf"`` writes another framework's names (:data:`NAMES`): ``torchtitan`` (its newest release)
-or ``torchtitan-0.2``, through :func:`ckpttool.families.conventions.torchtitan.to_torchtitan` (names, RoPE order,
+or ``torchtitan-0.2``, through :func:`ckpttool.families.conventions.torchtitan_back.to_torchtitan` (names, RoPE order,
 torchtitan's tensor-parallel plan, Q/K/V saved whole in 0.3).
 """
 
@@ -18,9 +18,10 @@ import math
 from ckpttool.commands.meshes import REPLICATE, Mesh, Sharding, shard_tensors
 from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families import MemoryTensor, adapter_for, map_from_hf
-from ckpttool.families.conventions import torchtitan
+from ckpttool.families.conventions import torchtitan_back
 from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import Box
+from ckpttool.layout.placements import Placement
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.plan.compose import compose
 from ckpttool.plan.plan import Target
@@ -68,14 +69,19 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sha
     """
     memory = in_memory(prepared)
     placement, whole, zeros = adapter_for(model_of(prepared)).tp_placement, frozenset(), frozenset()
+    experts_on: Placement | None = None  # torchtitan's FSDP placement of stacked experts, where not ckpttool's
     if names != "hf":
-        written = torchtitan.to_torchtitan(memory, model_of(prepared), torchtitan.release_of(names))
-        torchtitan.check_mesh(written, torchtitan.release_of(names), fsdp=mesh.fsdp, tp=mesh.tp, ep=mesh.ep,
-                              dp=mesh.dp)
-        memory, placement = written.tensors, torchtitan.tp_placement
+        written = torchtitan_back.to_torchtitan(memory, model_of(prepared), torchtitan_back.release_of(names),
+                                                on_disk=[t.name for t in prepared.plan.targets])
+        experts_on = torchtitan_back.check_mesh(written, torchtitan_back.release_of(names), fsdp=mesh.fsdp,
+                                                tp=mesh.tp, ep=mesh.ep, dp=mesh.dp)
+        memory, placement = written.tensors, torchtitan_back.tp_placement
         whole, zeros = written.whole, written.zeros
     _check_degrees(memory, mesh)
     shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh, placement)
+    if experts_on is not None:  # torchtitan's FSDP cuts each expert along dim 1 instead
+        stacked = {m.name for m in memory if m.stacked}
+        shardings = [_on_expert_fsdp(s, experts_on) if s.name in stacked else s for s in shardings]
     # saved whole on one rank whatever the mesh (torchtitan 0.3 splits its fused wqkv into whole tensors on save)
     shardings = [Sharding(s.name, s.shape, s.dims, tuple(REPLICATE for _ in s.dims)) if s.name in whole else s
                  for s in shardings]
@@ -103,6 +109,13 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sha
     if problems:
         raise CoverageError(problems)
     return shardings, dcp.lay_out(per_rank)
+
+
+def _on_expert_fsdp(sharding: Sharding, placement: Placement) -> Sharding:
+    """``sharding`` with ``placement`` on its (expert) FSDP dim, ``fsdp`` or ``efsdp``."""
+    placements = tuple(placement if name in ("fsdp", "efsdp") and n > 1 else p
+                       for (name, n), p in zip(sharding.dims, sharding.placements))
+    return Sharding(sharding.name, sharding.shape, sharding.dims, placements)
 
 
 def _check_degrees(memory: list[MemoryTensor], mesh: Mesh) -> None:

@@ -38,9 +38,9 @@ from ckpttool.plan.plan import Target
 from ckpttool.plan.transforms import Transform, within_part
 from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families.conventions import megatron_back
-from ckpttool.families.conventions import megatron_back_mla
-from ckpttool.families.conventions.megatron_back import (EXPERT_TENSORS, EXTRA_STATE, expert_axis, megatron_tensors,
-                                                         padded_vocab)
+from ckpttool.families.conventions import megatron_back_args, megatron_back_hybrid, megatron_back_mla
+from ckpttool.families.conventions.megatron_back import (EXPERT_TENSORS, EXTRA_STATE, expert_axis, hf_vocab,
+                                                         megatron_tensors, padded_vocab)
 from ckpttool.families import mtp
 from ckpttool.commands.meshes import REPLICATE, MegatronMesh, Sharding
 from ckpttool.layout.placements import Placement
@@ -55,7 +55,7 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
         ConfigError: a model (``info``, the source's config) with no Megatron-Core form, or sizes the mesh cannot split (listed);
         CoverageError: a chunk not covered exactly once.
     """
-    vocab = info.disk_shapes["model.embed_tokens.weight"][0]
+    vocab = hf_vocab(info)
     targets = {t.name: t for t in prepared.plan.targets}
     mtp_layers = len(mtp.held(targets, mtp.expected(info)))
     tensors = megatron_tensors(info, padded_vocab(vocab, mesh.divisible_by, mesh.tp), mtp_layers)
@@ -81,7 +81,8 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
         per_rank.append(items)
     if problems:
         raise CoverageError(problems)
-    return shardings, dcp.lay_out(per_rank, _extra_states({name: shape for name, shape, *_ in tensors}, mesh, stages))
+    shapes = {name: shape for name, shape, *_ in tensors}
+    return shardings, dcp.lay_out(per_rank, _extra_states(shapes, mesh, stages, info.model_type))
 
 
 def layer_stages(layers: int, mesh: MegatronMesh) -> list[int]:
@@ -143,12 +144,14 @@ def _stage_counts(layers: int, mesh: MegatronMesh) -> list[int]:
 _MTP_MOST = 64
 
 
-def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh,
-                  stages: list[int]) -> list[list[tuple[str, bytes]]]:
+def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh, stages: list[int],
+                  model_type: str = "") -> list[list[tuple[str, bytes]]]:
     """The ``_extra_state`` objects megatron-core saves for its linear layers (``[None]`` in the local spec): one per
     layer (``shard_{layer}_{L}``), and per expert (``shard_{layer}.{expert}_{L}.{E}``), each written by the TP rank 0
     of the stage (and expert rank) holding it; a layer saved under its own number (DeepSeek-V3's) has one
-    ``shard_0_1``, its experts ``shard_{expert}_{E}``. Megatron-LM's ``load_checkpoint`` asks for them."""
+    ``shard_0_1``, its experts ``shard_{expert}_{E}``; a hybrid ``MambaModel``'s
+    (:func:`.megatron_back_hybrid.extra_state_modules`) one ``shard_0_1`` each, its output layer's too. Megatron-LM's
+    ``load_checkpoint`` asks for them."""
     import pickle
 
     from ckpttool.writers.torch_archive import object_archive
@@ -159,6 +162,13 @@ def _extra_states(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh,
     def put(key: str, stage: int, ep_rank: int) -> None:
         per_rank[(stage * mesh.ep + ep_rank) * mesh.tp].append((key, object_archive(empty, key)))
 
+    if model_type in megatron_back_hybrid.MODEL_TYPES:
+        for module, layer, experts in megatron_back_hybrid.extra_state_modules(shapes):
+            stage = mesh.pp - 1 if layer is None else stages[layer]
+            for e in range(experts) if experts else (None,):
+                where = "0_1" if e is None else f"{e}_{experts}"
+                put(f"{module}._extra_state/shard_{where}", stage, 0 if e is None else e // (experts // mesh.ep))
+        return per_rank
     stacked = shapes.get("decoder.layers.self_attention.linear_qkv.weight")
     layers = stacked[0] if stacked else 0
     for module in EXTRA_STATE if stacked else ():
@@ -289,6 +299,8 @@ def _check_sizes(config, shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh,
         experts = shapes[fc1][expert_axis(fc1)]
         problems.append(f"ep={mesh.ep} does not divide the {experts} experts; choose an ep that divides {experts}")
     problems += _per_layer_cuts(shapes, mesh, model_type)
+    if model_type in megatron_back_hybrid.MODEL_TYPES:
+        problems += megatron_back_hybrid.mesh_problems(config, mesh.tp, mesh.vpp)
     stages = stage_problem(layers, mesh)
     if stages is not None:
         problems.append(stages)
@@ -320,12 +332,13 @@ def _per_layer_cuts(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh, mode
 
 def training_args(info: ModelInfo, mesh: MegatronMesh, shapes: dict[str, tuple[int, ...]]) -> dict[str, object]:
     """The Megatron-LM training arguments ``common.pt`` records for this model and mesh
-    (:func:`ckpttool.families.conventions.megatron_back.training_args`)."""
+    (:func:`ckpttool.families.conventions.megatron_back_args.training_args`)."""
     mtp_layers = len({name.split(".")[2] for name in shapes if name.startswith("mtp.layers.")})
     experts = any(expert_axis(name) is not None for name in shapes)
-    args = megatron_back.training_args(info, shapes, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
-                                       divisible_by=mesh.divisible_by, iteration=mesh.iteration, mtp_layers=mtp_layers,
-                                       etp=mesh.expert_tp(info.model_type) if experts else 0)
+    args = megatron_back_args.training_args(info, shapes, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
+                                            divisible_by=mesh.divisible_by, iteration=mesh.iteration,
+                                            mtp_layers=mtp_layers,
+                                            etp=mesh.expert_tp(info.model_type) if experts else 0)
     layers = int(info.config.get("num_hidden_layers") or 0)
     args.update(decoder_first_pipeline_num_layers=mesh.pp_first or None,
                 decoder_last_pipeline_num_layers=mesh.pp_last or None,

@@ -7,6 +7,9 @@ Which layer is which is only in the config: Qwen3-Next's and Qwen3.5's ``layer_t
 a layer: ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``E`` MoE). transformers builds each layer's mixer from it, so
 the tensors a layer must hold follow from its kind: the audit names a layer kind whose mixer is missing as one root
 cause (a converter that knows only attention drops every linear-attention mixer without a word).
+
+Falcon-H1 declares no kinds: every one of its layers holds a Mamba-2 mixer (``mamba``) beside its attention
+(``self_attn``), so a missing mixer is one cause across all its layers (:data:`SIDE_BY_SIDE`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ _KIND_WORDS: Mapping[str, Mapping[str, str]] = {
     "qwen3_next": {"linear_attention": "gated DeltaNet linear-attention", "full_attention": "gated full-attention"},
     "qwen3_5_text": {"linear_attention": "gated DeltaNet linear-attention", "full_attention": "gated full-attention"},
     "nemotron_h": {"linear_attention": "Mamba-2", "full_attention": "attention", "mlp": "MLP", "moe": "MoE"},
+}
+#: models whose every layer holds each of these mixers side by side (no layer kinds): module -> the mixer in words
+SIDE_BY_SIDE: Mapping[str, Mapping[str, str]] = {
+    "falcon_h1": {"mamba": "Mamba-2", "self_attn": "attention"},
 }
 #: a layer tensor's name: prefix, layer, the module under the layer, the rest
 _LAYER_MODULE = re.compile(r"^(?P<prefix>.*?\.layers)\.(?P<index>\d+)\.(?P<module>[^.]+)\.(?P<rest>.+)$")
@@ -73,6 +80,10 @@ def missing_mixer_cause(name: str, model_type: str, config: Mapping[str, object]
     modules = MIXER_MODULES.get(model_type)
     kinds = layer_kinds(config)
     match = _LAYER_MODULE.match(name)
+    side_by_side = SIDE_BY_SIDE.get(model_type, {})
+    if match is not None and match["module"] in side_by_side:
+        return (f"the {side_by_side[match['module']]} mixer '{match['prefix']}.{{L}}.{match['module']}' is missing "
+                f"({model_type}: every layer holds one)")
     if modules is None or kinds is None or match is None:
         return None
     layer = int(match["index"])

@@ -13,9 +13,11 @@ From Megatron-Core (``MambaModel`` with a ``hybrid_override_pattern``, ``torch_d
 The Mamba-2 mixers are :mod:`.conventions.megatron_mamba`'s; attention (QKV grouped per query group, no position
 embedding) and the MLP's ``linear_fc2`` are the Megatron-Core convention's cut under Nemotron-H's names
 (``mixer.{q,k,v,o}_proj``, ``mixer.down_proj``; every layer's pre-norm is ``norm``); the MLP's ``linear_fc1`` is
-squared-ReLU and not gated, so it is ``mixer.up_proj`` whole; ``decoder.final_norm`` is ``backbone.norm_f``. Which
-layer is which comes from the config's pattern, and a tensor of another kind of layer is refused. MoE layers
-(``E``) from Megatron-Core are refused (not cut yet).
+squared-ReLU and not gated, so it is ``mixer.up_proj`` whole; ``decoder.final_norm`` is ``backbone.norm_f``. A MoE
+layer (``E``) is :data:`.megatron_mamba.MOE`'s: the router into ``mixer.gate`` (its expert bias into
+``e_score_correction_bias``), each stacked expert's ``linear_fc1`` / ``linear_fc2`` into ``mixer.experts.{e}.up_proj`` /
+``down_proj`` (not gated), the shared expert into ``mixer.shared_experts``. Which layer is which comes from the config's
+pattern, and a tensor of another kind of layer is refused.
 
 Tensor parallel (``split --to dcp --tp N``), as transformers' plan for Nemotron-H cuts it
 (``NemotronHConfig.base_model_tp_plan``): only the embeddings (``embedding_rowwise``: vocab rows) and the MoE experts
@@ -70,7 +72,7 @@ def megatron_core_cut(layout: Layout, info: ModelInfo) -> CutResult:
     Returns:
         ``(specs, notes, problems)``; a problem names the source tensor and what does not fit (a Mamba tensor in a
         layer the config's pattern makes another kind, a part of a shape the config contradicts, a fused legacy
-        ``in_proj``, a MoE layer).
+        ``in_proj``, a MoE layer tensor the table does not name).
     """
     legacy = _legacy_mixer(layout)
     if legacy is not None:
@@ -102,9 +104,12 @@ def megatron_core_cut(layout: Layout, info: ModelInfo) -> CutResult:
                                       f"makes {_kind(kind)}")
                 name, first, total = megatron_mamba.cut(fqn, mamba["part"], h, shape, config)
                 mixers.setdefault(name, (total, []))[1].append((fqn, first, shape))
-            elif kind == "moe":
-                raise ConfigError(f"'{fqn}': layer {layer} is a MoE layer ('E' in the config's {key}); Nemotron-H's "
-                                  "MoE layers from Megatron-Core are not cut yet (non-gated experts, sigmoid router)")
+            elif kind == "moe":  # router, expert bias, experts and shared expert: megatron_mamba.MOE
+                if suffix not in megatron_mamba.MOE:
+                    raise ConfigError(f"'{fqn}': layer {layer} is a MoE layer ('E' in the config's {key}), whose "
+                                      f"Megatron-Core tensors are {', '.join(sorted(megatron_mamba.MOE))}; not "
+                                      f"'{suffix}'")
+                specs.extend(megatron_mamba.moe_specs(fqn, suffix, h, shape))
             elif kind == "mlp" and suffix == "mlp.linear_fc1.weight":  # squared ReLU, not gated: fc1 is up_proj
                 specs.append(_whole(h + "mixer.up_proj.weight", fqn, shape))
             else:

@@ -94,7 +94,10 @@ def _processor(path: Path):
 
         return AutoImageProcessor.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (ImportError, OSError, ValueError) as e:  # no PIL / torchvision here, or files it cannot use
-        return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        if len(lines) > 1 and lines[0].endswith(":"):  # "... You can install it with pip:" and the command after it
+            return f"{lines[0]} {lines[1].split('. ')[0].rstrip('.')}"
+        return lines[0] if lines else type(e).__name__
 
 
 def _image(side: int) -> torch.Tensor:

@@ -103,7 +103,10 @@ def _sizes(args: Any, config: Mapping[str, object], mla: bool) -> list[Pair]:
         pairs.append(("ffn_hidden_size", arg(args, "ffn_hidden_size"), "intermediate_size",
                       config.get("intermediate_size")))
     shared = arg(args, "moe_shared_expert_intermediate_size")
-    if shared and config.get("n_shared_experts") is not None and isinstance(config.get("moe_intermediate_size"), int):
+    if shared and isinstance(config.get("moe_shared_expert_intermediate_size"), int):  # Nemotron-H names it as Megatron
+        pairs.append(("moe_shared_expert_intermediate_size", shared, "moe_shared_expert_intermediate_size",
+                      config["moe_shared_expert_intermediate_size"]))
+    elif shared and config.get("n_shared_experts") is not None and isinstance(config.get("moe_intermediate_size"), int):
         pairs.append(("moe_shared_expert_intermediate_size", shared, "n_shared_experts x moe_intermediate_size",
                       config["n_shared_experts"] * config["moe_intermediate_size"]))  # type: ignore[operator]
     elif shared:

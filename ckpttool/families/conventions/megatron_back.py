@@ -32,7 +32,7 @@ from ckpttool.plan.plan import Slice
 from ckpttool.plan.transforms import Chain, Permute, Transform, Transpose
 from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import REPLICATE, SHARD0, PlacementRules, placement_of
-from ckpttool.families.conventions import megatron_back_mla, megatron_core
+from ckpttool.families.conventions import megatron_back_hybrid, megatron_back_mla, megatron_core
 from ckpttool.families.conventions import megatron_mla as mla
 from ckpttool.families.registry import adapter_for
 from ckpttool.families import mtp
@@ -48,7 +48,8 @@ EXPERT_TENSORS = ("decoder.layers.mlp.experts.experts.linear_fc1.weight",
 #: the end of a per-layer expert tensor's name (:func:`expert_axis`)
 _PER_LAYER_EXPERT = tuple(n.removeprefix("decoder.layers.") for n in EXPERT_TENSORS)
 #: model types whose HuggingFace tensors this convention places
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gpt_oss", *megatron_back_mla.MODEL_TYPES)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gpt_oss", *megatron_back_mla.MODEL_TYPES,
+               *megatron_back_hybrid.MODEL_TYPES)
 
 #: Megatron-Core tensor name (regex, searched) -> its tensor-parallel placement; the first match applies
 TP_RULES: PlacementRules = (
@@ -71,6 +72,7 @@ FAMILY_TP_RULES: Mapping[str, PlacementRules] = {
         (r"^decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.(weight|bias)$", REPLICATE),
     ),
     **{model_type: megatron_back_mla.TP_RULES for model_type in megatron_back_mla.MODEL_TYPES},
+    **{model_type: megatron_back_hybrid.TP_RULES for model_type in megatron_back_hybrid.MODEL_TYPES},
 }
 #: the experts' placements when expert tensor parallelism cuts them (``expert_tensor_parallel_size`` = tp), for every
 #: family: fc1 ``[gate_r; up_r]`` on each rank (its bias too), fc2 by input columns, fc2's bias whole (added once,
@@ -114,6 +116,20 @@ def expert_axis(name: str) -> int | None:
     return None
 
 
+def hf_vocab(info: ModelInfo) -> int:
+    """The vocab of the HuggingFace model's embedding (``model.embed_tokens``, Nemotron-H's
+    ``backbone.embeddings``).
+
+    Raises:
+        ConfigError: a model type :func:`megatron_shapes` has no form for (its embedding is not known here).
+    """
+    name = megatron_back_hybrid.EMBEDDING if info.model_type in megatron_back_hybrid.MODEL_TYPES else "model.embed_tokens.weight"
+    if name not in info.disk_shapes:
+        raise ConfigError(f"model_type {info.model_type!r}: ckpttool knows no Megatron-Core form for it; split "
+                          f"--to megatron writes {', '.join(MODEL_TYPES)}")
+    return info.disk_shapes[name][0]
+
+
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron-LM's ``_vocab_size_with_padding``: ``vocab`` rounded up to a multiple of ``divisible_by * tp``."""
     multiple = divisible_by * tp
@@ -133,6 +149,8 @@ def megatron_shapes(info: ModelInfo, vocab_rows: int, mtp_layers: int = 0) -> di
         raise ConfigError(f"model_type {info.model_type!r}: ckpttool knows no Megatron-Core form for it; split "
                           f"--to megatron writes {', '.join(MODEL_TYPES)}")
     disk, config = info.disk_shapes, info.config
+    if info.model_type in megatron_back_hybrid.MODEL_TYPES:
+        return megatron_back_hybrid.megatron_shapes(disk, config, vocab_rows, "lm_head.weight" in info.tied)
     layers = int(config.get("num_hidden_layers") or 0)
     shapes: dict[str, Shape] = {"embedding.word_embeddings.weight": (vocab_rows, disk["model.embed_tokens.weight"][1])}
     if info.model_type == "gpt_oss":
@@ -269,7 +287,7 @@ def megatron_tensors(info: ModelInfo, vocab_rows: int, mtp_layers: int = 0) -> l
         ['embedding.word_embeddings.weight', 'decoder.layers.self_attention.linear_qkv.layer_norm_weight']
     """
     shapes = megatron_shapes(info, vocab_rows, mtp_layers)
-    vocab = info.disk_shapes["model.embed_tokens.weight"][0]
+    vocab = hf_vocab(info)
     tensors = {name: TensorLayout(name, shape, "", (), (Padding(0, vocab),) if name in VOCAB and shape[0] != vocab else ())
                for name, shape in shapes.items()}
     layout = Layout("", megatron_core.FORMATS[0], tensors)
@@ -333,61 +351,3 @@ def _lifted(transform: Transform, lead: int) -> Transform:
 
 def _named(transform: Transform | None) -> str:
     return "none" if transform is None else transform.name
-
-
-def training_args(info: ModelInfo, shapes: Mapping[str, Shape], *, tp: int, pp: int, ep: int, divisible_by: int,
-                  iteration: int, etp: int = 0, mtp_layers: int = 0) -> dict[str, object]:
-    """The Megatron-LM training arguments ``common.pt`` records for this model (its Megatron-Core global tensors'
-    ``shapes``) on ``tp`` x ``pp`` x ``ep`` ranks, experts cut by ``etp`` (0: the model's default): those its
-    ``load_checkpoint`` compares and the ones a reader needs to tell padding from vocab."""
-    config = info.config
-    per_layer = info.model_type in megatron_back_mla.MODEL_TYPES
-    if per_layer:  # the sizes below read off stacked names
-        shapes = {**shapes, **megatron_back_mla.stacked_view(shapes, config)}
-    heads = int(config.get("num_attention_heads") or 0)
-    groups = int(config.get("num_key_value_heads") or heads)
-    qkv = shapes["decoder.layers.self_attention.linear_qkv.weight"]
-    experts = shapes.get(EXPERT_TENSORS[0])
-    shared = shapes.get("decoder.layers.mlp.shared_experts.linear_fc1.weight")
-    dense = shapes.get("decoder.layers.mlp.linear_fc1.weight")
-    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
-    theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
-    args: dict[str, object] = {
-        "num_layers": qkv[0], "hidden_size": qkv[2], "num_attention_heads": heads, "group_query_attention": groups != heads,
-        "num_query_groups": groups, "kv_channels": qkv[1] // (heads + 2 * groups),
-        "ffn_hidden_size": (dense[1] // 2 if dense else int(config.get("intermediate_size") or experts[2] // 2)),
-        "max_position_embeddings": config.get("max_position_embeddings"), "position_embedding_type": "rope",
-        "rotary_base": int(theta), "normalization": "RMSNorm", "norm_epsilon": config.get("rms_norm_eps"), "swiglu": True,
-        "add_bias_linear": False, "add_qkv_bias": "decoder.layers.self_attention.linear_qkv.bias" in shapes,
-        "untie_embeddings_and_output_weights": "output_layer.weight" in shapes,
-        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-        "expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp,
-        "make_vocab_size_divisible_by": divisible_by,
-        "padded_vocab_size": shapes["embedding.word_embeddings.weight"][0], "transformer_impl": "local",
-        "ckpt_format": "torch_dist", "iteration": iteration, "num_experts": experts[1] if experts else None,
-    }
-    if experts:
-        args.update(moe_ffn_hidden_size=experts[2] // 2, moe_router_topk=config.get("num_experts_per_tok"),
-                    moe_grouped_gemm=False)
-    if info.model_type == "gpt_oss":
-        args.update(_gpt_oss_args(config))
-    if etp:
-        args["expert_tensor_parallel_size"] = etp
-    if per_layer:
-        args.update(megatron_back_mla.training_args(config, shapes, qkv[0], mtp_layers))
-    if shared:
-        args.update(moe_shared_expert_intermediate_size=shared[1] // 2,
-                    moe_shared_expert_gate="decoder.layers.mlp.shared_experts.gate_weight" in shapes)
-    return args
-
-
-def _gpt_oss_args(config: Mapping[str, object]) -> dict[str, object]:
-    """The arguments megatron-core builds gpt-oss with (what :func:`ckpttool.families.gpt_oss.megatron_args`
-    checks on the way in): biases on every linear layer, the sinks as a learnable softmax offset, the clamped
-    SwiGLU as ``quick_geglu`` with ``glu_linear_offset`` 1, the router's softmax after its top-k, the sliding
-    window, and experts not cut by tensor parallelism."""
-    window = config.get("sliding_window")
-    return {"add_bias_linear": True, "add_qkv_bias": True, "softmax_type": "learnable", "swiglu": False,
-            "quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": config.get("swiglu_limit"),
-            "moe_router_pre_softmax": False, "expert_tensor_parallel_size": 1,
-            **({"window_size": (window - 1, 0)} if isinstance(window, int) else {})}
