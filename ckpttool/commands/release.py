@@ -9,7 +9,7 @@ from pathlib import Path
 from ckpttool import readers
 from ckpttool.errors import ArgumentError
 from ckpttool.families.quantize_release import Release
-from ckpttool.model.architecture import find_config, read_config
+from ckpttool.model.config_file import find_config, read_config
 from ckpttool.quant.formats import read_quantization
 from ckpttool.quant.on_grid import ReleaseTensor
 from ckpttool.quant.packed import PACKED_METHODS
