@@ -134,7 +134,8 @@ COLOSSALAI_OLDER = sorted(n for n in COLOSSALAI if n.startswith("colossalai_v"))
 
 
 def test_the_older_colossalai_fixtures_are_the_release_the_table_names():
-    assert COLOSSALAI_OLDER == ["colossalai_v0_4_llama_tp2_bin", "colossalai_v0_4_mixtral_ep2_bin"]
+    assert COLOSSALAI_OLDER == ["colossalai_v0_4_llama_tp2_bin", "colossalai_v0_4_mixtral_ep2_bin",
+                                "colossalai_v0_4_mixtral_pp2_ep2_bin"]
     for name in COLOSSALAI_OLDER:
         producer = json.loads((fixture_dir(name) / "producer.json").read_text())
         assert producer["fixture"] == name and producer["versions"]["colossalai"] == "0.4.9"
@@ -358,6 +359,8 @@ ONE_RUN = {
         "colossalai_v0_4_llama_tp2_bin/checkpoint", "colossalai_real_llama_tp2_bin/checkpoint"),
     "ColossalAI 0.5.0: TP=2 .bin against TP=2 x PP=2 safetensors": (
         "colossalai_real_llama_tp2_bin/checkpoint", "colossalai_real_llama_tp2_pp2_st/checkpoint"),
+    "ColossalAI 0.4.9 MoE: EP=2 against PP=2 x EP=2 (each stage keeps its layers' rotary buffers)": (
+        "colossalai_v0_4_mixtral_ep2_bin/checkpoint", "colossalai_v0_4_mixtral_pp2_ep2_bin/checkpoint"),
     "ColossalAI 0.5.0 MoE: EP=2 against PP=2 x EP=2": (
         "colossalai_real_mixtral_ep2_bin/checkpoint", "colossalai_real_mixtral_pp2_ep2_bin/checkpoint"),
     "megatron-core 0.16.1: torch_dist against legacy (TP=2 x PP=2)": (
