@@ -59,10 +59,24 @@ def config(size_gib: float) -> dict:
 def build(src: Path, size_gib: float) -> None:
     """The synthetic FP8 checkpoint: seeded values, one file per layer (memory: one layer at a time)."""
     import torch
+
+    def fp8(name: str, shape: tuple[int, int], g) -> dict:
+        values = torch.randn(shape, generator=g).mul_(100).clamp_(-448, 448).to(torch.float8_e4m3fn)
+        grid = (math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK))
+        return {name + ".weight": values,
+                name + ".weight_scale_inv": torch.rand(grid, generator=g).mul_(1e-4).add_(1e-5)}
+
+    write_model(src, config(size_gib), fp8)
+
+
+def write_model(src: Path, cfg: dict, linear) -> None:
+    """A seeded Llama-shaped checkpoint of ``cfg`` in ``src``: bfloat16 embeddings, head and norms, and each Linear
+    weight of the layers as the tensors ``linear(name, shape, generator)`` gives (its quantized form); one
+    safetensors file per layer and an index (memory: one layer at a time)."""
+    import torch
     from safetensors.torch import save_file
 
     src.mkdir(parents=True)
-    cfg = config(size_gib)
     kv = HIDDEN * KV_HEADS // HEADS
     weight_map: dict[str, str] = {}
     total = 0
@@ -85,10 +99,7 @@ def build(src: Path, size_gib: float) -> None:
                             ("self_attn.v_proj", (kv, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HIDDEN)),
                             ("mlp.gate_proj", (INTER, HIDDEN)), ("mlp.up_proj", (INTER, HIDDEN)),
                             ("mlp.down_proj", (HIDDEN, INTER))):
-            values = torch.randn(shape, generator=g).mul_(100).clamp_(-448, 448).to(torch.float8_e4m3fn)
-            grid = (math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK))
-            tensors[p + name + ".weight"] = values
-            tensors[p + name + ".weight_scale_inv"] = torch.rand(grid, generator=g).mul_(1e-4).add_(1e-5)
+            tensors.update(linear(p + name, shape, g))
         save(tensors, f"model-layer-{i:03d}.safetensors")
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}))
@@ -129,6 +140,21 @@ def codec_cpu(repeats: int = 8) -> float:
     return (time.process_time() - start_cpu) / (repeats * values.numel() / 2**30)
 
 
+def interleaved(commands: dict[str, list[str]], runs: int, out: Path, inputs: tuple[Path, ...]) -> tuple[
+        dict[str, float], dict[str, float], dict[str, float]]:
+    """Each command ``runs`` times, interleaved, ``out`` removed and the page cache of ``inputs`` dropped before
+    each run: the medians of wall seconds, peak RSS and CPU seconds, by name."""
+    results: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
+    for _ in range(runs):
+        for name, cmd in commands.items():
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            drop_cache(*inputs)
+            results[name].append(measure(cmd))
+    return tuple({name: statistics.median(r[i] for r in done) for name, done in results.items()}  # type: ignore[return-value]
+                 for i in range(3))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=2.0)
@@ -156,19 +182,10 @@ def main() -> None:
         "plain bf16": [*merge, str(bf16), str(out)],
         "quantize": [*merge, str(bf16), str(out), "--quantize", "fp8"],
     }
-    results: dict[str, list[tuple[float, int, float]]] = {name: [] for name in commands}
-    for _ in range(args.runs):
-        for name, cmd in commands.items():
-            shutil.rmtree(out, ignore_errors=True)
-            os.sync()
-            drop_cache(src, bf16)
-            results[name].append(measure(cmd))
+    t, m, cpu = interleaved(commands, args.runs, out, (src, bf16))
     baselines = {name: measure([*cmd, "--dry-run"])[1] for name, cmd in commands.items()}
     size = {name: sum(f.stat().st_size for f in (src if "fp8" in name or name == "dequantize" else bf16).iterdir())
             for name in commands}
-    t = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
-    m = {name: statistics.median(r[1] for r in runs) for name, runs in results.items()}
-    cpu = {name: statistics.median(r[2] for r in runs) for name, runs in results.items()}
     print(f"fp8 input {size['plain fp8'] / 2**30:.2f} GiB, bf16 input {size['plain bf16'] / 2**30:.2f} GiB; "
           f"{args.workers} workers; {args.runs} runs, medians")
     for name in commands:

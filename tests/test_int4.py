@@ -82,8 +82,9 @@ GROUP32 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
     (_ct({**GROUP32, "group_size": None}), "config_groups.group_0.weights has strategy 'group' and group_size None"),
     (_ct({**GROUP32, "type": "float"}), "pack-quantized weights are 4- or 8-bit int"),
     (_ct(GROUP32, ignore="lm_head"), "quantization_config.ignore must be a list of module names, not 'lm_head'"),
-    ({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}},
-     "quantization_config.quant_algo is 'FP8'; ckpttool reads ModelOpt 'NVFP4' checkpoints only"),
+    ({"quantization_config": {"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}},  # FP8 is read since issue 28
+     "quantization_config.quant_algo is 'W4A8_AWQ'; ckpttool reads ModelOpt 'NVFP4' and 'FP8' (per tensor) "
+     "checkpoints only"),
 ])
 def test_a_packed_config_ckpttool_cannot_honour_is_an_error_naming_its_key(config, message):
     with pytest.raises(ConfigError) as e:

@@ -66,7 +66,8 @@ def lightning_ckpt(folder: Path, tensors: dict[str, torch.Tensor], config: Path,
 
 
 def test_the_fixtures_are_lightnings_own():
-    assert LIGHTNING == ["lightning_ddp_llama", "lightning_model_parallel_llama", "lightning_v2_4_ddp_llama"]
+    assert LIGHTNING == ["lightning_ddp_llama", "lightning_model_parallel_llama", "lightning_v1_9_ddp_llama",
+                         "lightning_v2_4_ddp_llama"]
     for name in LIGHTNING:
         producer = json.loads((fixture_dir(name) / "producer.json").read_text())
         assert producer["versions"]["lightning"] in classes.RELEASES and producer["backend"] == "gloo (CPU)"

@@ -1,10 +1,13 @@
 """The rest of issue 26's version matrix: ColossalAI and verl list every class their pickles may name with the
 releases that write it (the fixtures prove each cell), refuse any other class naming it and what the checkpoint
-records of its writer, and ``ckpttool diff`` finds two layouts of one training run equal."""
+records of its writer, Lightning 1.9.5's path in its callbacks state is read as text, and ``ckpttool diff`` finds
+two layouts of one training run equal."""
 
 from __future__ import annotations
 
+import collections
 import json
+import pathlib
 import pickletools
 import zipfile
 from pathlib import Path
@@ -15,7 +18,9 @@ from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, load_output, 
 
 import ckpttool
 from ckpttool.io.torch_save import accepted_classes
+from ckpttool.io.torch_save import scan
 from ckpttool.readers import colossalai_classes
+from ckpttool.readers.lightning import classes as lightning_classes
 from ckpttool.readers.verl import classes as verl_classes
 
 INPUT_IDS = torch.tensor([[1, 5, 9, 42, 100, 999, 1000, 7]])
@@ -129,7 +134,8 @@ COLOSSALAI_OLDER = sorted(n for n in COLOSSALAI if n.startswith("colossalai_v"))
 
 
 def test_the_older_colossalai_fixtures_are_the_release_the_table_names():
-    assert COLOSSALAI_OLDER == ["colossalai_v0_4_llama_tp2_bin", "colossalai_v0_4_mixtral_ep2_bin"]
+    assert COLOSSALAI_OLDER == ["colossalai_v0_4_llama_tp2_bin", "colossalai_v0_4_mixtral_ep2_bin",
+                                "colossalai_v0_4_mixtral_pp2_ep2_bin"]
     for name in COLOSSALAI_OLDER:
         producer = json.loads((fixture_dir(name) / "producer.json").read_text())
         assert producer["fixture"] == name and producer["versions"]["colossalai"] == "0.4.9"
@@ -295,6 +301,56 @@ def test_an_unknown_class_in_a_bare_rank_file_says_nothing_is_recorded(cli, tmp_
                           "the checkpoint records no verl or torch version (verl writes neither). ")
 
 
+# ------------------------------------------------------------------------------------------------ Lightning 1.x
+
+L19_CKPT = "epoch=0-step=1.ckpt"
+
+
+class _PathOf:
+    """Pickled as ``pathlib.PosixPath`` called with ``parts``, whatever they are (a path as a pickle may name it)."""
+
+    def __init__(self, *parts: object) -> None:
+        self.parts = parts
+
+    def __reduce__(self):
+        return pathlib.PosixPath, self.parts
+
+
+def _lightning_ckpt(folder: Path, dirpath: object) -> Path:
+    """The 1.9.5 fixture's weights in a ``.ckpt`` whose ModelCheckpoint state holds ``dirpath``."""
+    ours = fixture_dir("lightning_v1_9_ddp_llama")
+    folder.mkdir()
+    state = collections.OrderedDict((f"model.{k}", t) for k, t in load_output(ours / "reference").items())
+    torch.save({"pytorch-lightning_version": "1.9.5", "state_dict": state, "optimizer_states": [],
+                "callbacks": {"ModelCheckpoint{}": {"dirpath": dirpath}}, "loops": {}}, folder / L19_CKPT)
+    (folder / "config.json").write_bytes((ours / "reference" / "config.json").read_bytes())
+    return folder
+
+
+def test_lightning_1_9s_checkpoint_dirpath_is_read_as_its_text_never_as_a_path(tmp_path):
+    # 1.9.5 keeps ModelCheckpoint's dirpath as the user gave it (a Path here): the one class 2.x does not pickle
+    fixture = fixture_dir("lightning_v1_9_ddp_llama") / "checkpoint" / L19_CKPT
+    assert "pathlib.PosixPath" in _globals(fixture)
+    assert [a.releases for a in lightning_classes.TABLE if a.name == "PosixPath"] == [("1.9.5",)]
+    with open(fixture, "rb") as f:
+        tree = scan(f, label=L19_CKPT, allow=lightning_classes.CkptAllow(L19_CKPT, "1.9.5"))
+    (callback,) = tree["callbacks"].values()
+    assert callback["dirpath"] == "fixtures/lightning_v1_9_ddp_llama/checkpoint"
+    src = _lightning_ckpt(tmp_path / "abs", pathlib.PosixPath("/runs/llama/checkpoints"))
+    with open(src / L19_CKPT, "rb") as f:
+        tree = scan(f, label=L19_CKPT, allow=lightning_classes.CkptAllow(L19_CKPT, "1.9.5"))
+    assert tree["callbacks"]["ModelCheckpoint{}"]["dirpath"] == "/runs/llama/checkpoints"
+    assert ckpttool.audit(src, data=False).ok
+
+
+def test_a_path_in_a_lightning_ckpt_that_is_not_text_is_refused_naming_the_file(cli, tmp_path):
+    src = _lightning_ckpt(tmp_path / "src", _PathOf("runs", 7))
+    before = tree_digest(src)
+    out = tmp_path / "hf"
+    assert_failed_cleanly(cli("merge", src, out), out, f"'{L19_CKPT}'", "a name that is a int, not a string")
+    assert tree_digest(src) == before
+
+
 # ---------------------------------------------------- diff: two layouts of one training run, and one that differs
 
 #: (A, B) folders holding one run's weights in two layouts (same seed, same data, same steps)
@@ -303,12 +359,16 @@ ONE_RUN = {
         "colossalai_v0_4_llama_tp2_bin/checkpoint", "colossalai_real_llama_tp2_bin/checkpoint"),
     "ColossalAI 0.5.0: TP=2 .bin against TP=2 x PP=2 safetensors": (
         "colossalai_real_llama_tp2_bin/checkpoint", "colossalai_real_llama_tp2_pp2_st/checkpoint"),
+    "ColossalAI 0.4.9 MoE: EP=2 against PP=2 x EP=2 (each stage keeps its layers' rotary buffers)": (
+        "colossalai_v0_4_mixtral_ep2_bin/checkpoint", "colossalai_v0_4_mixtral_pp2_ep2_bin/checkpoint"),
     "ColossalAI 0.5.0 MoE: EP=2 against PP=2 x EP=2": (
         "colossalai_real_mixtral_ep2_bin/checkpoint", "colossalai_real_mixtral_pp2_ep2_bin/checkpoint"),
     "megatron-core 0.16.1: torch_dist against legacy (TP=2 x PP=2)": (
         "megatron_v0_16_tp2_pp2/torch_dist", "megatron_v0_16_tp2_pp2/legacy"),
     "DeepSpeed 0.19.8 MoE bf16: ZeRO-1 against ZeRO-2 (EP=2)": (
         "deepspeed_moe_bf16_zero1_ep2/checkpoint", "deepspeed_moe_bf16_zero2_ep2/checkpoint"),
+    "Lightning 1.9.5 against 2.6.6: DDP .ckpt, the same seed (the release is no layout)": (
+        "lightning_v1_9_ddp_llama/checkpoint", "lightning_ddp_llama/checkpoint"),
 }
 
 

@@ -71,7 +71,8 @@ _FLAGS = {
     "dtype='bfloat16'": "--dtype bfloat16", "dequantize=True": "--dequantize",
     "config='path/to/config.json'": "--config path/to/config.json", "raw_names=True": "--raw-names",
     "drop=": "--drop ", "quantize='int4'": "--quantize int4", "quantize='nvfp4'": "--quantize nvfp4",
-    "(group=)": "(--group)",
+    "(group=)": "(--group)", "quantize='int4-asym'": "--quantize int4-asym", "scales_from= (--scales-from)": "--scales-from",
+    "scales_from='": "--scales-from '",
 }
 
 
@@ -177,6 +178,10 @@ def main() -> None:
 @click.option("--block", callback=_check_block, help="FP8 block size for --quantize: 128 (the default, 128x128) or ROWSxCOLS.")
 @click.option("--group", type=click.IntRange(0, 1 << 16), help="INT4 group size for --quantize int4: values per scale "
               "along a row (default 32, Kimi K2's; 0: one scale per row).")
+@click.option("--scales-from", type=click.Path(path_type=str), metavar="RELEASE", help="With --quantize int4, "
+              "int4-asym or nvfp4: re-pack with the scales (zero points, global scales) of this packed release, its "
+              "packed weights and its quantization_config, so values on its grid (a dequantized release, a QAT model) "
+              "give its bytes back; a value off its grid is refused.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=_check_size, help="Largest output file: 5GB, 500MB (decimal), 5GiB, 500MiB (binary), or bytes.")
 @click.option("--weights", type=click.Choice(["master", "module"]), help="Where both are saved (DeepSpeed): fp32 master weights (default) or the module's weights.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and its coverage verdict; read no tensor data, write nothing.")
@@ -210,6 +215,7 @@ def merge_command(
     verbose: int, quantize: str | None = None, block: tuple[int, int] | None = None, verify_forward: bool = False,
     raw_names: bool = False, drop: tuple[str, ...] = (), adapters: tuple[str, ...] = (),
     adapter_config: str | None = None, adapter_only: bool = False, group: int | None = None,
+    scales_from: str | None = None,
 ) -> None:
     """Merge the checkpoint in SRC into a HuggingFace safetensors directory OUT.
 
@@ -230,6 +236,9 @@ def merge_command(
                                "NVFP4 16.")
     if group is not None and quantize not in ("int4", "int4-asym"):
         raise click.UsageError("--group is the INT4 group size of --quantize int4; give --quantize int4 too.")
+    if scales_from is not None and quantize not in ("int4", "int4-asym", "nvfp4"):
+        raise click.UsageError("--scales-from re-packs with a release's scales; give --quantize int4, int4-asym or "
+                               "nvfp4 (the release's format) too.")
     if quantize in ("fp8", "int4", "int4-asym", "nvfp4") and dtype is not None:
         raise click.UsageError(f"--quantize and --dtype are exclusive: --quantize writes {quantize.upper()} weights and keeps "
                                "every other tensor's dtype (cast first with a merge given --dtype, then quantize).")
@@ -243,6 +252,7 @@ def merge_command(
         **({"adapters": adapters} if adapters else {}),
         **({"adapter_config": adapter_config} if adapter_config else {}),
         **({"group": group} if group is not None else {}),
+        **({"scales_from": scales_from} if scales_from is not None else {}),
     ), bar)
     if result.embedded is not None and not quiet:  # the output is not the base alone: say so, whatever the mode
         click.echo(f"note: {result.embedded}, as it was saved with the base", err=True)
@@ -321,11 +331,14 @@ def audit_command(
 @click.option("--format-a", type=FORMATS, help="Format of A (detected by default).")
 @click.option("--format-b", type=FORMATS, help="Format of B (detected by default).")
 @click.option("--dequantize", is_flag=True, help="Compare float32 values, FP8/MXFP4 weights dequantized (default: stored bytes).")
+@click.option("--adapter", "adapters", multiple=True, metavar="ADAPTER", type=click.Path(path_type=str),
+              help="Fuse this PEFT LoRA adapter folder into B on the fly, as merge --adapter fuses it (repeatable), "
+              "and compare A with the fuse: is A base B + ADAPTER?")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def diff_command(
     a: str, b: str, config: str | None, config_b: str | None, format_a: str | None, format_b: str | None,
-    as_json: bool, quiet: bool, dequantize: bool = False,
+    as_json: bool, quiet: bool, dequantize: bool = False, adapters: tuple[str, ...] = (),
 ) -> None:
     """Compare two checkpoints of any formats and shardings. Exit 0: equal; 3: different; 1: unreadable."""
     from ckpttool.commands.diff import DiffResult, diff
@@ -334,11 +347,13 @@ def diff_command(
     bar = Bar("diff") if not (as_json or quiet) else None
     result: DiffResult = _run(as_json, lambda: diff(
         a, b, config=config, config_b=config_b, format_a=format_a, format_b=format_b, progress=bar,
-        dequantize=dequantize,
+        dequantize=dequantize, adapters=adapters,
     ), bar)
     if as_json:
         click.echo(json_text(result.to_json()))
     else:
+        for note in result.fused:
+            click.echo(f"B: {escaped(note)}")
         for d in result.differences:
             click.echo(f"  {shown(d.name)}: {escaped(d.describe())}")
         click.echo(result.summary())

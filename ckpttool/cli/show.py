@@ -39,7 +39,8 @@ def print_result(result: MergeResult, verbose: int) -> None:
     worst = result.worst_round_trip()
     if worst is not None:
         name, trip = worst
-        method = "mxfp4" if name.endswith("_blocks") else "fp8"
+        dtype = next((t.dtype for t in plan.targets if t.name == name), None)  # what the weight was packed to
+        method = "mxfp4" if name.endswith("_blocks") else {"I32": "int4", "U8": "nvfp4"}.get(str(dtype), "fp8")
         click.echo(f"{method + ':':<10}{counted(len(result.round_trips), 'weight')} quantized; worst round trip {shown(name)}: max |error| "
                    f"{trip.max_abs_error:.3g} (|weight| up to {trip.source_max:.3g}), relative RMS error "
                    f"{trip.relative_error:.3g}")

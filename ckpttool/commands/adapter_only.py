@@ -9,7 +9,7 @@ from pathlib import Path
 from ckpttool.commands.source import plan_source_and_adapter
 from ckpttool.errors import SourceError
 from ckpttool.families.registry import adapter_for
-from ckpttool.lora.attach import attach_adapters
+from ckpttool.lora.attach import attach_to_family
 from ckpttool.lora.embedded import embedded_adapter
 from ckpttool.lora.export import ADAPTER_OUTPUT, write_adapter_folder
 from ckpttool.writers.destination import check_destination
@@ -60,7 +60,7 @@ def export_adapter(src: str | Path, out: str | Path, *, format: str | None = Non
                           "model); --adapter-only writes the adapter a source holds with its base")
     adapter = embedded_adapter(embedded, root, adapter_config)
     # every module is one the base has, with the shape A and B make: what from_pretrained will look for
-    attach_adapters(planned.plan, [adapter], adapter_for(planned.model).rules if planned.model is not None else ())
+    attach_to_family(planned.plan, [adapter], adapter_for(planned.model) if planned.model is not None else None)
     check_destination(dest, [root], force, ADAPTER_OUTPUT)
     staging = Staging(dest, sources=[root], force=force, output=ADAPTER_OUTPUT)
     path = staging.open()

@@ -10,12 +10,17 @@ With ``dequantize``, both sides are read as a merge given ``dtype="float32"`` re
 dequantized (streamed), every other floating-point tensor cast to float32 (exact), so two checkpoints holding
 the same values in other formats (scales stored as float32 or as E8M0, BF16 against FP8 dequantized) compare
 equal, and differ by how far their values are apart.
+
+With ``adapters``, B is fused on the fly with those PEFT LoRA adapters, exactly as ``merge --adapter`` fuses them
+(the same plan, the same chunks, the same arithmetic: :mod:`ckpttool.lora`), so a released fused model compares with
+the base and adapter it claims to be made of, without writing the fuse first: equal when it is their fuse bit for bit,
+and each tensor that is not named with its largest difference.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +41,9 @@ from ckpttool.plan.plan import Plan, Target
 from ckpttool.errors import ConfigError
 from ckpttool.families.quantized import ASKS_TO_DEQUANTIZE, OR_KEEP_QUANTIZED
 from ckpttool.commands.merge import prepare
+from ckpttool.families.registry import adapter_for
+from ckpttool.lora.adapter import read_adapter
+from ckpttool.lora.attach import attach_to_family
 
 EQUAL, DIFFERENT, ONLY_A, ONLY_B, SHAPE, DTYPE = "equal", "different", "only-a", "only-b", "shape", "dtype"
 
@@ -82,6 +90,9 @@ class DiffResult:
     differences: tuple[TensorDiff, ...]
     #: compared as float32 values, quantized weights dequantized (``dequantize=True``), not as stored bytes
     dequantized: bool = False
+    #: the LoRA adapters fused into B on the fly, and what each changed, in words (``adapters=``)
+    adapters: tuple[str, ...] = ()
+    fused: tuple[str, ...] = ()
 
     @property
     def equal(self) -> bool:
@@ -109,6 +120,7 @@ class DiffResult:
     def to_json(self) -> dict[str, object]:
         return {
             "a": self.a, "b": self.b, "equal": self.equal, "dequantized": self.dequantized,
+            "adapters": list(self.adapters), "fused": list(self.fused),
             "tensors": len(self.fingerprints) + len(self.differences), "counts": self.counts(),
             "differences": [d.to_json() for d in self.differences],
             "fingerprints": self.fingerprints,
@@ -125,6 +137,7 @@ def diff(
     format_b: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     dequantize: bool = False,
+    adapters: Sequence[str | Path] = (),
 ) -> DiffResult:
     """Compare two checkpoints tensor by tensor through layout-independent fingerprints.
 
@@ -134,16 +147,23 @@ def diff(
         format_a, format_b: reader names; detected when None.
         progress: called as ``progress(bytes_just_read, total_bytes)``.
         dequantize: compare float32 values, quantized weights dequantized, instead of the stored bytes.
+        adapters: PEFT LoRA adapter folders fused into B on the fly, in order, as ``merge(adapters=...)`` fuses
+            them (streamed, nothing written): is A the fuse of base B and these adapters?
 
     Raises:
         CkptError: either side cannot be read or is not covered exactly once.
+        SourceError: an adapter cannot be read or fused into B (as ``merge`` refuses it), naming its file and tensor.
 
     Example:
         >>> diff("fixtures/llama_fsdp2_dcp/checkpoint", "fixtures/llama_tp2_dcp/checkpoint").equal  # doctest: +SKIP
         True
+        >>> diff("fixtures/lora_llama/reference", "fixtures/lora_llama/checkpoint",  # doctest: +SKIP
+        ...      adapters=["fixtures/lora_llama/adapter"]).equal
+        True
     """
     plan_a = _plan(a, format_a, config, dequantize)
-    plan_b = _plan(b, format_b, config_b if config_b is not None else config, dequantize)
+    plan_b = _plan(b, format_b, config_b if config_b is not None else config, dequantize, adapters)
+    fused = plan_b.notes[len(plan_b.notes) - len(adapters):] if adapters else ()
     total = plan_a.nbytes + plan_b.nbytes
     tick = (lambda n: progress(n, total)) if progress else (lambda n: None)
     prints_a, prints_b = _fingerprints(plan_a, tick), _fingerprints(plan_b, tick)
@@ -167,14 +187,21 @@ def diff(
     if compare:
         differences.extend(_compare(plan_a, plan_b, compare))
     order = {n: i for i, n in enumerate(sorted(targets_a.keys() | targets_b.keys()))}
-    return DiffResult(str(a), str(b), equal, tuple(sorted(differences, key=lambda d: order[d.name])), dequantize)
+    return DiffResult(str(a), str(b), equal, tuple(sorted(differences, key=lambda d: order[d.name])), dequantize,
+                      tuple(map(str, adapters)), tuple(fused))
 
 
-def _plan(src: str | Path, format: str | None, config: str | Path | None, dequantize: bool) -> Plan:
+def _plan(src: str | Path, format: str | None, config: str | Path | None, dequantize: bool,
+          adapters: Sequence[str | Path] = ()) -> Plan:
     """One side's plan: as a merge given ``dtype="float32"`` plans it when ``dequantize``, whose refusal of a
-    quantized checkpoint without a config is worded for the diff's own ``dequantize=True``."""
+    quantized checkpoint without a config is worded for the diff's own ``dequantize=True``; with ``adapters``
+    attached as a merge given them attaches them (each fused target's chunks then carry the deltas)."""
     try:
-        return prepare(src, format=format, config=config, dtype="float32" if dequantize else None).plan
+        prepared = prepare(src, format=format, config=config, dtype="float32" if dequantize else None)
+        if not adapters:
+            return prepared.plan
+        family = adapter_for(prepared.model) if prepared.model is not None else None
+        return attach_to_family(prepared.plan, [read_adapter(path) for path in adapters], family)
     except ConfigError as e:
         if not dequantize or ASKS_TO_DEQUANTIZE not in str(e):
             raise

@@ -16,6 +16,8 @@ from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError
 from ckpttool.families.quantize import output_config as quantized_config
 from ckpttool.families.quantize import MXFP4_DTYPE, quantize_block
 from ckpttool.families.quantize_packed import PackScheme
+from ckpttool.families.quantize_release import check_method
+from ckpttool.commands.release import read_release
 from ckpttool.quant.formats import MXFP4
 from ckpttool.families.quantized import output_config, scale_names
 from ckpttool.findings import Finding, Report, sort_findings
@@ -24,7 +26,7 @@ from ckpttool.commands.source import plan_source_and_adapter
 from ckpttool.families.source import Planned
 from ckpttool.quant.encode import RoundTrip
 from ckpttool.lora.adapter import read_adapter
-from ckpttool.lora.attach import attach_adapters
+from ckpttool.lora.attach import attach_to_family
 from ckpttool.lora.embedded import Embedded, source_adapter
 from ckpttool.families.registry import adapter_for
 from ckpttool.writers.destination import AUDIT_FILE, check_destination
@@ -184,6 +186,7 @@ def merge(
     adapters: Sequence[str | Path] = (),
     adapter_config: str | Path | None = None,
     group: int | None = None,
+    scales_from: str | Path | None = None,
 ) -> MergeResult:
     """Merge a sharded checkpoint into a HuggingFace-loadable safetensors directory.
 
@@ -218,6 +221,10 @@ def merge(
             the same weights as compressed-tensors ``nvfp4-pack-quantized``.
         block: the FP8 block size, rows and columns (an int for both; default 128x128).
         group: the INT4 group size, values per scale along a row (default 32; 0: one scale per row).
+        scales_from: with ``quantize="int4"`` (``"int4-asym"``, ``"nvfp4"``), a packed release (a HuggingFace
+            folder) whose own scales, zero points and global scales the weights are re-packed with, the weights it
+            packs and its ``quantization_config``: values on its grid (a dequantized release, a QAT model) give
+            its bytes back; a value off the grid beyond rounding is refused (:mod:`ckpttool.quant.on_grid`).
         verify_forward: before publishing, load the output with transformers strictly and run a forward
             (:func:`ckpttool.verify.forward.check_output`); a problem stops the publish. Needs a config.
         raw_names: for a source named in a convention of its own (Megatron-Core, Megatron legacy, DeepSpeed
@@ -263,6 +270,14 @@ def merge(
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)
     quantizing = quantize_block(quantize, block, group)
+    release = None
+    if scales_from is not None:
+        if not isinstance(quantizing, PackScheme):
+            raise ArgumentError(f"scales_from='{scales_from}' re-packs to a release's own grid: give quantize='int4', "
+                                "'int4-asym' or 'nvfp4' (the release's format) too")
+        release = read_release(scales_from)
+        check_method(str(quantize), group, release)
+        quantizing = replace(quantizing, release=release)
     if quantizing == MXFP4:  # the release's layout: everything but the experts in bfloat16, unless told otherwise
         dtype = dtype or MXFP4_DTYPE
     elif quantizing is not None and dtype is not None:
@@ -281,14 +296,14 @@ def merge(
         read = [*own, *map(read_adapter, adapters)]
         if read and quantizing is not None:
             raise ArgumentError(f"quantize={quantize!r} with adapters: fuse first (a merge given adapters=), then quantize")
-        plan = attach_adapters(plan, read, adapter_for(prepared.model).rules if prepared.model is not None else ())
+        plan = attach_to_family(plan, read, adapter_for(prepared.model) if prepared.model is not None else None)
         # attach_adapters appends one note per adapter, in order: the source's own comes first
         own_note = plan.notes[len(plan.notes) - len(read)] if own else None
         if not plan.targets:
             raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
         files = tuple(assign_files(plan, max_shard_size))
         if dest is not None:
-            check_destination(dest, [root, *map(Path, adapters)], force)
+            check_destination(dest, [root, *map(Path, adapters), *([Path(release.root)] if release else [])], force)
         extras: list[str] = []
         report, kept, restored = None, 0, None
         if dest is not None and not dry_run:

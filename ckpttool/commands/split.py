@@ -27,7 +27,7 @@ from ckpttool.commands.merge import config_dtype, extras_search, prepare
 from ckpttool.commands.meshes import MegatronMesh, Mesh, Sharding, mesh_for
 from ckpttool.families.quantized import output_config
 from ckpttool.families.source import Planned
-from ckpttool.commands.split_dcp import NAMES, in_memory, model_of, plan_dcp
+from ckpttool.commands.split_dcp import NAMES, in_memory, left_out, model_of, plan_dcp
 from ckpttool.families.conventions.torchtitan_back import release_of, to_torchtitan
 from ckpttool.commands.split_megatron import plan_megatron, training_args
 from ckpttool.families.conventions.megatron_back import MODEL_TYPES as MEGATRON_TYPES
@@ -272,7 +272,7 @@ def split(
                  else f"{prepared.adapter}; written in torchtitan {release_of(names)}'s names" if names != "hf"
                  else prepared.adapter),
         dry_run=dry_run, extras=tuple(extras), workers=workers, restored=restored,
-        notes=(*prepared.plan.notes, *_names_notes(names, prepared)),
+        notes=(*prepared.plan.notes, *_names_notes(to, names, prepared)),
     )
 
 
@@ -289,10 +289,10 @@ def _check_names(to: str, names: str) -> None:
                             f"to={to!r} writes its own names")
 
 
-def _names_notes(names: str, prepared: Planned) -> list[str]:
-    """What writing ``names`` did, for the summary (none for transformers' own)."""
+def _names_notes(to: str, names: str, prepared: Planned) -> list[str]:
+    """What writing ``names`` did, for the summary: for transformers' own, in a DCP, what the model leaves out."""
     if names == "hf":
-        return []
+        return left_out(prepared) if to == "dcp" else []
     return to_torchtitan(in_memory(prepared), model_of(prepared), release_of(names),
                          on_disk=[t.name for t in prepared.plan.targets]).notes
 

@@ -19,6 +19,7 @@ from ckpttool.commands.meshes import REPLICATE, Mesh, Sharding, shard_tensors
 from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families import MemoryTensor, adapter_for, map_from_hf
 from ckpttool.families.conventions import torchtitan_back
+from ckpttool.families.mtp import expected as mtp_expected
 from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import Box
 from ckpttool.layout.placements import Placement
@@ -55,6 +56,22 @@ def model_of(prepared: Planned) -> ModelInfo:
             f"tensors as the parallelized model holds them in memory ({why}); give config='PATH'"
         )
     return prepared.model
+
+
+def left_out(prepared: Planned) -> list[str]:
+    """A note naming the source's tensors that no in-memory tensor reads, which ``split --to dcp`` in transformers'
+    names therefore leaves out (a DCP of transformers' model holds none of them): above all the MTP layers of a
+    DeepSeek-V3 release, which transformers' causal LM does not build. Empty when every tensor is read."""
+    read = {sl.source for m in in_memory(prepared) for sl in m.slices}
+    unread = [t.name for t in prepared.plan.targets if t.name not in read]
+    if not unread:
+        return []
+    info = model_of(prepared)
+    shown = ", ".join(f"'{n}'" for n in unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
+    mtp = [n for layer in mtp_expected(info).values() for n in layer if n in unread]
+    return [f"{len(unread)} source tensor{'s' if len(unread) != 1 else ''} left out: transformers' {info.model_type} "
+            f"model holds no such tensor in memory, so its DCP has none ({shown})"
+            + ("; its MTP layers are kept by --to megatron (and, for DeepSeek-V3, --names torchtitan)" if mtp else "")]
 
 
 def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:

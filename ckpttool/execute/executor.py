@@ -85,8 +85,9 @@ def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: in
         per = target.shape[0] if target.transform.moves_rows() else -(-per // (g := _granule(target))) * g
     elif target.transform is not None:  # whole blocks of a row permutation; everything when dim 0 is transposed
         per = max(1, target.transform.align(target.shape, per))  # (0 for a target of no rows: a step of 1)
-    if target.lora:  # whole blocks of ROW_ALIGN rows: the matrix kernel's row blocks, as in PEFT's whole product
-        per = -(-per // ROW_ALIGN) * ROW_ALIGN
+    if target.lora and not all(d.stacked for d in target.lora):  # whole blocks of ROW_ALIGN rows: the matrix
+        per = -(-per // ROW_ALIGN) * ROW_ALIGN  # kernel's row blocks, as in PEFT's whole product (experts stacked on
+        # disk are rows of their own: each expert's product is one batch of PEFT's einsum)
     return [
         Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
         for a in range(0, shape[0], per)

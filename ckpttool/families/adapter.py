@@ -84,6 +84,8 @@ class FamilyAdapter:
     - ``stacked_experts``: patterns of in-memory names that hold experts stacked on dim 0 with no
       :class:`~.rules.Unstack` (stacked on disk too, e.g. gpt-oss's ``mlp.experts.gate_up_proj``): ``split --ep``
       shards their dim 0 over the expert-parallel ranks;
+    - ``transposed_experts``: those of them stored ``(E, in, out)`` (transformers' ``is_transposed`` experts), whose
+      PEFT LoRA delta is ``einsum(... -> "e i o")`` (:mod:`ckpttool.lora.attach`); ``(E, out, in)`` otherwise;
     - ``cuts``: ``(convention name, cut)`` for a convention whose generic cut does not fit this family (e.g. a
       Megatron-Core cut of its own); the convention's cut is used otherwise;
     - ``args_checks``: checks of a source's training args against the config, each returning problem lines (run
@@ -103,6 +105,7 @@ class FamilyAdapter:
     rules: Rules = ()
     tp_rules: PlacementRules = HF_TP_RULES
     stacked_experts: tuple[str, ...] = ()
+    transposed_experts: tuple[str, ...] = ()
     cuts: tuple[tuple[str, Cut], ...] = ()
     args_checks: tuple[ArgsCheck, ...] = ()
     carried: tuple[str, ...] = ()

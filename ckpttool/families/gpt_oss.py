@@ -190,6 +190,8 @@ ADAPTER = FamilyAdapter(
     ),
     # experts stay stacked on disk ([E, ...]): split --ep shards dim 0, as transformers' EP plan does (the biases too)
     stacked_experts=(r"\.mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$",),
+    # stored (E, in, out): transformers' GptOssExperts is_transposed=True, so PEFT's ParamWrapper does not swap
+    transposed_experts=(r"\.mlp\.experts\.(?:gate_up_proj|down_proj)$",),
     cuts=((megatron_core.NAME, megatron_core_cut),),
     args_checks=(megatron_args,),
 )

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ckpttool.errors import ArgumentError, ConfigError
+from ckpttool.families.quantize_release import Release, release_config, release_specs
 from ckpttool.io.dtypes import FLOAT_DTYPES
 from ckpttool.plan.plan import Dequantize, Plan, TargetSpec
 from ckpttool.quant.pack_encode import INT_PACKED, INT_SCALES, INT_ZERO_POINTS, NVFP4_PART, WEIGHT_SHAPE
@@ -47,8 +48,12 @@ class PackScheme:
     group: int = DEFAULT_GROUP
     symmetric: bool = True
     nvfp4: bool = False
+    #: re-pack with this release's scales (``scales_from=``): the release decides what is packed, and how
+    release: Release | None = None
 
     def describe(self) -> str:
+        if self.release is not None:
+            return f"{self.release.quant.describe()} with the scales of '{self.release.root}'"
         if self.nvfp4:
             return "nvfp4-pack-quantized NVFP4 (E2M1 values, F8_E4M3 scales per 16, F32 weight_global_scale)"
         groups = f"groups of {self.group}" if self.group else "one scale per row"
@@ -80,8 +85,11 @@ def packed_specs(specs: Sequence[TargetSpec], dtypes: Mapping[str, str | None], 
     """Each weight ``quantizes(name, shape, dtype)`` picks as its packed targets, the others as they are.
 
     Raises:
-        ConfigError: a weight whose columns are not a whole number of groups, or no weight to pack.
+        ConfigError: a weight whose columns are not a whole number of groups, or no weight to pack; with a
+            release (:attr:`PackScheme.release`), as :func:`~ckpttool.families.quantize_release.release_specs`.
     """
+    if scheme.release is not None:
+        return release_specs(specs, dtypes, scheme.release, source=source)
     out: list[TargetSpec] = []
     for spec in specs:
         if not quantizes(spec.name, spec.shape, dtypes[spec.name]):
@@ -135,7 +143,10 @@ def _packed_weights(plan: Plan) -> tuple[set[str], tuple[tuple[str, object], ...
 
 def packed_config(plan: Plan) -> dict[str, object] | None:
     """compressed-tensors' ``quantization_config`` of a packing merge's output (as compressed-tensors 0.20 saves
-    it), or None when ``plan`` packs nothing."""
+    it), or None when ``plan`` packs nothing; a re-packing with a release's scales writes the release's own."""
+    released = release_config(plan)
+    if released is not None:
+        return released
     packed, found = _packed_weights(plan)
     if found is None:
         return None

@@ -30,7 +30,7 @@ from ckpttool.quant.formats import (
     mxfp4_logical_shape,
 )
 from ckpttool.quant import packed
-from ckpttool.quant.packed_decode import NVFP4_GROUPS, PACKED_INT_GROUPS
+from ckpttool.quant.packed_decode import FP8_TENSOR, NVFP4_GROUPS, PACKED_INT_GROUPS
 
 #: the key of config.json a dequantizing merge removes
 CONFIG_KEY = "quantization_config"
@@ -89,6 +89,8 @@ def _split_problems(specs: Sequence[TargetSpec], layout: Layout, quant: Quantiza
     if max(map(len, map(_PIECES, layout.tensors.values())), default=0) < 2:  # every tensor whole in one piece
         return []
     by_name = {s.name: s for s in specs}
+    if quant.method == packed.FP8_MODELOPT:  # one scale for the whole tensor: any cut shares it, as the export does
+        return []
     if quant.method != FP8:
         return _packed_split_problems(by_name, layout, quant)
     found = []
@@ -229,6 +231,10 @@ def _dequantized_packed(specs: Sequence[TargetSpec], by_name: Mapping[str, Targe
     out = [s for s in specs if s.name not in used]
     for link in found:
         weight, scale = by_name[link.weight], by_name[link.scale]
+        if quant.method == packed.FP8_MODELOPT:  # one scale per tensor: read whole with each chunk, as aux
+            out.append(TargetSpec(link.logical, weight.shape, weight.slices,
+                                  Dequantize(FP8_TENSOR, (), weight.shape, None, aux=(scale,))))
+            continue
         if len(weight.shape) != 2 or len(scale.shape) != 2:
             raise ConfigError(f"'{link.weight}' has shape {list(weight.shape)}; ckpttool dequantizes packed Linear "
                               "weights [O, I] only")

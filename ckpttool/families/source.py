@@ -200,6 +200,11 @@ def plan_layout(
         if quantize == MXFP4:
             own.append("quantized the experts to MXFP4 (gpt-oss's release layout: _blocks and E8M0 _scales per 32 "
                        "inputs); every other tensor kept, in the merge's dtype")
+        elif isinstance(quantize, PackScheme) and quantize.release is not None:
+            own.append(f"re-packed the weights '{quantize.release.root}' packs as it packs them, "
+                       f"{quantize.release.quant.describe()}, with its scales, zero points and global scales (copied, "
+                       "as are its weight_shape and activation scales) and its quantization_config; every other "
+                       "tensor kept")
         elif isinstance(quantize, PackScheme):
             own.append(f"packed the Linear weights of the decoder layers to compressed-tensors {quantize.describe()}; "
                        "norms, embeddings, lm_head, routers and biases kept")

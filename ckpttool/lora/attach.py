@@ -16,6 +16,13 @@ LoRA on a stacked expert parameter (``mlp.experts.gate_up_proj`` ``(E, 2I, H)``,
 part ``i`` takes rows ``i*n ..`` of that expert's delta. PEFT's keys do not say which parameter a pair is, so the
 one parameter whose per-expert tensors have the shapes A and B make is it (gate_up: A ``(r*E, H)``, B
 ``(2I, r*E)``; down: A ``(r*E, I)``, B ``(H, r*E)``: never both).
+
+A stacked expert parameter that stays stacked on disk (gpt-oss's ``mlp.experts.gate_up_proj`` ``(E, H, 2I)`` and
+``down_proj`` ``(E, I, H)``, no :class:`~ckpttool.families.rules.Unstack` rule) takes the delta whole, expert by
+expert (:attr:`~ckpttool.plan.lora.LoraDelta.stacked`). Its orientation is the family's (transformers'
+``is_transposed`` experts, stored ``(E, in, out)``, which PEFT does not swap; ``(E, out, in)`` otherwise), given as
+``transposed``, the family's :attr:`~ckpttool.families.adapter.FamilyAdapter.transposed_experts`: gpt-oss's
+``down_proj`` is square in the release (2880 x 2880), so the shapes cannot tell.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ckpttool.errors import SourceError
 from ckpttool.families.rules import Rename, Rules, Unstack
@@ -32,10 +40,16 @@ from ckpttool.lora.adapter import Adapter
 from ckpttool.plan.lora import LoraDelta
 from ckpttool.plan.plan import Plan, Target
 
+if TYPE_CHECKING:
+    from ckpttool.families.adapter import FamilyAdapter
 
-def attach_adapters(plan: Plan, adapters: Sequence[Adapter], rules: Rules = ()) -> Plan:
+
+def attach_adapters(plan: Plan, adapters: Sequence[Adapter], rules: Rules = (),
+                    transposed: Sequence[str] = ()) -> Plan:
     """``plan`` with every adapter's deltas on the targets they change (in the order given), and a note per adapter.
-    ``rules``: the family's in-memory to on-disk names (:attr:`~ckpttool.families.adapter.FamilyAdapter.rules`).
+    ``rules``: the family's in-memory to on-disk names (:attr:`~ckpttool.families.adapter.FamilyAdapter.rules`);
+    ``transposed``: its patterns of experts stacked on disk as ``(E, in, out)``
+    (:attr:`~ckpttool.families.adapter.FamilyAdapter.transposed_experts`).
 
     Raises:
         SourceError: a module the adapter changes is not in the base, its weight's shape is not what A and B make,
@@ -52,7 +66,8 @@ def attach_adapters(plan: Plan, adapters: Sequence[Adapter], rules: Rules = ()) 
         fused = 0
         for module, delta in adapter.deltas.items():
             if delta.parameters:
-                placed = unstacked(delta, targets, rules)
+                placed = (stacked_target(delta, targets, rules, transposed)
+                          or unstacked(delta, targets, rules, transposed))
                 if isinstance(placed, str):
                     problems.append(placed)
                     continue
@@ -95,6 +110,17 @@ def attach_adapters(plan: Plan, adapters: Sequence[Adapter], rules: Rules = ()) 
     return replace(plan, targets=fused_targets, notes=(*plan.notes, *notes))
 
 
+def attach_to_family(plan: Plan, adapters: Sequence[Adapter], family: FamilyAdapter | None) -> Plan:
+    """:func:`attach_adapters` with ``family``'s rules and transposed experts (none for a generic plan: None).
+
+    Raises:
+        SourceError: as :func:`attach_adapters`.
+    """
+    if family is None:
+        return attach_adapters(plan, adapters)
+    return attach_adapters(plan, adapters, family.rules, family.transposed_experts)
+
+
 def disk_name(name: str, rules: Rules) -> str:
     """The name ``save_pretrained`` writes for in-memory weight ``name``: the first matching rename applied."""
     for rule in rules:
@@ -103,7 +129,22 @@ def disk_name(name: str, rules: Rules) -> str:
     return name
 
 
-def unstacked(delta: LoraDelta, targets: dict[str, Target], rules: Rules) -> list[tuple[str, LoraDelta]] | str:
+def stacked_target(delta: LoraDelta, targets: dict[str, Target], rules: Rules,
+                   transposed: Sequence[str]) -> list[tuple[str, LoraDelta]] | None:
+    """Where a stacked expert parameter's ``delta`` goes when the parameter stays stacked on disk: the one of
+    ``delta.parameters`` that is a target of shape ``(E, in, out)`` (a name ``transposed`` matches) or
+    ``(E, out, in)`` (else), as A and B make; None when none is."""
+    out, cols, experts = delta.b.shape[0], delta.a.shape[1], delta.experts
+    for parameter in delta.parameters:
+        target = targets.get(disk_name(parameter, rules))
+        flipped = any(re.search(p, parameter) for p in transposed)
+        if target is not None and target.shape == ((experts, cols, out) if flipped else (experts, out, cols)):
+            return [(target.name, replace(delta, stacked="e i o" if flipped else "e o i"))]
+    return None
+
+
+def unstacked(delta: LoraDelta, targets: dict[str, Target], rules: Rules,
+              transposed: Sequence[str] = ()) -> list[tuple[str, LoraDelta]] | str:
     """Where a stacked expert parameter's ``delta`` goes: per expert and part, the target's name and the delta
     of its rows (:attr:`~ckpttool.plan.lora.LoraDelta.expert`, ``row_offset``), for the one parameter of
     ``delta.parameters`` whose per-expert targets (by ``rules``' :class:`Unstack`) have the shapes A and B make;
@@ -113,7 +154,14 @@ def unstacked(delta: LoraDelta, targets: dict[str, Target], rules: Rules) -> lis
     for parameter in delta.parameters:
         rule = next((r for r in rules if isinstance(r, Unstack) and re.match(r.pattern, parameter)), None)
         if rule is None:
-            seen.append(f"no rule of the family saves '{parameter}' per expert")
+            held = targets.get(disk_name(parameter, rules))
+            if held is None:
+                seen.append(f"no rule of the family saves '{parameter}' per expert")
+            else:  # stacked on disk, but not as A and B make it (stacked_target did not take it)
+                flipped = any(re.search(p, parameter) for p in transposed)
+                seen.append(f"the base holds '{held.name}' stacked, {list(held.shape)}, where they make "
+                            f"{[experts, cols, out] if flipped else [experts, out, cols]} "
+                            f"({'(E, in, out)' if flipped else '(E, out, in)'}, as the family stores it)")
             continue
         prefix = re.match(rule.pattern, parameter).group(1)  # type: ignore[union-attr]
         names = [[n.format(prefix=prefix, expert=e) for n in rule.names] for e in range(experts + 1)]

@@ -21,6 +21,7 @@ What PEFT saves with the base and ckpttool does not fuse is refused by name: sev
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -30,14 +31,23 @@ from ckpttool.errors import ArgumentError, SourceError
 from ckpttool.execute.buffers import Chunk
 from ckpttool.execute.executor import Reader, build, piece_uses
 from ckpttool.fast.deferred import torch
+from ckpttool.io.jsonfile import loads
+from ckpttool.io.paths import JSON_LIMIT, read_source_text
 from ckpttool.layout.layout import Layout, TensorLayout
 from ckpttool.lora.adapter import CONFIG, Adapter, lora_deltas, read_adapter_config, target_modules
 from ckpttool.plan.plan import Target, plan_merge
 
+#: the folder verl's FSDP worker (0.5 on) writes beside a LoRA actor's rank files: PEFT's adapter_config.json (of
+#: ``asdict(peft_config)``) and the adapter's weights
+VERL_ADAPTER = "lora_adapter"
+#: what verl (0.9 on) writes beside a LoRA actor's rank files: the adapter's r and lora_alpha
+VERL_META = "lora_train_meta.json"
 #: the prefix of every name of a model wrapped by ``get_peft_model`` (its ``base_model`` is the LoraModel, whose
 #: ``model`` is the transformers model)
 WRAPPED = "base_model.model."
 _LORA = re.compile(r"(?P<module>.+)\.lora_(?P<which>A|B)\.(?P<name>[^.]+)\.weight")
+#: Megatron-Bridge's (and NeMo's) LoRA on a Megatron-Core module, saved with the base (fixtures/make_megatron_lora.py)
+_BRIDGE = re.compile(r"\.adapter\.linear_(in|out)(_w|_v)?\.weight$")
 #: what PEFT keeps beside a LoRA module that ckpttool does not fuse, and why
 _REFUSED = (
     (re.compile(r"\.lora_embedding_[AB]\."), "embedding LoRA (lora_embedding_A / _B) is not fused yet"),
@@ -69,8 +79,15 @@ def split_embedded(layout: Layout) -> Embedded | None:
 
     Raises:
         SourceError: the source holds what ckpttool does not fuse (two adapters, ``modules_to_save``, embedding
-            LoRA, DoRA), naming the tensor.
+            LoRA, DoRA, a Megatron-Bridge LoRA's ``adapter.linear_in`` / ``linear_out``), naming the tensor.
     """
+    bridge = [fqn for fqn in layout.tensors if ".adapter.linear_" in fqn and _BRIDGE.search(fqn)]
+    if bridge:
+        raise SourceError(
+            f"'{layout.root}': '{bridge[0]}': a Megatron-Core LoRA adapter saved with the base (Megatron-Bridge / NeMo's "
+            f"adapter.linear_in / linear_out, {len(bridge)} tensors); ckpttool does not fuse Megatron LoRA yet, and "
+            "merging the base alone would silently drop the adapter. Merge it into the base with Megatron-Bridge's "
+            "LoRAMerge before saving, or export the HuggingFace model with Megatron-Bridge")
     if not any(".lora_A." in fqn or ".base_layer." in fqn for fqn in layout.tensors):
         return None
     base: dict[str, TensorLayout] = {}
@@ -145,9 +162,36 @@ class SourceTensor:
             reader.close()
 
 
+def verl_meta_config(path: Path, embedded: Embedded) -> dict[str, object]:
+    """The adapter config that verl's ``lora_train_meta.json`` (``{"r", "lora_alpha", "task_type"}``, written by
+    ``FSDPCheckpointManager.save_checkpoint`` from verl 0.9 on beside a LoRA actor's rank files) stands for: LoRA with
+    that rank and alpha on the modules the source's lora_A / lora_B name. verl's actor builds its ``LoraConfig`` from
+    ``lora_rank``, ``lora_alpha``, ``target_modules`` and ``bias="none"`` only (no rsLoRA, no DoRA, no patterns), so
+    the scaling is ``lora_alpha / r``.
+
+    Raises:
+        SourceError: not a JSON object, or ``r`` / ``lora_alpha`` missing or not a positive number, naming the file.
+    """
+    try:
+        meta = loads(read_source_text(path, str(path), limit=JSON_LIMIT))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SourceError(f"'{path}': not verl's JSON LoRA metadata ({e})") from None
+    if not isinstance(meta, dict):
+        raise SourceError(f"'{path}': not a JSON object")
+    for key in ("r", "lora_alpha"):
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise SourceError(f"'{path}': {key} = {value!r}; expected a positive number (verl writes the LoRA "
+                              "actor's rank and alpha here)")
+    modules = sorted({key.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for key in embedded.lora})
+    return {"peft_type": "LORA", "r": meta["r"], "lora_alpha": meta["lora_alpha"], "bias": "none",
+            "task_type": str(meta.get("task_type", "CAUSAL_LM")), "target_modules": modules}
+
+
 def embedded_adapter(embedded: Embedded, root: str | Path, config: str | Path | None = None) -> Adapter:
     """The adapter saved with the base, as :func:`~.adapter.read_adapter` gives a PEFT folder's: its config read
-    from ``config`` or, when None, from ``adapter_config.json`` in ``root`` (the source).
+    from ``config`` or, when None, from ``adapter_config.json`` in ``root`` (the source), or else from the one in
+    verl's ``lora_adapter/`` there, or else from verl's ``lora_train_meta.json`` there (:func:`verl_meta_config`).
 
     Raises:
         SourceError: no config given and none beside the checkpoint (the scaling is only there); the config is
@@ -155,14 +199,20 @@ def embedded_adapter(embedded: Embedded, root: str | Path, config: str | Path | 
     """
     source = Path(root)
     path = Path(config) if config is not None else source / CONFIG
-    if not path.is_file():
+    if config is None and not path.is_file() and (source / VERL_ADAPTER / CONFIG).is_file():
+        path = source / VERL_ADAPTER / CONFIG
+    if config is None and not path.is_file() and (source / VERL_META).is_file():
+        path = source / VERL_META
+        read = verl_meta_config(path, embedded)
+    elif not path.is_file():
         given = f"'{path}': no such file" if config is not None else f"no {CONFIG} beside it"
         raise SourceError(
             f"'{source}': holds a LoRA adapter saved with the base ({len(embedded.lora) // 2} modules, e.g. "
             f"'{next(iter(embedded.lora.values())).fqn}'), and {given}. The scaling (lora_alpha / r) is only in the "
             f"adapter's config: give --adapter-config path/to/{CONFIG} (what save_pretrained or "
             f"LoraConfig.save_pretrained writes), or put it beside the checkpoint")
-    read = read_adapter_config(path)
+    else:
+        read = read_adapter_config(path)
     planned = plan_merge(Layout(str(source), embedded.base.format, {k: replace(t, fqn=k) for k, t in
                                                                      embedded.lora.items()}))
     tensors = {t.name: SourceTensor(str(source), t, embedded.lora[t.name].fqn) for t in planned.targets}

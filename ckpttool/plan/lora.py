@@ -100,6 +100,11 @@ class LoraDelta:
             ``gate_up_proj``).
         parameters: before it is attached, the stacked parameters (in-memory names, ``...mlp.experts.down_proj``)
             the delta may be on; PEFT's keys do not say which, the shapes do (:func:`ckpttool.lora.attach`).
+        stacked: LoRA on a stacked expert parameter that stays stacked on disk (gpt-oss's ``mlp.experts.gate_up_proj``
+            ``(E, H, 2I)``): the target's rows are experts, and ``stacked`` is the output of PEFT's einsum, ``"e i o"``
+            for a parameter stored ``(E, in, out)`` (transformers' ``is_transposed`` experts, gpt-oss's) or
+            ``"e o i"`` for ``(E, out, in)``; rows ``start..stop`` are ``einsum("o r e, e r i -> " + stacked)`` of
+            those experts' blocks of A and columns of B, as ``ParamWrapper.get_delta_weight`` computes the whole.
     """
 
     adapter: str
@@ -113,6 +118,7 @@ class LoraDelta:
     expert: int = 0
     row_offset: int = 0
     parameters: tuple[str, ...] = ()
+    stacked: str = ""
 
     @property
     def rank(self) -> int:
@@ -122,6 +128,8 @@ class LoraDelta:
         """Rows ``start..stop`` of the delta as PEFT's ``get_delta_weight`` computes them (float32, or float64 for a
         float64 adapter): the product into ``scratch("lora", shape, dtype)`` when given (the executor's per-thread
         buffer, reused chunk after chunk), scaled in place: the same operations, so the same bits."""
+        if self.stacked:
+            return self._stacked_rows(start, stop)
         if self.experts > 1:  # this expert's block of A and its interleaved columns of B
             a = self.a.read_rows(self.expert * self.rank, (self.expert + 1) * self.rank)
             b = self.b.read_rows(self.row_offset + start, self.row_offset + stop)[:, self.expert::self.experts]
@@ -140,10 +148,25 @@ class LoraDelta:
             product = torch.matmul(b, a, out=scratch("lora", (b.shape[0], a.shape[1]), dtype))
         return (product.T if self.fan_in_fan_out else product).mul_(self.scaling)
 
+    def _stacked_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Experts ``start..stop`` of a stacked parameter's delta: PEFT's einsum on their blocks of A ``(n, r, in)``
+        and their columns of B ``(out, r, n)`` (a fresh tensor: einsum writes no buffer of ours), then scaled."""
+        r, n = self.rank, stop - start
+        a = self.a.read_rows(start * r, stop * r).reshape(n, r, self.a.shape[1])
+        b = self.b.read_rows(0, self.b.shape[0]).reshape(self.b.shape[0], r, self.experts)[:, :, start:stop]
+        if self.b.dtype in CAST_UP:
+            a, b = a.float(), b.float()
+        return torch.einsum(f"o r e, e r i -> {self.stacked}", b, a).mul_(self.scaling)
+
     def temporary_bytes(self, rows: int) -> int:
         """What :meth:`rows` reads and converts besides its product, for ``rows`` rows of a weight: A and the rows
         of B (B whole with ``fan_in_fan_out``; every expert's columns of them for a stacked parameter), and their
-        float32 copies."""
+        float32 copies. For a parameter stacked on disk (``rows`` experts): their blocks of A, B whole, their
+        float32 copies, and the product rounded to the weight's dtype before the add (counted at 4 bytes)."""
+        if self.stacked:
+            product = rows * self.a.shape[1] * self.b.shape[0]
+            return (rows * self.rank * self.a.shape[1] + self.b.shape[0] * self.b.shape[1]) * (
+                itemsize(self.a.dtype) + 4) + product * 4
         b_rows = self.b.shape[0] if self.fan_in_fan_out else rows
         return (self.rank * self.a.shape[1] + b_rows * self.b.shape[1]) * (itemsize(self.a.dtype) + 4)
 

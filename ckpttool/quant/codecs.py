@@ -16,11 +16,12 @@ from functools import lru_cache
 
 from ckpttool.quant.decode import Fp8Blocks, Mxfp4Groups, decoder
 from ckpttool.quant.encode import Fp8Scales, Fp8Values, encoder
+from ckpttool.quant.on_grid import GridInt, GridNvfp4, ReleaseRows, grid_encoder
 from ckpttool.quant.pack_encode import IntRows, IntZeroPoints, Nvfp4Part, WeightShape, pack_encoder
-from ckpttool.quant.packed_decode import Nvfp4, PackedInt, packed_decoder
+from ckpttool.quant.packed_decode import Fp8Tensor, Nvfp4, PackedInt, packed_decoder
 
 Codec = (Fp8Blocks | Mxfp4Groups | Fp8Values | Fp8Scales | PackedInt | Nvfp4 | IntRows | IntZeroPoints | WeightShape
-         | Nvfp4Part)
+         | Nvfp4Part | GridInt | GridNvfp4 | ReleaseRows | Fp8Tensor)
 
 
 def codec(method: str, params: tuple[tuple[str, object], ...]) -> Codec:
@@ -39,6 +40,8 @@ def _made(method: str, params: tuple[tuple[str, object], ...]) -> Codec:
     found = encoder(method, params)
     if found is None:
         found = pack_encoder(method, dict(params))
+    if found is None:
+        found = grid_encoder(method, dict(params))
     if found is None:
         found = packed_decoder(method, dict(params))
     return found if found is not None else decoder(method, params)

@@ -115,6 +115,8 @@ class Quantization:
             group = f"groups of {self.block[1]}" if self.block[1] else "one scale per row"
             return (f"compressed-tensors pack-quantized int{self.bits} ({group}, "
                     f"{'symmetric' if self.symmetric else 'asymmetric'})")
+        if self.method == packed.FP8_MODELOPT:
+            return "ModelOpt fp8 (F8_E4M3, one F32 weight_scale per tensor)"
         if self.method in PACKED_METHODS:
             who = "ModelOpt" if self.method == packed.NVFP4_MODELOPT else "compressed-tensors"
             return f"{who} nvfp4 (groups of {packed.NVFP4_GROUP} values, F8_E4M3 scales)"
@@ -145,15 +147,15 @@ def read_quantization(config: Mapping[str, object] | None, label: str = "config.
         raise ConfigError(str(e)) from None
     if declared is not None:
         kind, bits, group, symmetric, ignore = declared
-        dtype = "I32" if kind == PACKED_INT else "U8"
-        scale_fmt = "float" if kind == PACKED_INT else "e4m3"
+        dtype = {PACKED_INT: "I32", packed.FP8_MODELOPT: "F8_E4M3"}.get(kind, "U8")
+        scale_fmt = "e4m3" if kind in (packed.NVFP4_CT, packed.NVFP4_MODELOPT) else "float"
         return Quantization(kind, (1, group), scale_fmt, dtype, ignore, label, bits, symmetric)
     if method == MXFP4:
         return Quantization(MXFP4, (1, MXFP4_GROUP), "e8m0", "U8", tuple(not_converted), label)
     if method != FP8:
         raise ConfigError(f"{where} has quant_method {method!r}; ckpttool reads 'fp8' (block-scaled) and 'mxfp4' "
                           "checkpoints only, besides 'compressed-tensors' (pack-quantized, nvfp4-pack-quantized) and "
-                          "'modelopt' (NVFP4)")
+                          "'modelopt' (NVFP4, FP8)")
     fmt = raw.get("fmt", "e4m3")
     if fmt not in FP8_FORMATS:
         raise ConfigError(f"{where}.fmt is {fmt!r}; FP8 weights are 'e4m3' or 'e5m2'")
@@ -231,7 +233,7 @@ def _links(present: frozenset[str]) -> tuple[tuple[Link, ...], tuple[str, ...], 
 
 
 _SUFFIXES = (FP8_SCALE_SUFFIX, SCALES_SUFFIX, BLOCKS_SUFFIX)
-_PACKED_SUFFIXES = (packed.PACKED_SUFFIX, packed.SCALE_2_SUFFIX)
+_PACKED_SUFFIXES = (packed.PACKED_SUFFIX, packed.SCALE_2_SUFFIX, packed.FP8_SCALE_SUFFIX)
 _SCALE, _WEIGHT = attrgetter("scale"), attrgetter("weight")
 
 

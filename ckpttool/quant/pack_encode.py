@@ -35,7 +35,8 @@ reads its whole source tensor in one chunk (memory: one tensor, not the model).
 
 The scales come from the values, as the producer's observer computes them, not from a release: values that lie on
 a release's grid (a dequantized release) get the scales ``max|q * s| / 7.5``, which are not the release's ``s``
-(its largest code was 7 or -8, not 7.5), so their bytes differ from the release's (see docs/formats.md).
+(its largest code was 7 or -8, not 7.5), so their bytes differ from the release's (see docs/formats.md); to get
+them back, the release's own scales are used instead (:mod:`ckpttool.quant.on_grid`, ``scales_from=``).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class IntRows(RowForRow):
         grouped = codes.view(rows, scale.shape[1], -1)
         if zero is not None:
             grouped.sub_(zero.unsqueeze(-1))
-        return _round_trip(grouped.mul_(scale.unsqueeze(-1)).view(rows, cols), w)
+        return round_trip(grouped.mul_(scale.unsqueeze(-1)).view(rows, cols), w)
 
     def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
         del scales, out_dtype
@@ -175,11 +176,11 @@ class IntZeroPoints:
         return _scratch(stored, packed=False)
 
 
-@dataclass(frozen=True, slots=True)
-class WeightShape:
-    """``X.weight_shape`` (int64 ``[2]``): the logical shape, a constant; reads one source row (none is used)."""
+class OneSourceRow:
+    """The row methods of a target that is no function of the source's values (a constant, or another file's
+    tensor): any chunk of rows reads the source's first row only (the executor reads some)."""
 
-    shape: tuple[int, ...]
+    __slots__ = ()
 
     def stored_rows(self, start: int, stop: int) -> tuple[int, int]:
         del start, stop
@@ -187,6 +188,13 @@ class WeightShape:
 
     def align(self, rows: int) -> int:
         return max(1, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightShape(OneSourceRow):
+    """``X.weight_shape`` (int64 ``[2]``): the logical shape, a constant; reads one source row (none is used)."""
+
+    shape: tuple[int, ...]
 
     def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
                scratch: Scratch) -> None:
@@ -198,8 +206,8 @@ class WeightShape:
         return {}
 
 
-def _round_trip(decoded: torch.Tensor, source: torch.Tensor) -> RoundTrip:
-    """How far ``decoded`` is from ``source`` (both bfloat16 rows)."""
+def round_trip(decoded: torch.Tensor, source: torch.Tensor) -> RoundTrip:
+    """How far ``decoded`` is from ``source`` (both bfloat16 rows; ``decoded`` is spent)."""
     error, flat = decoded.float().sub_(source.float()).reshape(-1), source.float().reshape(-1)
     return RoundTrip(float(error.abs().max()) if error.numel() else 0.0, float(torch.dot(error, error)),
                      float(torch.dot(flat, flat)), float(flat.abs().max()) if flat.numel() else 0.0, flat.numel())
@@ -260,7 +268,7 @@ class Nvfp4Part:
         out.copy_(pairs[..., 0].bitwise_or(pairs[..., 1].bitwise_left_shift(4)))
         magnitude = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[codes.bitwise_and(7).long()]
         values = torch.where(codes.ge(8), -magnitude, magnitude).view(rows, -1, NVFP4_GROUP)
-        return _round_trip(values.mul_(factor).view(rows, cols).to(torch.bfloat16), w)
+        return round_trip(values.mul_(factor).view(rows, cols).to(torch.bfloat16), w)
 
     def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
         """The temporaries, on buffers of their own (an upper bound): the bfloat16 copy, the scales, the scaled

@@ -18,6 +18,11 @@ into ``config.json``): ``X.weight`` (uint8 ``[O, I/2]``, as above), ``X.weight_s
 ``X.weight_scale_2`` (F32 ``[]``) and ``X.input_scale``. A value is ``fp4 * (float32(scale) * weight_scale_2)``
 in float32 (ModelOpt's ``NVFP4QTensor.dequantize``): one bf16 ulp from compressed-tensors' formula in about a
 tenth of the values, so each format follows its own producer.
+
+**ModelOpt FP8 per tensor** (``quant_method: modelopt``, ``quant_algo: FP8``): ``X.weight`` (F8_E4M3 ``[O, I]``),
+``X.weight_scale`` (F32 ``[]``, one scale for the whole tensor) and ``X.input_scale``. A value is
+``fp8.to(dtype) * scale.to(dtype)`` computed in the output dtype (ModelOpt's ``FP8QTensor.dequantize``: in bfloat16
+the scale is rounded to bfloat16 first, and the product once more).
 """
 
 from __future__ import annotations
@@ -32,15 +37,20 @@ Shape = tuple[int, ...]
 PACKED_INT = "pack-quantized"
 NVFP4_CT = "nvfp4-pack-quantized"
 NVFP4_MODELOPT = "modelopt-nvfp4"
-PACKED_METHODS = (PACKED_INT, NVFP4_CT, NVFP4_MODELOPT)
+FP8_MODELOPT = "modelopt-fp8"
+PACKED_METHODS = (PACKED_INT, NVFP4_CT, NVFP4_MODELOPT, FP8_MODELOPT)
 #: the link method of each family of names: compressed-tensors' ``weight_packed``, ModelOpt's ``weight_scale_2``
 CT_LINK = "compressed-tensors"
 MODELOPT_LINK = "modelopt"
-LINK_OF = {PACKED_INT: CT_LINK, NVFP4_CT: CT_LINK, NVFP4_MODELOPT: MODELOPT_LINK}
+#: ModelOpt's per-tensor FP8: ``X.weight`` with a 0-d ``X.weight_scale`` (and no ``X.weight_scale_2``)
+MODELOPT_FP8_LINK = "modelopt-fp8"
+LINK_OF = {PACKED_INT: CT_LINK, NVFP4_CT: CT_LINK, NVFP4_MODELOPT: MODELOPT_LINK, FP8_MODELOPT: MODELOPT_FP8_LINK}
 
 PACKED_SUFFIX = "_packed"
 SCALE_SUFFIX = "_scale"
 SCALE_2_SUFFIX = "_scale_2"
+#: ModelOpt FP8's per-tensor scale, by its whole last name part (``X.weight_scale`` beside ``X.weight``)
+FP8_SCALE_SUFFIX = ".weight" + SCALE_SUFFIX
 #: the tensors a compressed-tensors or ModelOpt weight travels with besides its scale, as suffixes of ``X.weight``
 #: (``X.input_*`` are the activation scales of the same module)
 CT_COMPANIONS = ("_shape", "_zero_point", "_global_scale", "_g_idx")
@@ -67,10 +77,13 @@ def read_packed(raw: Mapping[str, object], where: str) -> tuple[str, int, int, b
     if method == "modelopt":
         algo = raw.get("quant_algo", (raw.get("quantization") or {}).get("quant_algo")  # type: ignore[union-attr]
                        if isinstance(raw.get("quantization"), Mapping) else None)
-        if algo != "NVFP4":
-            raise ValueError(f"{where}.quant_algo is {algo!r}; ckpttool reads ModelOpt 'NVFP4' checkpoints only")
-        ignore = raw.get("exclude_modules", raw.get("ignore")) or []
-        return NVFP4_MODELOPT, 4, NVFP4_GROUP, True, _patterns(ignore, f"{where}.exclude_modules")
+        if algo not in ("NVFP4", "FP8"):
+            raise ValueError(f"{where}.quant_algo is {algo!r}; ckpttool reads ModelOpt 'NVFP4' and 'FP8' (per "
+                             "tensor) checkpoints only")
+        ignore = _patterns(raw.get("exclude_modules", raw.get("ignore")) or [], f"{where}.exclude_modules")
+        if algo == "FP8":
+            return FP8_MODELOPT, 8, 0, True, ignore
+        return NVFP4_MODELOPT, 4, NVFP4_GROUP, True, ignore
     if method != "compressed-tensors":
         return None
     fmt = raw.get("format")
@@ -140,7 +153,7 @@ def ignored(module: str, patterns: Iterable[str]) -> bool | None:
 def packed_links(present: frozenset[str]) -> list[tuple[str, str, str, str]]:
     """The packed weights among ``present``: ``(link method, logical name, stored weight, scale)``, sorted.
     compressed-tensors' ``X.weight_packed`` with ``X.weight_scale``; ModelOpt's ``X.weight`` with ``X.weight_scale``
-    and ``X.weight_scale_2``."""
+    and ``X.weight_scale_2`` (NVFP4), or with ``X.weight_scale`` alone (FP8 per tensor)."""
     found = []
     for name in present:
         if name.endswith(PACKED_SUFFIX):
@@ -151,6 +164,10 @@ def packed_links(present: frozenset[str]) -> list[tuple[str, str, str, str]]:
             base = name[: -len(SCALE_2_SUFFIX)]
             if base in present and base + SCALE_SUFFIX in present:
                 found.append((MODELOPT_LINK, base, base, base + SCALE_SUFFIX))
+        elif name.endswith(FP8_SCALE_SUFFIX):
+            base = name[: -len(SCALE_SUFFIX)]
+            if base in present and base + SCALE_2_SUFFIX not in present:
+                found.append((MODELOPT_FP8_LINK, base, base, name))
     return sorted(found)
 
 
@@ -161,7 +178,7 @@ def lonely_packed(present: frozenset[str]) -> list[str]:
 
 def companions(method: str, logical: str, present: Iterable[str] | Mapping[str, object]) -> list[str]:
     """The tensors besides its weight and scale that a link of ``method`` (a link method) has in ``present``."""
-    suffixes = CT_COMPANIONS if method == CT_LINK else MODELOPT_COMPANIONS
+    suffixes = CT_COMPANIONS if method == CT_LINK else MODELOPT_COMPANIONS if method == MODELOPT_LINK else ()
     module = logical.rsplit(".", 1)[0]
     names = [logical + s for s in suffixes] + [f"{module}.{n}" for n in INPUT_SCALES]
     return [n for n in names if n in present]
@@ -177,6 +194,8 @@ def stored_shapes(method: str, logical: Shape, bits: int, group: int) -> tuple[S
     if len(logical) != 2:
         return None
     rows, cols = logical
+    if method == FP8_MODELOPT:
+        return logical, ()
     if method == PACKED_INT:
         return (rows, math.ceil(cols * bits / 32)), (rows, groups(cols, group))
     return (rows, math.ceil(cols / 2)), (rows, math.ceil(cols / NVFP4_GROUP))
@@ -190,6 +209,8 @@ def zero_point_shape(logical: Shape, bits: int, group: int) -> Shape:
 def logical_shape(method: str, stored: Shape, scale: Shape, bits: int, group: int) -> Shape:
     """A weight's ``[O, I]`` from its stored headers (``weight_shape``'s value, read at decode time, must agree):
     the packed columns times the values per column, cut to the groups the scale holds when that is fewer."""
+    if method == FP8_MODELOPT:
+        return stored
     rows, cols = stored[0], stored[-1]
     per = 32 // bits if method == PACKED_INT else 2
     width = cols * per

@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 from ckpttool.quant.packed import (
+    FP8_MODELOPT,
     INT_SCALE_DTYPES,
     NVFP4_CT,
     NVFP4_GROUP,
@@ -39,6 +40,8 @@ def check_packed(weight: str, scale: str, tensors: Mapping[str, tuple[str, Shape
     if w_dtype != quant.weight_dtype:  # type: ignore[attr-defined]
         problems.append(Problem("quant-config-mismatch", weight, f"'{weight}' is {w_dtype}, but '{label}' declares "
                                 f"{quant.describe()}, whose packed values are {quant.weight_dtype}"))  # type: ignore[attr-defined]
+    if method == FP8_MODELOPT:
+        return problems + _per_tensor(weight, scale, w_shape, tensors[scale], label, Problem)
     scale_dtypes = INT_SCALE_DTYPES if method == PACKED_INT else ("F8_E4M3",)
     if s_dtype not in scale_dtypes:
         problems.append(Problem("quant-scale-dtype", scale, f"'{scale}' is {s_dtype}; the scales of "
@@ -113,6 +116,19 @@ def _global(weight: str, name: str, tensors: Mapping[str, tuple[str, Shape]], la
         return [problem("quant-scale-shape", name, f"'{name}' is {dtype} {list(shape)}; an NVFP4 global scale is one "
                         "F32 value")]
     return []
+
+
+def _per_tensor(weight: str, scale: str, w_shape: Shape, found: tuple[str, Shape], label: str, problem: type) -> list:
+    """ModelOpt FP8's one F32 scale for the whole ``[O, I]`` weight."""
+    dtype, shape = found
+    problems = []
+    if len(w_shape) != 2:
+        problems.append(problem("quant-scale-shape", weight, f"'{weight}' has shape {list(w_shape)}; ckpttool reads "
+                                "ModelOpt FP8 Linear weights [O, I] only"))
+    if dtype != "F32" or math.prod(shape) != 1:
+        problems.append(problem("quant-scale-shape", scale, f"'{scale}' is {dtype} {list(shape)}; a ModelOpt FP8 "
+                                f"weight scale ('{label}': quant_algo FP8, per tensor) is one F32 value"))
+    return problems
 
 
 def _problem(code: str, tensor: str | None, message: str) -> tuple[str, str | None, str]:

@@ -25,6 +25,7 @@ from ckpttool.quant.packed import NVFP4_GROUP
 
 PACKED_INT_GROUPS = "ct-int"
 NVFP4_GROUPS = "nvfp4"
+FP8_TENSOR = "fp8-tensor"
 
 
 def _bad(scales: torch.Tensor, start: int, group: int, width: int) -> BadScale | None:
@@ -160,14 +161,48 @@ class Nvfp4(RowForRow):
         return {"index": n * 4, "work": n * 2 * 4, "scale-f32": math.prod(scales) * 4, "rounded": n * 2 * 2 if self.divide else 0}
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Tensor(RowForRow):
+    """ModelOpt FP8 per tensor: F8_E4M3 values and one float32 scale (``aux[0]``, 0-d), multiplied in the output
+    dtype, as ModelOpt's ``FP8QTensor.dequantize(dtype)`` does: ``fp8.to(dtype) * scale.to(dtype)`` (in bfloat16 the
+    scale is rounded to bfloat16 first, then the product)."""
+
+    def check_aux(self, aux: tuple[torch.Tensor, ...], shape: tuple[int, ...]) -> str | None:
+        """Why the scale cannot serve (NaN, infinite, zero or negative: every value of the tensor would be), or None."""
+        del shape
+        value = float(aux[0].reshape(-1)[0])
+        if not math.isfinite(value) or value <= 0:
+            return (f"its weight_scale is {value!r}, which would make every value of the tensor "
+                    f"{'NaN' if math.isnan(value) else 'infinite' if math.isinf(value) else 'zero' if value == 0 else 'negated'}. "
+                    "Export it again from the original weights, or merge without a dtype to keep it quantized")
+        return None
+
+    def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor, scratch: Scratch,
+               aux: tuple[torch.Tensor, ...] = ()) -> None:
+        del scales, start
+        name = _OUT_NAMES[str(out.dtype)]
+        values = scratch("work", tuple(out.shape), name).copy_(stored)  # FP8 to any float dtype: exact
+        values.mul_(aux[0].reshape(()).to(out.dtype))
+        out.copy_(values)
+
+    def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...], out_dtype: str) -> dict[str, int]:
+        del scales
+        return {"work": math.prod(stored) * (4 if out_dtype == "F32" else 2)}
+
+
+_OUT_NAMES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32"}
+
+
 #: the safetensors names of the 16-bit scale dtypes (the ``rounded`` scratch buffer's), by torch's name
 _NAMES = {"torch.bfloat16": "BF16", "torch.float16": "F16"}
 
 
-def packed_decoder(method: str, params: dict[str, object]) -> PackedInt | Nvfp4 | None:
+def packed_decoder(method: str, params: dict[str, object]) -> PackedInt | Nvfp4 | Fp8Tensor | None:
     """The decoder ``method`` names with ``params``, or None for a method of another module."""
     if method == PACKED_INT_GROUPS:
         return PackedInt(int(params["bits"]), int(params["group"]), bool(params.get("symmetric", True)))  # type: ignore[call-overload]
     if method == NVFP4_GROUPS:
         return Nvfp4(bool(params["divide"]))
+    if method == FP8_TENSOR:
+        return Fp8Tensor()
     return None

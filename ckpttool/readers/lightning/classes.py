@@ -6,7 +6,10 @@ dict. Besides the tensors, Lightning pickles its training state there: ``loops``
 ``optimizer_states`` and ``lr_schedulers`` (their ``state_dict()``). :data:`TABLE` lists every class the fixtures show
 a release writing (``lightning_*``, made by ``fixtures/make_lightning.py`` under each release;
 ``tests/test_lightning.py`` checks both ways): with plain hyper-parameters, Lightning writes nothing but dicts, lists,
-numbers, strings, tensors and the state dict's ``OrderedDict``. Any other class (a config object or an
+numbers, strings, tensors and the state dict's ``OrderedDict``; Lightning 1.9.5 also keeps ``ModelCheckpoint``'s
+``dirpath`` as the user gave it (its local-path test compares fsspec's ``protocol`` to ``"file"``, a tuple in the
+fsspec releases since 2023), so a ``Path`` given there is pickled as ``pathlib.PosixPath``, read as its text. Any other
+class (a config object or an
 ``argparse.Namespace`` a LightningModule put in its hyper-parameters, a class of a newer release) is refused by
 :class:`CkptAllow`, naming it and the Lightning version the checkpoint records (its ``pytorch-lightning_version`` key,
 read by :func:`recorded_version` without unpickling anything). Nothing in a checkpoint runs.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import io
 import pickletools
+import posixpath
 import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -24,10 +28,11 @@ from typing import Any, BinaryIO
 from ckpttool.console.terminal import escaped
 from ckpttool.errors import UnsafePickleError
 from ckpttool.fast.deferred import torch
+from ckpttool.io.pickle_bounds import text
 from ckpttool.io.torch_save import accepted_classes
 
 #: the Lightning releases whose checkpoints the fixtures hold (``lightning_*``)
-RELEASES = ("2.4.0", "2.6.6")
+RELEASES = ("1.9.5", "2.4.0", "2.6.6")
 #: the key of the checkpoint dict that records the release that wrote it
 VERSION_KEY = "pytorch-lightning_version"
 #: how much of a pickle :func:`recorded_version` walks: Lightning writes the version among the dict's first keys
@@ -58,8 +63,19 @@ TABLE: tuple[Allowed, ...] = (
     Allowed("torch", "BFloat16Storage", (), "the tensors of a bf16 model (precision='bf16-true'; the fixtures: fp32)"),
     Allowed("torch", "HalfStorage", (), "the tensors of an fp16 model (precision='16-true'; the fixtures are fp32)"),
     Allowed("torch", "LongStorage", (), "an int64 buffer or optimizer step count (the fixtures' SGD keeps none)"),
+    Allowed("pathlib", "PosixPath", ("1.9.5",), "ModelCheckpoint's dirpath given as a Path (its callbacks state)"),
 )
 _SCANS = frozenset(accepted_classes())
+
+
+def _posix_path(*parts: Any) -> str:
+    # the path's text: a Path is never built, so nothing in the checkpoint touches the file system; a Path pickles
+    # its parts, the root its own part ('/', 'runs', 'x'), so they are joined as posixpath joins them
+    return posixpath.join(*(text(p) for p in parts)) if parts else "."
+
+
+#: the classes of :data:`TABLE` that ``scan`` does not accept by itself, and what the pickle gets instead
+_STAND_INS = {("pathlib", "PosixPath"): _posix_path}
 
 
 def recorded_version(f: BinaryIO, label: str) -> str | None:
@@ -102,9 +118,10 @@ def refusal(label: str, qualified: str, version: str | None) -> str:
 
 
 class CkptAllow(Mapping[tuple[str, str], Any]):
-    """:data:`TABLE` as the allow-list of :func:`ckpttool.io.torch_save.scan` for one checkpoint file: every class of
-    the table is one ``scan`` accepts by itself (a tensor, the state dict, a storage), left to it (a ``KeyError``), as
-    is a dtype; any other class is refused with :func:`refusal`. It adds no class: it iterates over nothing."""
+    """:data:`TABLE` as the allow-list of :func:`ckpttool.io.torch_save.scan` for one checkpoint file: a class of the
+    table that ``scan`` accepts by itself (a tensor, the state dict, a storage) is left to it (a ``KeyError``), as is
+    a dtype; a path gets its text (``_STAND_INS``); any other class is refused with :func:`refusal`. It iterates over
+    nothing."""
 
     def __init__(self, label: str, version: str | None) -> None:
         self.label = label  # the file whose pickle asks
@@ -112,6 +129,8 @@ class CkptAllow(Mapping[tuple[str, str], Any]):
 
     def __getitem__(self, key: tuple[str, str]) -> Any:
         module, name = key
+        if key in _STAND_INS:
+            return _STAND_INS[key]
         if f"{module}.{name}" in _SCANS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             raise KeyError(key)
         raise UnsafePickleError(refusal(self.label, f"{module}.{name}", self.version))

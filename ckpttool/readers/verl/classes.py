@@ -6,17 +6,19 @@ newer torch, ``shard_order``). The classes are torch's, not verl's: verl (``FSDP
 ``model.state_dict()`` with ``torch.save``, so which classes a rank file names, and under which module, depends on
 the torch beside verl. :data:`TABLE` lists each class with the torch releases whose rank files the fixtures show
 pickling it (``verl_*``, made by ``fixtures/make_verl.py`` under each torch; ``tests/test_versions_more.py`` checks
-both ways) and maps it to a stand-in that only keeps data: nothing is imported from torch.distributed and nothing
-runs. A class outside the table is refused by :class:`RankAllow`, naming it, the releases ckpttool knows and what
-the checkpoint records of its writer (:func:`refusal`): verl records neither its version nor torch's
-(``fsdp_config.json`` holds ``FSDP_version`` and ``world_size``; ``huggingface/config.json`` the transformers).
+both ways) and the verl releases whose own checkpoint manager wrote fixtures pickling it (``verl_v*``, made by
+``fixtures/make_verl_releases.py``; ``tests/test_verl_releases.py`` checks both ways) and maps it to a stand-in that
+only keeps data: nothing is imported from torch.distributed and nothing runs. A class outside the table is refused
+by :class:`RankAllow`, naming it, the releases ckpttool knows and what the checkpoint records of its writer
+(:func:`refusal`): verl records neither its version nor torch's (``fsdp_config.json`` holds ``FSDP_version`` and
+``world_size``; ``huggingface/config.json`` the transformers).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +96,12 @@ _Mesh, _Spec = record_class("DeviceMesh"), record_class("DTensorSpec")
 
 #: the torch releases whose verl rank files the fixtures hold (``verl_*``; ``verl_torch2_<minor>_*`` for the older)
 TORCH = ("2.6", "2.10", "2.13")
-#: the verl code whose files the fixtures reproduce: ``FSDPCheckpointManager.save_checkpoint`` (volcengine/verl
-#: ``verl/utils/checkpoint/fsdp_checkpoint_manager.py``); its rank files are ``torch.save`` of the state dict
-VERL = "verl's FSDPCheckpointManager (commit b178a3cd; the rank files are torch.save(model.state_dict()))"
+#: the verl releases whose own ``FSDPCheckpointManager.save_checkpoint`` wrote fixtures (``verl_v*``, made by
+#: ``fixtures/make_verl_releases.py``: 0.3 with FSDP1, 0.5 with FSDP1 and FSDP2, 0.9 with FSDP2)
+VERL_RELEASES = ("0.3.0.post1", "0.5.0", "0.9.1")
+#: the verl code whose files the fixtures hold; its rank files are ``torch.save`` of the state dict
+VERL = (f"verl {', '.join(VERL_RELEASES[:-1])} and {VERL_RELEASES[-1]}'s FSDPCheckpointManager (FSDP1 and "
+        "FSDP2; the rank files are torch.save(model.state_dict()))")
 _FROM_2_10 = ("2.10", "2.13")
 
 
@@ -109,11 +114,13 @@ class Allowed:
         torch: the torch releases whose rank files pickle it (the fixtures show it); empty for a module torch has
             pickled the class from in a release outside the matrix, or a placement no fixture has.
         where: what pickles it.
+        verl: the verl releases (:data:`VERL_RELEASES`) whose own rank files, written beside torch 2.13, pickle it.
     """
 
     stand_in: Any
     torch: tuple[str, ...]
     where: str
+    verl: tuple[str, ...] = ()
 
 
 _DTENSOR = "every DTensor of a rank file"
@@ -159,7 +166,17 @@ for _module, _torch in (("torch.distributed.tensor.placement_types", TORCH),
     _TABLE[(_module, "Partial")] = Allowed(_Partial, (), "a placement no saved state dict holds (refused later)")
     _TABLE[(_module, "_Partial")] = Allowed(_Partial, (), "Partial's older, private name")
 
-#: every class a verl rank file may name, with the torch releases that write it
+# what every verl release's FSDP1 and FSDP2 rank files pickle beside torch 2.13 (a DTensor on a 1-D mesh: Shard(0))
+for _key in (("torch._utils", "_rebuild_wrapper_subclass"), ("torch.serialization", "_get_layout"), ("torch", "device"),
+             ("torch.distributed.device_mesh", "DeviceMesh"), ("torch.distributed._mesh_layout", "_MeshLayout"),
+             ("torch.distributed._mesh_layout", "_FlatLayout"), ("torch.distributed.tensor", "DTensor"),
+             ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
+             ("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
+             ("torch.distributed.tensor._dtensor_spec", "ShardOrderEntry"),
+             ("torch.distributed.tensor.placement_types", "Shard")):
+    _TABLE[_key] = replace(_TABLE[_key], verl=VERL_RELEASES)
+
+#: every class a verl rank file may name, with the torch (and verl) releases that write it
 TABLE: Mapping[tuple[str, str], Allowed] = _TABLE
 #: ``(module, name)`` -> stand-in, as :func:`ckpttool.io.torch_save.scan` takes an allow-list
 ALLOW = {key: entry.stand_in for key, entry in TABLE.items()}
