@@ -152,6 +152,7 @@ def _chunk_sizes(chunk: Chunk) -> dict[str, int]:
         cols = math.prod(target.shape[1:])
         rows = chunk.stop - chunk.start
         sizes["lora"] = max(d.product_bytes(rows, cols) for d in target.lora)
+        sizes["lora-add"] = sizes["lora"]
         sizes["lora-inputs"] = max(d.temporary_bytes(rows) for d in target.lora)
         sizes["chunk"] = max(sizes.get("chunk", 0), (chunk.stop - chunk.start) * cols * itemsize(target.source_dtype))
     if target.dequant is not None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ckpttool.errors import SourceError
 from ckpttool.fast.deferred import torch
-from ckpttool.io.dtypes import itemsize, torch_dtype
+from ckpttool.io.dtypes import dtype_name, itemsize, torch_dtype
 from ckpttool.io.paths import source_os_error
 
 #: the executor's per-thread buffers: ``scratch(name, shape, dtype)`` (:meth:`ckpttool.execute.reads.Reader.scratch`)
@@ -171,7 +171,9 @@ class LoraDelta:
         return (self.rank * self.a.shape[1] + b_rows * self.b.shape[1]) * (itemsize(self.a.dtype) + 4)
 
     def product_bytes(self, rows: int, cols: int) -> int:
-        """The product buffer (``scratch("lora")``) for ``rows`` rows of a weight of ``cols`` columns."""
+        """The product buffer (``scratch("lora")``) for ``rows`` rows of a weight of ``cols`` columns; the same for
+        :func:`fuse_rows`'s ``lora-add`` buffer (the weight widened to the product's dtype, or the delta rounded to
+        the weight's, never wider)."""
         return rows * cols * (8 if self.b.dtype == "F64" else 4)
 
 
@@ -184,8 +186,19 @@ def fuse_rows(weight: torch.Tensor, deltas: tuple[LoraDelta, ...], start: int, s
     out = weight if scratch is not None else weight.clone()
     for delta in deltas:
         rows = delta.rows(start, stop, scratch)
-        if delta.rounded or rows.dtype == out.dtype:
-            out += rows.to(out.dtype)
-        else:  # PEFT's promoted add, float(W) + delta rounded once, without torch's promoted temporaries of W
-            out.copy_(rows.add_(out))  # (x + y == y + x in IEEE arithmetic, and copy_ rounds as the add's cast does)
+        if rows.dtype == out.dtype:
+            out += rows
+        elif delta.rounded:  # the delta rounded to W's dtype first (copy_ rounds as .to does), in a buffer of ours
+            out += _like(scratch, rows, out.dtype).copy_(rows)
+        else:  # PEFT's promoted add, float(W) + delta rounded once: W widened exactly in a buffer of ours (torch's
+            # promoting add would widen it in a fresh tensor per chunk, which lets each thread's heap grow)
+            out.copy_(rows.add_(_like(scratch, out, rows.dtype).copy_(out)))  # (x + y == y + x in IEEE arithmetic)
     return out
+
+
+def _like(scratch: Scratch | None, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``tensor``'s shape in ``dtype``: the thread's ``lora-add`` buffer, or a fresh one without scratch."""
+    if scratch is None:
+        return torch.empty(tensor.shape, dtype=dtype)
+    return scratch("lora-add", tuple(tensor.shape), dtype_name(dtype))
+
