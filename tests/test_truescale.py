@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -157,3 +158,51 @@ def test_audit_no_data_of_the_sidecar_checkpoint_passes(sidecar, cli):
     assert summary["verdict"] == "pass" and summary["errors"] == 0 and not summary["data_checked"], doc["findings"]
     assert summary["tensors"] == len(tensors)
     assert _snapshot(root) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# the planner's fast path for slabs (ckpttool.plan.tiling.slab_copies): a tensor cut along one dim is proven by one
+# sort; any other layout falls back to the general proof, whose verdict it must never contradict
+# ------------------------------------------------------------------------------------------------
+
+
+def _pieces(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list:
+    from ckpttool.layout.layout import RAW, Box, Piece
+
+    return [Piece(f"rank{i}.safetensors", "w", Box(o, s), "F32", RAW, 0, 4) for i, (o, s) in enumerate(boxes)]
+
+
+@pytest.mark.parametrize("boxes, slabs, tiles", [
+    ([((0, 0), (3, 4)), ((3, 0), (5, 4))], True, True),                     # uneven rows
+    ([((4, 0), (4, 4)), ((0, 0), (4, 4))], True, True),                     # out of order
+    ([((0, 0), (8, 1)), ((0, 1), (8, 3))], True, True),                     # columns
+    ([((0, 0), (8, 4)), ((0, 0), (8, 4))], False, True),                    # replicas: the general path keeps one
+    ([((0, 0), (4, 2)), ((4, 0), (4, 2)), ((0, 2), (8, 2))], False, True),  # a cut along two dims
+    ([((0, 0), (0, 4)), ((0, 0), (8, 4))], False, True),                    # an empty piece
+    ([((0, 0), (3, 4)), ((4, 0), (4, 4))], False, False),                   # a gap
+    ([((0, 0), (5, 4)), ((4, 0), (4, 4))], False, False),                   # an overlap
+    ([((0, 0), (8, 2))], False, False),                                     # one piece, not the whole
+])
+def test_slabs_are_proven_by_a_sort_and_anything_else_by_the_general_proof(boxes, slabs, tiles):
+    from ckpttool.layout.builder import LayoutBuilder
+    from ckpttool.layout.layout import Box
+    from ckpttool.plan.plan import TargetSpec, plan_covered
+    from ckpttool.plan.tiling import Slice, check_tiling, slab_copies
+
+    shape = (8, 4)
+    builder = LayoutBuilder("/nonexistent", "test")
+    builder.declare("w", shape, "F32", where="'test'")
+    for p in _pieces(boxes):
+        builder.add("w", p)
+    layout = builder.build()
+    pieces = layout.tensors["w"].pieces
+    copies = slab_copies(shape, pieces)
+    assert (copies is not None) == slabs
+    whole = Box.whole(shape)
+    plan, failed = plan_covered(layout, [TargetSpec("w", shape, (Slice("w", whole, whole),))])
+    assert (not failed) == tiles
+    if slabs:  # each piece whole into its box, in the layout's order: what the general path plans too
+        assert [(c.piece, c.src, c.dst) for c in copies] == [(p, Box((0, 0), p.box.sizes), p.box) for p in pieces]
+        assert check_tiling("w", shape, copies) == [] and plan.targets[0].copies == copies
+    if not tiles:  # the general proof's message, naming the region
+        assert re.search(r"'w': rows \d+\.\.\d+ (covered twice|covered by no piece)|'w': columns", failed[0][1][0])
