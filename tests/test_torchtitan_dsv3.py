@@ -23,7 +23,7 @@ from transformers import DeepseekV3ForCausalLM
 import ckpttool
 from ckpttool.errors import ConfigError
 from ckpttool.families import MemoryTensor, map_from_hf
-from ckpttool.families.conventions import torchtitan
+from ckpttool.families.conventions import torchtitan, torchtitan_back
 from ckpttool.layout.layout import Box, Layout, Piece, TensorLayout
 from ckpttool.layout.placements import Placement
 from ckpttool.model.architecture import model_info
@@ -121,7 +121,7 @@ def test_split_back_without_interleaved_rope_is_refused(merged, tmp_path):
     info = model_info({**_config("torchtitan_dsv3_fsdp2"), "rope_interleave": False})
     with pytest.raises(ConfigError, match=r"names='torchtitan': the deepseek_v3 model's its rotary rows .*"
                                           r"rope_interleave: false.*; nothing was written"):
-        torchtitan.to_torchtitan(map_from_hf(info), info)
+        torchtitan_back.to_torchtitan(map_from_hf(info), info)
     assert not (tmp_path / "back").exists() and hf.exists()
 
 
@@ -169,14 +169,14 @@ def test_0_2s_bias_name_is_read_and_written_as_deepseeks_correction_bias():
     info = model_info(_config("torchtitan_dsv3q_ep2"))
     specs, _, problems = torchtitan.CONVENTION.cut(_layout({"layers.1.moe.expert_bias": (4,)}), info, None)
     assert not problems and [s.name for s in specs] == ["model.layers.1.mlp.gate.e_score_correction_bias"]
-    written = torchtitan.to_torchtitan(map_from_hf(info), info, "0.2")
+    written = torchtitan_back.to_torchtitan(map_from_hf(info), info, "0.2")
     names = {t.name for t in written.tensors}
     assert {"layers.1.moe.expert_bias", "layers.1.attention.wq_b.weight", "output.weight"} <= names
     assert not written.zeros and "layers.1.moe.expert_bias" in written.whole
 
 
 def test_torchtitans_tensor_parallel_plan_for_mla_and_experts():
-    shard = {name: torchtitan.tp_placement(name) for name in (
+    shard = {name: torchtitan_back.tp_placement(name) for name in (
         "layers.0.attention.wq.weight", "layers.0.attention.wq_b.weight", "layers.0.attention.wkv_b.weight",
         "layers.0.attention.wq_a.weight", "layers.0.attention.wkv_a.weight", "layers.0.attention.kv_norm.weight",
         "layers.1.moe.router.gate.weight", "layers.1.moe.shared_experts.w1.weight",
@@ -187,8 +187,8 @@ def test_torchtitans_tensor_parallel_plan_for_mla_and_experts():
 
 
 def test_no_stacked_experts_no_mesh_check():
-    written = torchtitan.TorchtitanNames([MemoryTensor("tok_embeddings.weight", (8, 4), ())], frozenset(), [])
-    torchtitan.check_mesh(written, "0.3", fsdp=64, tp=8, ep=1)
+    written = torchtitan_back.TorchtitanNames([MemoryTensor("tok_embeddings.weight", (8, 4), ())], frozenset(), [])
+    torchtitan_back.check_mesh(written, "0.3", fsdp=64, tp=8, ep=1)
 
 
 # --- torchtitan's MoE under tensor parallel: Qwen3-MoE on TP 2 and on FSDP 2 x TP 2 with EP 2 (4 ranks), DeepSeek-V3 --

@@ -19,7 +19,7 @@ import ckpttool
 from ckpttool.cli.choices import SPLIT_NAMES
 from ckpttool.commands.split_dcp import NAMES
 from ckpttool.errors import ArgumentError, ConfigError
-from ckpttool.families.conventions import torchtitan
+from ckpttool.families.conventions import torchtitan, torchtitan_back
 
 #: fixture -> its mesh (fsdp, tp), as producer.json records it
 MESHES = {"torchtitan_llama3_fsdp2": (2, 1), "torchtitan_llama3_tp2": (1, 2), "torchtitan_qwen3_fsdp2": (2, 1)}
@@ -126,12 +126,12 @@ def test_a_tensor_with_no_torchtitan_name_is_refused_listing_it():
     memory = [MemoryTensor("model.layers.0.self_attn.q_proj.bias", (32,), ())]
     with pytest.raises(ConfigError, match=r"1 tensor of the llama model has no name in torchtitan 0.3's model: "
                                           r"model.layers.0.self_attn.q_proj.bias; nothing was written"):
-        torchtitan.to_torchtitan(memory, info)
+        torchtitan_back.to_torchtitan(memory, info)
 
 
 def test_release_names_and_the_cli_choices_agree():
     assert SPLIT_NAMES == NAMES
-    assert [torchtitan.release_of(n) for n in NAMES if n != "hf"] == list(torchtitan.RELEASES)
+    assert [torchtitan_back.release_of(n) for n in NAMES if n != "hf"] == list(torchtitan_back.RELEASES)
 
 
 # --- torchtitan's MoE: Qwen3-MoE from its own trainer (FSDP2, and EP 2 on gloo) ---------------------------------------
@@ -201,7 +201,7 @@ def test_moe_names_of_0_2_are_written_for_torchtitan_0_2():
 
     config = __import__("json").loads((fixture_dir("torchtitan_qwen3moe_ep2") / "reference" / "config.json").read_text())
     info = model_info(config)
-    written = torchtitan.to_torchtitan(map_from_hf(info), info, "0.2")
+    written = torchtitan_back.to_torchtitan(map_from_hf(info), info, "0.2")
     names = {t.name: t.shape for t in written.tensors}
     assert names["layers.0.moe.experts.w1"] == (4, 16, 32) and names["layers.0.moe.experts.w2"] == (4, 32, 16)
     assert written.zeros == {"layers.0.moe.expert_bias", "layers.1.moe.expert_bias"}

@@ -28,7 +28,7 @@ from ckpttool.commands.meshes import MegatronMesh, Mesh, Sharding, mesh_for
 from ckpttool.families.quantized import output_config
 from ckpttool.families.source import Planned
 from ckpttool.commands.split_dcp import NAMES, in_memory, model_of, plan_dcp
-from ckpttool.families.conventions.torchtitan import release_of, to_torchtitan
+from ckpttool.families.conventions.torchtitan_back import release_of, to_torchtitan
 from ckpttool.commands.split_megatron import plan_megatron, training_args
 from ckpttool.families.conventions.megatron_back import MODEL_TYPES as MEGATRON_TYPES
 from ckpttool.console.terminal import escaped, shown, size_text
@@ -211,7 +211,7 @@ def split(
             ``dtype`` dequantizes FP8 block-scaled weights while splitting, in chunks that start on a block); a tensor the mesh
             cannot place (no tensor-parallel rule, experts ``ep`` does not divide, more ranks than the tensors
             have rows); the source does not fit the config; ``names="torchtitan"`` for a model torchtitan has no model of
-            (:data:`~ckpttool.families.conventions.torchtitan.FAMILIES`) or a tensor it has no name for.
+            (:data:`~ckpttool.families.conventions.torchtitan_back.FAMILIES`) or a tensor it has no name for.
         CoverageError: a tensor is not covered exactly once by the source. DestinationError, SourceError,
             OutputError: as for merge; nothing is published.
 

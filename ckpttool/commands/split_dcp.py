@@ -7,7 +7,7 @@ one target whose copies reach straight into the source's pieces (:func:`ckpttool
 in the rank files torch's ``FileSystemWriter`` writes (:func:`ckpttool.writers.dcp.lay_out`). Reads no tensor data.
 
 ``names`` other than ``"hf"`` writes another framework's names (:data:`NAMES`): ``torchtitan`` (its newest release)
-or ``torchtitan-0.2``, through :func:`ckpttool.families.conventions.torchtitan.to_torchtitan` (names, RoPE order,
+or ``torchtitan-0.2``, through :func:`ckpttool.families.conventions.torchtitan_back.to_torchtitan` (names, RoPE order,
 torchtitan's tensor-parallel plan, Q/K/V saved whole in 0.3).
 """
 
@@ -18,7 +18,7 @@ import math
 from ckpttool.commands.meshes import REPLICATE, Mesh, Sharding, shard_tensors
 from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families import MemoryTensor, adapter_for, map_from_hf
-from ckpttool.families.conventions import torchtitan
+from ckpttool.families.conventions import torchtitan_back
 from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import Box
 from ckpttool.model.architecture import ModelInfo
@@ -69,10 +69,10 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sha
     memory = in_memory(prepared)
     placement, whole, zeros = adapter_for(model_of(prepared)).tp_placement, frozenset(), frozenset()
     if names != "hf":
-        written = torchtitan.to_torchtitan(memory, model_of(prepared), torchtitan.release_of(names))
-        torchtitan.check_mesh(written, torchtitan.release_of(names), fsdp=mesh.fsdp, tp=mesh.tp, ep=mesh.ep,
-                              dp=mesh.dp)
-        memory, placement = written.tensors, torchtitan.tp_placement
+        written = torchtitan_back.to_torchtitan(memory, model_of(prepared), torchtitan_back.release_of(names))
+        torchtitan_back.check_mesh(written, torchtitan_back.release_of(names), fsdp=mesh.fsdp, tp=mesh.tp,
+                                   ep=mesh.ep, dp=mesh.dp)
+        memory, placement = written.tensors, torchtitan_back.tp_placement
         whole, zeros = written.whole, written.zeros
     _check_degrees(memory, mesh)
     shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh, placement)
