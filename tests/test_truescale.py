@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_failed_cleanly
 
 from ckpttool.execute.buffers import OVERHEAD_BYTES
 from ckpttool.execute.executor import CHUNK_BYTES
@@ -206,3 +207,56 @@ def test_slabs_are_proven_by_a_sort_and_anything_else_by_the_general_proof(boxes
         assert check_tiling("w", shape, copies) == [] and plan.targets[0].copies == copies
     if not tiles:  # the general proof's message, naming the region
         assert re.search(r"'w': rows \d+\.\.\d+ (covered twice|covered by no piece)|'w': columns", failed[0][1][0])
+
+
+# ------------------------------------------------------------------------------------------------
+# what the config alone decides is refused before any index of the checkpoint is read (on the 671B release: 163
+# headers and the model's description, 8-20 s of CPU, for an answer config.json gives at once)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def unread(monkeypatch):
+    """Reading the source (its layout, its sizes, the model's description) fails the test."""
+    from ckpttool.commands import merge
+
+    def never(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(merge, "plan_source_and_adapter", never)
+
+
+def test_split_to_megatron_of_the_fp8_release_without_a_dtype_is_refused_from_its_config(release, cli, unread, tmp_path):
+    root = release[0]
+    before = _snapshot(root)
+    out = tmp_path / "out"
+    result = cli("split", root, out, "--to", "megatron", "--tp", "8", "--pp", "16", "--ep", "64")
+    assert_failed_cleanly(result, out)
+    assert result.stderr == (
+        f"Error: '{root}': a quantized source (fp8 F8_E4M3 with 128x128 blocks (float scales), the quantization_config "
+        f"of '{root / 'config.json'}') cannot be split yet: split writes the model's in-memory tensors, not quantized "
+        "bytes and scales. Merge it with --dtype bfloat16 first (ckpttool merge SRC HF --dtype bfloat16), then split "
+        "that output; nothing was written\n")
+    assert _snapshot(root) == before
+
+
+def test_split_to_megatron_of_a_model_type_it_has_no_form_for_is_refused_from_its_config(release, cli, unread, tmp_path):
+    root = release[0]
+    config = json.loads((root / "config.json").read_text())
+    del config["quantization_config"]
+    config["model_type"] = "qwen3_next"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = cli("split", root, out, "--to", "megatron", "--config", tmp_path / "config.json", "--dry-run")
+    assert_failed_cleanly(result, out)
+    assert result.stderr.startswith("Error: model_type 'qwen3_next': ckpttool knows no Megatron-Core form for it; "
+                                    "split --to megatron writes llama, mistral, qwen2, mixtral, qwen2_moe, gpt_oss, ")
+
+
+def test_quantizing_the_fp8_release_again_is_refused_from_its_config(release, cli, unread, tmp_path):
+    root = release[0]
+    out = tmp_path / "out"
+    result = cli("merge", root, out, "--quantize", "fp8")
+    # the command line says the option as it is typed (--quantize fp8, --dtype bfloat16)
+    assert_failed_cleanly(result, out, f"'{root}' is quantized already (fp8 F8_E4M3 with 128x128 blocks (float "
+                          "scales)); quantizing FP8 values again would compound their rounding. Dequantize it first")
