@@ -17,17 +17,21 @@ empty description cache (``CKPTTOOL_CACHE``), then with the cache it left.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import struct
 import sys
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from many_tensors_bench import release  # noqa: E402  (this folder is no package)
 from truescale import ITEMSIZE, _claim, _inside, measure, config  # noqa: E402
+
+from ckpttool.writers.torch_archive import TensorArchive, crc32_combine  # noqa: E402
 
 RANKS = 8
 
@@ -80,6 +84,70 @@ def generate_sidecar(root: Path, cfg: dict, ranks: int = RANKS) -> dict:
             "disk_bytes": sum(p.stat().st_blocks * 512 for p in paths)}
 
 
+# ---- PyTorch Distributed Checkpoint: ``.metadata`` (torch's own classes, pickled as DCP pickles them) and
+# ``__R_0.distcp`` files, each item the torch.save archive torch writes (ckpttool's split writes the same bytes:
+# ckpttool.writers.torch_archive), its data record a hole
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_crc(n: int) -> int:
+    """zlib.crc32 of ``n`` zero bytes (what a hole reads as) without reading them: by halves, with crc32_combine."""
+    if n <= 1 << 16:
+        return zlib.crc32(bytes(n))
+    half = _zeros_crc(n // 2)
+    whole = crc32_combine(half, half, n // 2)
+    return crc32_combine(whole, zlib.crc32(b"\0"), 1) if n % 2 else whole
+
+
+def generate_dcp(root: Path, cfg: dict, ranks: int = RANKS) -> dict:
+    """Write ``cfg``'s model as a DCP checkpoint of ``ranks`` sparse ``__R_0.distcp`` files into ``root`` (a new
+    directory), cut as :func:`generate_sidecar` cuts it, with its ``.metadata`` and ``config.json``.
+    Returns ``{"tensors", "pieces", "files", "apparent_bytes", "disk_bytes"}``."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    dtypes = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
+    tensors = release(cfg)
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(cfg, indent=2))
+    state, storage, pieces = {}, {}, 0
+    files = [open(root / f"__{rank}_0.distcp", "wb") for rank in range(ranks)]
+    try:
+        for i, name in enumerate(sorted(tensors)):
+            dtype, shape = tensors[name]
+            pair = i % (ranks // 2)
+            cut = len(shape) == 2 and shape[0] % 2 == 0
+            boxes = ([(2 * pair + tp, (tp * shape[0] // 2, 0), (shape[0] // 2, shape[1])) for tp in range(2)] if cut
+                     else [(2 * pair, (0,) * len(shape), shape)])
+            chunks = []
+            for rank, offsets, sizes in boxes:
+                f = files[rank]
+                start = f.tell()
+                archive = TensorArchive(dtype, tuple(sizes), f"{name}@{offsets}")
+                f.write(archive.head())
+                f.seek(archive.nbytes, os.SEEK_CUR)  # the hole
+                f.write(archive.tail(_zeros_crc(archive.nbytes)))
+                length = f.tell() - start
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+                storage[MetadataIndex(name, torch.Size(offsets), len(chunks) - 1)] = _StorageInfo(
+                    f"__{rank}_0.distcp", start, length)
+                pieces += 1
+            state[name] = TensorStorageMetadata(TensorProperties(dtype=dtypes[dtype]), torch.Size(shape), chunks)
+    finally:
+        for f in files:
+            f.truncate()  # a hole at the end stays a hole: the file ends where its last archive does
+            f.close()
+    (root / ".metadata").write_bytes(pickle.dumps(Metadata(state, storage_data=storage, version="1.0.0")))
+    paths = list(root.iterdir())
+    return {"tensors": len(tensors), "pieces": pieces, "files": ranks,
+            "apparent_bytes": sum(p.stat().st_size for p in paths),
+            "disk_bytes": sum(p.stat().st_blocks * 512 for p in paths)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-truescale-readers"))
@@ -91,7 +159,8 @@ def main() -> None:
     cache = _inside(workdir / "cache", workdir)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     os.environ["CKPTTOOL_CACHE"] = str(_inside(workdir / "generator-cache", workdir))
-    sources = {"sidecar": (_inside(workdir / "sidecar", workdir), generate_sidecar)}
+    sources = {"sidecar": (_inside(workdir / "sidecar", workdir), generate_sidecar),
+               "dcp": (_inside(workdir / "dcp", workdir), generate_dcp)}
     for name, (src, make) in sources.items():
         if not (args.keep and src.exists()):
             shutil.rmtree(src, ignore_errors=True)

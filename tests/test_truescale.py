@@ -132,8 +132,51 @@ def test_the_sidecar_checkpoint_is_true_shape_sparse_and_sharded(sidecar):
     assert made["disk_bytes"] < 32 * 2**20
 
 
-def test_merge_dry_run_of_the_sidecar_checkpoint_covers_every_tensor_once(sidecar, cli):
-    root, tensors, _ = sidecar
+@pytest.fixture(scope="module")
+def dcp(tmp_path_factory):
+    """The same model, cut the same way, as a PyTorch Distributed Checkpoint: ``.metadata`` pickled from torch's
+    own classes, 8 ``__R_0.distcp`` files of torch.save archives whose data records are holes."""
+    bench = _load("truescale_readers")
+    root = tmp_path_factory.mktemp("truescale-readers") / "dcp"
+    cfg = bench.config(layers=2, dense=1, bf16=True)
+    made = bench.generate_dcp(root, cfg)
+    return root, bench.release(cfg), made
+
+
+@pytest.fixture(params=["sidecar", "dcp"])
+def sharded(request):
+    """Each reader's true-shape checkpoint: (folder, tensors, what the generator reported)."""
+    return request.getfixturevalue(request.param)
+
+
+def test_the_dcp_checkpoint_is_true_shape_sparse_and_read_in_place(dcp):
+    import io
+    import pickle
+
+    import torch
+
+    from ckpttool.layout.layout import RAW
+    from ckpttool.readers import read_layout
+
+    root, tensors, made = dcp
+    assert sorted(p.name for p in root.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(8)]
+    assert made["tensors"] < made["pieces"] < 2 * made["tensors"]
+    assert made["apparent_bytes"] > 30e9 and made["disk_bytes"] < 32 * 2**20
+    layout = read_layout(root)
+    assert layout.format == "dcp" and len(layout.tensors) == len(tensors)
+    # every item's archive parsed and its elements located in place: real zip headers and pickles, not guessed
+    assert {p.encoding for t in layout.tensors.values() for p in t.pieces} == {RAW}
+    # torch itself reads the metadata and loads an item (its data record, a hole, reads as zeros)
+    md = pickle.loads((root / ".metadata").read_bytes())
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.layers.0.input_layernorm.weight")
+    with open(root / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        item = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+    assert item.shape == (7168,) and item.dtype == torch.bfloat16 and not item.any()
+
+
+def test_merge_dry_run_of_each_sharded_checkpoint_covers_every_tensor_once(sharded, cli):
+    root, tensors, _ = sharded
     before = _snapshot(root)
     result = cli("merge", root, "--dry-run", "--json")
     assert result.exit_code == 0, result.output
@@ -149,8 +192,8 @@ def test_merge_dry_run_of_the_sidecar_checkpoint_covers_every_tensor_once(sideca
     assert _snapshot(root) == before
 
 
-def test_audit_no_data_of_the_sidecar_checkpoint_passes(sidecar, cli):
-    root, tensors, _ = sidecar
+def test_audit_no_data_of_each_sharded_checkpoint_passes(sharded, cli):
+    root, tensors, _ = sharded
     before = _snapshot(root)
     result = cli("audit", root, "--no-data", "--json")
     assert result.exit_code == 0, result.output
