@@ -1,12 +1,18 @@
 #!/usr/bin/env python
-"""True-scale dry runs of the readers other than HF safetensors: ckpttool's sidecar format at ~90k pieces.
+"""True-scale dry runs of the readers other than HF safetensors at ~90k pieces: ckpttool's sidecar format and
+PyTorch Distributed Checkpoint.
 
-DeepSeek-V3-671B's BF16 model (``truescale.config(bf16=True)``: its real names and shapes, 46k tensors) written
-as ckpttool sidecars of 8 ranks: every 2-D tensor cut in two along dim 0 (a TP pair: ranks ``2g`` and
-``2g + 1``, the pair ``g`` chosen round-robin by tensor), every 1-D tensor held whole by one rank: ~90k pieces.
-Each rank file is a real safetensors header followed by a hole (``os.truncate``) for its data; the
-``*.ckpttool.json`` sidecars are real. Nothing reads the data: ``merge --dry-run`` and ``audit --no-data`` read
-headers and sidecars only.
+DeepSeek-V3-671B's BF16 model (``truescale.config(bf16=True)``: its real names and shapes, 46k tensors) cut for 8
+ranks: every 2-D tensor in two along dim 0 (a TP pair: ranks ``2g`` and ``2g + 1``, the pair ``g`` chosen
+round-robin by tensor), every 1-D tensor held whole by one rank: ~90k pieces, written two ways:
+
+- ``sidecar``: each rank file a real safetensors header followed by a hole (``os.truncate``) for its data, with
+  its real ``*.ckpttool.json`` sidecar (38 MB on disk);
+- ``dcp``: ``.metadata`` pickled from torch's own DCP classes, and 8 ``__R_0.distcp`` files, each item the
+  ``torch.save`` archive torch writes (``ckpttool.writers.torch_archive``: zip records, pickle, alignment, CRCs)
+  with its data record a hole (~540 MB on disk: each item's records take a file-system block or two).
+
+Nothing reads the data: ``merge --dry-run`` and ``audit --no-data`` read headers, metadata and sidecars only.
 
 Each command runs in a fresh process twice (``many_tensors_bench.timed``: wall, CPU, peak RSS): first with an
 empty description cache (``CKPTTOOL_CACHE``), then with the cache it left.
