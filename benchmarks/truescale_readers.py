@@ -8,6 +8,8 @@ round-robin by tensor), every 1-D tensor held whole by one rank: ~90k pieces, wr
 
 - ``sidecar``: each rank file a real safetensors header followed by a hole (``os.truncate``) for its data, with
   its real ``*.ckpttool.json`` sidecar (38 MB on disk);
+- ``torch_dist``: Megatron-Core's, at ``--mesh`` (TP 2, PP 1, EP 8 by default: ~90k items), made from the
+  sparse BF16 HF release by ``split --to megatron --dry-run``'s plan, its items as below;
 - ``dcp``: ``.metadata`` pickled from torch's own DCP classes, and 8 ``__R_0.distcp`` files, each item the
   ``torch.save`` archive torch writes (``ckpttool.writers.torch_archive``: zip records, pickle, alignment, CRCs)
   with its data record a hole (~540 MB on disk: each item's records take a file-system block or two).
@@ -17,7 +19,7 @@ Nothing reads the data: ``merge --dry-run`` and ``audit --no-data`` read headers
 Each command runs in a fresh process twice (``many_tensors_bench.timed``: wall, CPU, peak RSS): first with an
 empty description cache (``CKPTTOOL_CACHE``), then with the cache it left.
 
-    python benchmarks/truescale_readers.py [--workdir /tmp/ckpttool-truescale-readers] [--keep] [--layers 61]
+    python benchmarks/truescale_readers.py [--workdir /tmp/ckpttool-truescale-readers] [--keep] [--layers 61] [--mesh 2 1 8]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from many_tensors_bench import release  # noqa: E402  (this folder is no package)
-from truescale import ITEMSIZE, _claim, _inside, measure, config  # noqa: E402
+from truescale import ITEMSIZE, _claim, _inside, config, generate, measure  # noqa: E402
 
 from ckpttool.writers.torch_archive import TensorArchive, crc32_combine  # noqa: E402
 
@@ -154,11 +156,51 @@ def generate_dcp(root: Path, cfg: dict, ranks: int = RANKS) -> dict:
             "disk_bytes": sum(p.stat().st_blocks * 512 for p in paths)}
 
 
+def generate_torch_dist(root: Path, hf: Path, tp: int = 2, pp: int = 1, ep: int = 8) -> dict:
+    """Write the sparse HF release in ``hf`` (``truescale.generate``, BF16) as Megatron-Core ``torch_dist`` at
+    ``tp`` x ``pp`` x ``ep`` into ``root`` (a new directory): the plan of ``split --to megatron --dry-run`` (its
+    megatron-core names and chunks, which the megatron-core consumer tests hold to megatron-core), each item's
+    torch.save archive with its data record a hole, then the files the split writes around them (``.metadata``,
+    ``common.pt``, ``metadata.json``, the tracker) and ``config.json``.
+    Returns ``{"tensors", "pieces", "files", "apparent_bytes", "disk_bytes"}``."""
+    import ckpttool
+    from ckpttool.commands.merge import prepare
+    from ckpttool.commands.split_dcp import model_of
+    from ckpttool.commands.split_megatron import training_args
+    from ckpttool.writers import dcp, megatron_dist
+
+    result = ckpttool.split(hf, None, to="megatron", tp=tp, pp=pp, ep=ep, dry_run=True)
+    iteration = root / megatron_dist.iteration_name(0)
+    iteration.mkdir(parents=True)
+    for file in result.files:
+        with open(iteration / file.name, "wb") as f:
+            for item in file.items:
+                f.seek(item.offset)
+                f.write(item.archive.head())
+                f.seek(item.data_offset + item.archive.nbytes)  # the hole
+                f.write(item.archive.tail(_zeros_crc(item.archive.nbytes)))
+            for obj in file.objects:
+                f.seek(obj.offset)
+                f.write(obj.data)
+            f.truncate(file.nbytes)
+    dcp.write_metadata(result.files, iteration)
+    shapes = {s.name: s.shape for s in result.tensors}
+    megatron_dist.write_common(iteration, training_args(model_of(prepare(hf)), result.mesh, shapes), 0)
+    megatron_dist.write_tracker(root, 0)
+    shutil.copy(hf / "config.json", root / "config.json")
+    paths = [p for p in root.rglob("*") if p.is_file()]
+    return {"tensors": len(result.tensors), "pieces": sum(len(f.items) for f in result.files),
+            "files": len(result.files), "apparent_bytes": sum(p.stat().st_size for p in paths),
+            "disk_bytes": sum(p.stat().st_blocks * 512 for p in paths)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-truescale-readers"))
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument("--keep", action="store_true", help="reuse the checkpoints in --workdir if there")
+    parser.add_argument("--mesh", type=int, nargs=3, default=(2, 1, 8), metavar=("TP", "PP", "EP"),
+                        help="the torch_dist checkpoint's mesh (default 2 1 8: ~90k items at 61 layers)")
     parser.add_argument("--only-second", action="store_true", help="skip the first (empty cache) runs")
     args = parser.parse_args()
     workdir = _claim(args.workdir)
@@ -167,9 +209,15 @@ def main() -> None:
     os.environ["CKPTTOOL_CACHE"] = str(_inside(workdir / "generator-cache", workdir))
     sources = {"sidecar": (_inside(workdir / "sidecar", workdir), generate_sidecar),
                "dcp": (_inside(workdir / "dcp", workdir), generate_dcp)}
+    hf = _inside(workdir / "hf-bf16", workdir)  # torch_dist is made from the sparse BF16 release
+    sources["torch_dist"] = (_inside(workdir / "torch_dist", workdir),
+                             lambda root, cfg: generate_torch_dist(root, hf, *args.mesh))
     for name, (src, make) in sources.items():
         if not (args.keep and src.exists()):
             shutil.rmtree(src, ignore_errors=True)
+            if name == "torch_dist" and not (args.keep and hf.exists()):
+                shutil.rmtree(hf, ignore_errors=True)
+                generate(hf, config(args.layers, bf16=True))
             start = time.perf_counter()
             made = make(src, config(args.layers, bf16=True))
             print(f"{name}: built in {time.perf_counter() - start:.1f} s: {made}")

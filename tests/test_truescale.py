@@ -143,7 +143,19 @@ def dcp(tmp_path_factory):
     return root, bench.release(cfg), made
 
 
-@pytest.fixture(params=["sidecar", "dcp"])
+@pytest.fixture(scope="module")
+def torch_dist(tmp_path_factory):
+    """The same model as Megatron-Core torch_dist at TP 2 x EP 4, made from its sparse BF16 HF release by split's
+    plan (megatron-core names, stacked layers, expert chunks), item data holes."""
+    bench = _load("truescale_readers")
+    base = tmp_path_factory.mktemp("truescale-readers")
+    cfg = bench.config(layers=2, dense=1, bf16=True)
+    bench.generate(base / "hf", cfg, files=4)
+    made = bench.generate_torch_dist(base / "torch_dist", base / "hf", tp=2, pp=1, ep=4)
+    return base / "torch_dist", bench.release(cfg), made
+
+
+@pytest.fixture(params=["sidecar", "dcp", "torch_dist"])
 def sharded(request):
     """Each reader's true-shape checkpoint: (folder, tensors, what the generator reported)."""
     return request.getfixturevalue(request.param)
