@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 import ckpttool
-from ckpttool.writers.destination import check_destination, foreign_entries, siblings
+from ckpttool.writers.destination import check_destination, foreign_entries
+from ckpttool.writers.staging import siblings
 from ckpttool.errors import DestinationError, OutputError
 from conftest import fixture_dir, tree_digest
 

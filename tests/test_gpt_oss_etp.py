@@ -212,7 +212,7 @@ def test_etp_for_a_dcp_split_is_a_usage_error(cli, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# the part of a de-interleave (plan/transforms.py)
+# the part of a de-interleave (plan/transforms/take.py, chain.py)
 # ------------------------------------------------------------------------------------------------
 
 

@@ -16,7 +16,8 @@ import torch
 from ckpttool.families import adapter_for, map_from_hf
 from ckpttool.families.rules import cut
 from ckpttool.layout.layout import TensorLayout
-from ckpttool.model.architecture import model_info, read_config
+from ckpttool.model.architecture import model_info
+from ckpttool.model.config_file import read_config
 from ckpttool.writers.destination import EXTRA_FILES
 from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, load_output, tree_digest
 

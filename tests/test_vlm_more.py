@@ -16,7 +16,8 @@ from transformers import AutoModelForImageTextToText
 from ckpttool.families import adapter_for, map_from_hf, tied_on_disk
 from ckpttool.families.rules import cut
 from ckpttool.layout.layout import TensorLayout
-from ckpttool.model.architecture import model_info, read_config
+from ckpttool.model.architecture import model_info
+from ckpttool.model.config_file import read_config
 from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, load_output, tree_digest
 
 #: fixture -> (the class transformers builds, the adapter serving it, a name only its on-disk layout has)

@@ -12,7 +12,8 @@ from ckpttool.families.registry import adapter_for
 from ckpttool.lora.attach import attach_adapters
 from ckpttool.lora.embedded import embedded_adapter
 from ckpttool.lora.export import ADAPTER_OUTPUT, write_adapter_folder
-from ckpttool.writers.destination import Staging, check_destination
+from ckpttool.writers.destination import check_destination
+from ckpttool.writers.staging import Staging
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +26,7 @@ class AdapterExport:
     #: LoRA modules written, and their ranks ("8", or "4/8" with a rank pattern)
     modules: int
     ranks: str
-    #: an earlier output that a killed run had moved aside, put back first (see ckpttool.writers.destination)
+    #: an earlier output that a killed run had moved aside, put back first (see ckpttool.writers.staging)
     restored: str | None = None
 
     def to_json(self) -> dict[str, object]:

@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ckpttool.model.architecture import ModelInfo, find_config, read_config
+from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.config_file import find_config, read_config
 from ckpttool.execute.distributed import Group, share_out
 from ckpttool.io.dtypes import cast_dtype, dtype_name, prevailing_float
 from ckpttool.plan.plan import Plan
@@ -26,7 +27,8 @@ from ckpttool.lora.adapter import read_adapter
 from ckpttool.lora.attach import attach_adapters
 from ckpttool.lora.embedded import Embedded, source_adapter
 from ckpttool.families.registry import adapter_for
-from ckpttool.writers.destination import AUDIT_FILE, Staging, check_destination
+from ckpttool.writers.destination import AUDIT_FILE, check_destination
+from ckpttool.writers.staging import Staging
 from ckpttool.writers.hf import (
     OutputFile,
     assign_files,
@@ -60,7 +62,7 @@ class MergeResult:
     kept_files: int = 0
     workers: int = 1
     parallel: dict[str, int] = field(default_factory=dict)
-    #: an earlier output that a killed run had moved aside, put back before this merge (see ckpttool.writers.destination)
+    #: an earlier output that a killed run had moved aside, put back before this merge (see ckpttool.writers.staging)
     restored: str | None = None
     #: no architecture was mapped (no config, or one transformers has no causal LM for): names kept as recorded
     generic: bool = False

@@ -15,7 +15,8 @@ from ckpttool.families.quantize_packed import PackScheme
 from ckpttool.families.source import Planned, plan_layout
 from ckpttool.layout.layout import Layout
 from ckpttool.lora.embedded import Embedded, split_embedded
-from ckpttool.model.architecture import ModelInfo, find_config, model_info, read_config
+from ckpttool.model.architecture import ModelInfo, model_info
+from ckpttool.model.config_file import find_config, read_config
 from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool import readers
 from ckpttool.readers import census, detect_format, hf_distributed

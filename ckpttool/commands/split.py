@@ -31,10 +31,11 @@ from ckpttool.commands.split_dcp import NAMES, in_memory, model_of, plan_dcp
 from ckpttool.families.conventions.torchtitan_back import release_of, to_torchtitan
 from ckpttool.commands.split_megatron import plan_megatron, training_args
 from ckpttool.families.conventions.megatron_back import MODEL_TYPES as MEGATRON_TYPES, refuse_model_type
-from ckpttool.model.architecture import find_config, read_config
+from ckpttool.model.config_file import find_config, read_config
 from ckpttool.console.terminal import escaped, shown, size_text
 from ckpttool.writers import dcp, megatron_dist
-from ckpttool.writers.destination import SPLIT_MANIFEST, SPLIT_OUTPUT, Staging, check_destination
+from ckpttool.writers.destination import SPLIT_MANIFEST, SPLIT_OUTPUT, check_destination
+from ckpttool.writers.staging import Staging
 from ckpttool.writers.manifest import write_manifest
 from ckpttool.writers.hf import predict_peak_bytes, write_extras
 from ckpttool.quant.formats import read_quantization

@@ -38,7 +38,7 @@ from ckpttool.plan.plan import Target
 from ckpttool.plan.transforms import Transform, within_part
 from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families.conventions import megatron_back
-from ckpttool.families.conventions import megatron_back_mla
+from ckpttool.families.conventions import megatron_back_args, megatron_back_mla
 from ckpttool.families.conventions.megatron_back import (EXPERT_TENSORS, EXTRA_STATE, expert_axis, megatron_tensors,
                                                          padded_vocab)
 from ckpttool.families import mtp
@@ -320,12 +320,13 @@ def _per_layer_cuts(shapes: dict[str, tuple[int, ...]], mesh: MegatronMesh, mode
 
 def training_args(info: ModelInfo, mesh: MegatronMesh, shapes: dict[str, tuple[int, ...]]) -> dict[str, object]:
     """The Megatron-LM training arguments ``common.pt`` records for this model and mesh
-    (:func:`ckpttool.families.conventions.megatron_back.training_args`)."""
+    (:func:`ckpttool.families.conventions.megatron_back_args.training_args`)."""
     mtp_layers = len({name.split(".")[2] for name in shapes if name.startswith("mtp.layers.")})
     experts = any(expert_axis(name) is not None for name in shapes)
-    args = megatron_back.training_args(info, shapes, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
-                                       divisible_by=mesh.divisible_by, iteration=mesh.iteration, mtp_layers=mtp_layers,
-                                       etp=mesh.expert_tp(info.model_type) if experts else 0)
+    args = megatron_back_args.training_args(info, shapes, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep,
+                                            divisible_by=mesh.divisible_by, iteration=mesh.iteration,
+                                            mtp_layers=mtp_layers,
+                                            etp=mesh.expert_tp(info.model_type) if experts else 0)
     layers = int(info.config.get("num_hidden_layers") or 0)
     args.update(decoder_first_pipeline_num_layers=mesh.pp_first or None,
                 decoder_last_pipeline_num_layers=mesh.pp_last or None,

@@ -46,7 +46,7 @@ from ckpttool.errors import ConfigError
 from ckpttool.findings import Report
 from ckpttool.commands.merge import finish_output
 from ckpttool.io.sidecar import PieceSpec
-from ckpttool.writers.destination import Staging
+from ckpttool.writers.staging import Staging
 from ckpttool.writers.hf import OutputFile, assign_files
 from ckpttool.live.gather import Gather
 from ckpttool.live.pieces import describe_held, Held, plan_gather

@@ -1,6 +1,6 @@
 """The HuggingFace output: sharded safetensors + index + config + tokenizer, published atomically.
 
-Everything is written into a staging directory beside the destination (see :mod:`ckpttool.writers.destination`),
+Everything is written into a staging directory beside the destination (see :mod:`ckpttool.writers.staging`),
 verified, and renamed into place at the end; on an error the staging directory is removed, so the
 destination never holds a partial checkpoint. A journal in the staging directory records every output file
 finished so far with its digest, so a merge killed after hours continues with ``--resume`` where it stopped,

@@ -122,8 +122,8 @@ def layer_of(name: str, layers: int) -> int | None:
 
 
 def stacked_view(shapes: Mapping[str, Shape], config: Mapping[str, object]) -> dict[str, Shape]:
-    """The per-layer tensors' sizes under the stacked names of :func:`.megatron_back.training_args` (a layer axis in
-    front, the first layer that has each; ``linear_qkv``'s rows such that its ``kv_channels`` is ``v_head_dim``)."""
+    """The per-layer tensors' sizes under the stacked names of :func:`.megatron_back_args.training_args` (a layer axis
+    in front, the first layer that has each; ``linear_qkv``'s rows such that its ``kv_channels`` is ``v_head_dim``)."""
     layers = int(config.get("num_hidden_layers") or 0)
     heads, value = int(config.get("num_attention_heads") or 0), int(config.get("v_head_dim") or 0)
     hidden = shapes["embedding.word_embeddings.weight"][1]
