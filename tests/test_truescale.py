@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_failed_cleanly
 
 from ckpttool.execute.buffers import OVERHEAD_BYTES
 from ckpttool.execute.executor import CHUNK_BYTES
@@ -130,8 +132,63 @@ def test_the_sidecar_checkpoint_is_true_shape_sparse_and_sharded(sidecar):
     assert made["disk_bytes"] < 32 * 2**20
 
 
-def test_merge_dry_run_of_the_sidecar_checkpoint_covers_every_tensor_once(sidecar, cli):
-    root, tensors, _ = sidecar
+@pytest.fixture(scope="module")
+def dcp(tmp_path_factory):
+    """The same model, cut the same way, as a PyTorch Distributed Checkpoint: ``.metadata`` pickled from torch's
+    own classes, 8 ``__R_0.distcp`` files of torch.save archives whose data records are holes."""
+    bench = _load("truescale_readers")
+    root = tmp_path_factory.mktemp("truescale-readers") / "dcp"
+    cfg = bench.config(layers=2, dense=1, bf16=True)
+    made = bench.generate_dcp(root, cfg)
+    return root, bench.release(cfg), made
+
+
+@pytest.fixture(scope="module")
+def torch_dist(tmp_path_factory):
+    """The same model as Megatron-Core torch_dist at TP 2 x EP 4, made from its sparse BF16 HF release by split's
+    plan (megatron-core names, stacked layers, expert chunks), item data holes."""
+    bench = _load("truescale_readers")
+    base = tmp_path_factory.mktemp("truescale-readers")
+    cfg = bench.config(layers=2, dense=1, bf16=True)
+    bench.generate(base / "hf", cfg, files=4)
+    made = bench.generate_torch_dist(base / "torch_dist", base / "hf", tp=2, pp=1, ep=4)
+    return base / "torch_dist", bench.release(cfg), made
+
+
+@pytest.fixture(params=["sidecar", "dcp", "torch_dist"])
+def sharded(request):
+    """Each reader's true-shape checkpoint: (folder, tensors, what the generator reported)."""
+    return request.getfixturevalue(request.param)
+
+
+def test_the_dcp_checkpoint_is_true_shape_sparse_and_read_in_place(dcp):
+    import io
+    import pickle
+
+    import torch
+
+    from ckpttool.layout.layout import RAW
+    from ckpttool.readers import read_layout
+
+    root, tensors, made = dcp
+    assert sorted(p.name for p in root.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(8)]
+    assert made["tensors"] < made["pieces"] < 2 * made["tensors"]
+    assert made["apparent_bytes"] > 30e9 and made["disk_bytes"] < 32 * 2**20
+    layout = read_layout(root)
+    assert layout.format == "dcp" and len(layout.tensors) == len(tensors)
+    # every item's archive parsed and its elements located in place: real zip headers and pickles, not guessed
+    assert {p.encoding for t in layout.tensors.values() for p in t.pieces} == {RAW}
+    # torch itself reads the metadata and loads an item (its data record, a hole, reads as zeros)
+    md = pickle.loads((root / ".metadata").read_bytes())
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.layers.0.input_layernorm.weight")
+    with open(root / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        item = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+    assert item.shape == (7168,) and item.dtype == torch.bfloat16 and not item.any()
+
+
+def test_merge_dry_run_of_each_sharded_checkpoint_covers_every_tensor_once(sharded, cli):
+    root, tensors, _ = sharded
     before = _snapshot(root)
     result = cli("merge", root, "--dry-run", "--json")
     assert result.exit_code == 0, result.output
@@ -147,8 +204,8 @@ def test_merge_dry_run_of_the_sidecar_checkpoint_covers_every_tensor_once(sideca
     assert _snapshot(root) == before
 
 
-def test_audit_no_data_of_the_sidecar_checkpoint_passes(sidecar, cli):
-    root, tensors, _ = sidecar
+def test_audit_no_data_of_each_sharded_checkpoint_passes(sharded, cli):
+    root, tensors, _ = sharded
     before = _snapshot(root)
     result = cli("audit", root, "--no-data", "--json")
     assert result.exit_code == 0, result.output
@@ -157,3 +214,104 @@ def test_audit_no_data_of_the_sidecar_checkpoint_passes(sidecar, cli):
     assert summary["verdict"] == "pass" and summary["errors"] == 0 and not summary["data_checked"], doc["findings"]
     assert summary["tensors"] == len(tensors)
     assert _snapshot(root) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# the planner's fast path for slabs (ckpttool.plan.tiling.slab_copies): a tensor cut along one dim is proven by one
+# sort; any other layout falls back to the general proof, whose verdict it must never contradict
+# ------------------------------------------------------------------------------------------------
+
+
+def _pieces(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list:
+    from ckpttool.layout.layout import RAW, Box, Piece
+
+    return [Piece(f"rank{i}.safetensors", "w", Box(o, s), "F32", RAW, 0, 4) for i, (o, s) in enumerate(boxes)]
+
+
+@pytest.mark.parametrize("boxes, slabs, tiles", [
+    ([((0, 0), (3, 4)), ((3, 0), (5, 4))], True, True),                     # uneven rows
+    ([((4, 0), (4, 4)), ((0, 0), (4, 4))], True, True),                     # out of order
+    ([((0, 0), (8, 1)), ((0, 1), (8, 3))], True, True),                     # columns
+    ([((0, 0), (8, 4)), ((0, 0), (8, 4))], False, True),                    # replicas: the general path keeps one
+    ([((0, 0), (4, 2)), ((4, 0), (4, 2)), ((0, 2), (8, 2))], False, True),  # a cut along two dims
+    ([((0, 0), (0, 4)), ((0, 0), (8, 4))], False, True),                    # an empty piece
+    ([((0, 0), (3, 4)), ((4, 0), (4, 4))], False, False),                   # a gap
+    ([((0, 0), (5, 4)), ((4, 0), (4, 4))], False, False),                   # an overlap
+    ([((0, 0), (8, 2))], False, False),                                     # one piece, not the whole
+])
+def test_slabs_are_proven_by_a_sort_and_anything_else_by_the_general_proof(boxes, slabs, tiles):
+    from ckpttool.layout.builder import LayoutBuilder
+    from ckpttool.layout.layout import Box
+    from ckpttool.plan.plan import TargetSpec, plan_covered
+    from ckpttool.plan.tiling import Slice, check_tiling, slab_copies
+
+    shape = (8, 4)
+    builder = LayoutBuilder("/nonexistent", "test")
+    builder.declare("w", shape, "F32", where="'test'")
+    for p in _pieces(boxes):
+        builder.add("w", p)
+    layout = builder.build()
+    pieces = layout.tensors["w"].pieces
+    copies = slab_copies(shape, pieces)
+    assert (copies is not None) == slabs
+    whole = Box.whole(shape)
+    plan, failed = plan_covered(layout, [TargetSpec("w", shape, (Slice("w", whole, whole),))])
+    assert (not failed) == tiles
+    if slabs:  # each piece whole into its box, in the layout's order: what the general path plans too
+        assert [(c.piece, c.src, c.dst) for c in copies] == [(p, Box((0, 0), p.box.sizes), p.box) for p in pieces]
+        assert check_tiling("w", shape, copies) == [] and plan.targets[0].copies == copies
+    if not tiles:  # the general proof's message, naming the region
+        assert re.search(r"'w': rows \d+\.\.\d+ (covered twice|covered by no piece)|'w': columns", failed[0][1][0])
+
+
+# ------------------------------------------------------------------------------------------------
+# what the config alone decides is refused before any index of the checkpoint is read (on the 671B release: 163
+# headers and the model's description, 8-20 s of CPU, for an answer config.json gives at once)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def unread(monkeypatch):
+    """Reading the source (its layout, its sizes, the model's description) fails the test."""
+    from ckpttool.commands import merge
+
+    def never(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(merge, "plan_source_and_adapter", never)
+
+
+def test_split_to_megatron_of_the_fp8_release_without_a_dtype_is_refused_from_its_config(release, cli, unread, tmp_path):
+    root = release[0]
+    before = _snapshot(root)
+    out = tmp_path / "out"
+    result = cli("split", root, out, "--to", "megatron", "--tp", "8", "--pp", "16", "--ep", "64")
+    assert_failed_cleanly(result, out)
+    assert result.stderr == (
+        f"Error: '{root}': a quantized source (fp8 F8_E4M3 with 128x128 blocks (float scales), the quantization_config "
+        f"of '{root / 'config.json'}') cannot be split yet: split writes the model's in-memory tensors, not quantized "
+        "bytes and scales. Merge it with --dtype bfloat16 first (ckpttool merge SRC HF --dtype bfloat16), then split "
+        "that output; nothing was written\n")
+    assert _snapshot(root) == before
+
+
+def test_split_to_megatron_of_a_model_type_it_has_no_form_for_is_refused_from_its_config(release, cli, unread, tmp_path):
+    root = release[0]
+    config = json.loads((root / "config.json").read_text())
+    del config["quantization_config"]
+    config["model_type"] = "qwen3_next"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = cli("split", root, out, "--to", "megatron", "--config", tmp_path / "config.json", "--dry-run")
+    assert_failed_cleanly(result, out)
+    assert result.stderr.startswith("Error: model_type 'qwen3_next': ckpttool knows no Megatron-Core form for it; "
+                                    "split --to megatron writes llama, mistral, qwen2, mixtral, qwen2_moe, gpt_oss, ")
+
+
+def test_quantizing_the_fp8_release_again_is_refused_from_its_config(release, cli, unread, tmp_path):
+    root = release[0]
+    out = tmp_path / "out"
+    result = cli("merge", root, out, "--quantize", "fp8")
+    # the command line says the option as it is typed (--quantize fp8, --dtype bfloat16)
+    assert_failed_cleanly(result, out, f"'{root}' is quantized already (fp8 F8_E4M3 with 128x128 blocks (float "
+                          "scales)); quantizing FP8 values again would compound their rounding. Dequantize it first")

@@ -8,17 +8,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ckpttool.model.architecture import ModelInfo
-from ckpttool.model.config_file import read_config
+from ckpttool.model.config_file import find_config, read_config
 from ckpttool.execute.distributed import Group, share_out
 from ckpttool.io.dtypes import cast_dtype, dtype_name, prevailing_float
 from ckpttool.plan.plan import Plan
 from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError, Interrupted, SourceError
 from ckpttool.families.quantize import output_config as quantized_config
-from ckpttool.families.quantize import MXFP4_DTYPE, quantize_block
+from ckpttool.families.quantize import MXFP4_DTYPE, quantize_block, refuse_requantizing
 from ckpttool.families.quantize_packed import PackScheme
 from ckpttool.families.quantize_release import check_method
 from ckpttool.commands.release import read_release
-from ckpttool.quant.formats import MXFP4
+from ckpttool.quant.formats import MXFP4, read_quantization
 from ckpttool.families.quantized import output_config, scale_names
 from ckpttool.findings import Finding, Report, sort_findings
 from ckpttool.fast.jsontext import dumps as json_text
@@ -157,6 +157,14 @@ def prepare_and_adapter(
     return replace(planned, plan=replace(planned.plan, notes=(*planned.plan.notes, *skipped))), embedded
 
 
+def _refuse_requantizing(root: Path, config: str | Path | None, quantizing: tuple[int, int] | str | PackScheme) -> None:
+    """A merge that quantizes a source whose config declares a quantization is refused from the config alone, before
+    any index of the checkpoint is read or the model described (see :func:`ckpttool.families.quantize.refuse_requantizing`)."""
+    config_path = find_config(root, config)
+    if config_path is not None:
+        refuse_requantizing(quantizing, read_quantization(read_config(config_path), str(config_path)), str(root))
+
+
 def extras_search(root: Path, config_path: Path | None) -> list[Path]:
     """Where tokenizer and generation files are looked for: beside the config, then in the source."""
     return list(dict.fromkeys([*([config_path.parent] if config_path is not None else []), root]))
@@ -284,6 +292,8 @@ def merge(
         what = {"fp8": "FP8", "nvfp4": "NVFP4"}.get(str(quantize), "packed INT4")
         raise ArgumentError(f"quantize={quantize!r} and dtype={dtype!r} together: quantize writes {what} weights and "
                             "keeps every other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
+    if quantizing is not None:  # the config alone decides it: refused before the checkpoint is read
+        _refuse_requantizing(root, config, quantizing)
     round_trips: dict[str, RoundTrip] = {}
     group = Group()
     try:

@@ -30,7 +30,8 @@ from ckpttool.families.source import Planned
 from ckpttool.commands.split_dcp import NAMES, in_memory, left_out, model_of, plan_dcp
 from ckpttool.families.conventions.torchtitan_back import release_of, to_torchtitan
 from ckpttool.commands.split_megatron import plan_megatron, training_args
-from ckpttool.families.conventions.megatron_back import MODEL_TYPES as MEGATRON_TYPES
+from ckpttool.families.conventions.megatron_back import MODEL_TYPES as MEGATRON_TYPES, refuse_model_type
+from ckpttool.model.config_file import find_config, read_config
 from ckpttool.console.terminal import escaped, shown, size_text
 from ckpttool.writers import dcp, megatron_dist
 from ckpttool.writers.destination import SPLIT_MANIFEST, SPLIT_OUTPUT, check_destination
@@ -231,12 +232,11 @@ def split(
     root, dest = Path(src), (Path(out) if out is not None else None)
     if dest is not None:
         check_destination(dest, [root], force, SPLIT_OUTPUT)
+    _refuse_by_config(root, config, isinstance(mesh, MegatronMesh), dtype)
     group = Group()
     restored, extras = None, []
     try:
         prepared = prepare(root, format=format, config=config, dtype=dtype)
-        if not (isinstance(mesh, MegatronMesh) and dtype is not None and _megatron_form(prepared)):
-            _refuse_quantized(prepared)  # to Megatron with a dtype: FP8 block-scaled dequantized chunk by chunk
         if isinstance(mesh, MegatronMesh):
             info = model_of(prepared)
             shardings, files = plan_megatron(prepared, info, mesh)
@@ -297,26 +297,40 @@ def _names_notes(to: str, names: str, prepared: Planned) -> list[str]:
                          on_disk=[t.name for t in prepared.plan.targets]).notes
 
 
-def _megatron_form(prepared: Planned) -> bool:
-    """Whether ``split --to megatron`` writes the source's model type (a quantized source of any other is refused as
-    quantized first, the clearer message)."""
-    return model_of(prepared).model_type in MEGATRON_TYPES
+def _refuse_by_config(root: Path, config: str | Path | None, megatron: bool, dtype: str | None) -> None:
+    """Refuse what the source's config alone decides, before any index of the checkpoint is read or the model
+    described (on DeepSeek-V3-671B's release, 163 headers and transformers' description: 8-20 s of CPU): a quantized
+    source (:func:`_refuse_quantized`), except to Megatron with a ``dtype`` for a model type it writes (FP8
+    block-scaled weights are dequantized there chunk by chunk, :func:`ckpttool.plan.compose.compose`); then, to
+    Megatron, a model type with no Megatron-Core form. Without a config nothing is decided here (the split then
+    refuses for want of one, once the source is read).
+
+    Raises:
+        ConfigError: as :func:`_refuse_quantized` and
+            :func:`~ckpttool.families.conventions.megatron_back.refuse_model_type`; the config cannot be read.
+    """
+    config_path = find_config(root, config)
+    found = read_config(config_path) if config_path is not None else None
+    if found is None:
+        return
+    model_type = found.get("model_type")
+    if not (megatron and dtype is not None and model_type in MEGATRON_TYPES):
+        _refuse_quantized(str(root), found, str(config_path))  # a quantized source of another type: the clearer message
+    if megatron and isinstance(model_type, str):
+        refuse_model_type(model_type)
 
 
-def _refuse_quantized(prepared: Planned) -> None:
+def _refuse_quantized(root: str, config: dict[str, object], label: str) -> None:
     """A split writes the model's in-memory tensors, which a quantized source holds only as quantized bytes and
-    scales (FP8 block-scaled, MXFP4): refused before anything is planned or written, dequantized or not (not called
-    for ``--to megatron --dtype`` of a model Megatron-Core form is written for: FP8 block-scaled weights are
-    dequantized there chunk by chunk, :func:`ckpttool.plan.compose.compose`).
+    scales (FP8 block-scaled, MXFP4): refused before anything is read, planned or written, dequantized or not.
 
     Raises:
         ConfigError: the source's config declares a quantization.
     """
-    label = str(prepared.config_path or "config.json")
-    quant = read_quantization(prepared.config, label) if prepared.config is not None else None
+    quant = read_quantization(config, label)
     if quant is not None:
         raise ConfigError(
-            f"'{prepared.layout.root}': a quantized source ({quant.describe()}, the quantization_config of '{label}') "
+            f"'{root}': a quantized source ({quant.describe()}, the quantization_config of '{label}') "
             "cannot be split yet: split writes the model's in-memory tensors, not quantized bytes and scales. Merge it "
             "with --dtype bfloat16 first (ckpttool merge SRC HF --dtype bfloat16), then split that output; nothing was "
             "written"

@@ -102,6 +102,31 @@ def quantizes(name: str, shape: tuple[int, ...], dtype: str | None) -> bool:
     return _KEPT.search(name.removesuffix(".weight")) is None
 
 
+def refuse_requantizing(block: tuple[int, int] | str | PackScheme, quant: Quantization | None, source: str) -> None:
+    """Refuse to quantize (in ``block``, as :func:`quantize_block` gives it) a source whose config declares a
+    quantization ``quant`` already: the config alone decides it, so a merge asks before reading the checkpoint.
+
+    Raises:
+        ConfigError: ``quant`` is not None, naming ``source`` and what it is quantized to.
+    """
+    if quant is not None:
+        _quantized_already(_method(block), source, quant.describe())
+
+
+def _quantized_already(method: str, source: str, what: str) -> None:
+    raise ConfigError(
+        f"quantize='{method}': '{source}' is quantized already ({what}); quantizing "
+        f"{'FP8' if method == 'fp8' else 'quantized'} values again would compound their rounding. Dequantize it "
+        "first (dtype='bfloat16'), or merge it without quantize= to keep it as it is")
+
+
+def _method(block: tuple[int, int] | str | PackScheme) -> str:
+    """The ``quantize=`` name of what :func:`quantize_block` gave."""
+    if isinstance(block, PackScheme):
+        return "nvfp4" if block.nvfp4 else "int4"
+    return MXFP4 if block == MXFP4 else "fp8"
+
+
 def quantized_specs(specs: Sequence[TargetSpec], layout: Layout, block: tuple[int, int] | str | PackScheme, *, source: str,
                     quant: Quantization | None, has_model: bool, model_type: str | None = None) -> list[TargetSpec]:
     """The targets of a quantizing merge: each weight :func:`quantizes` picks as its E4M3 values and its float32
@@ -113,9 +138,7 @@ def quantized_specs(specs: Sequence[TargetSpec], layout: Layout, block: tuple[in
         ConfigError: the source is quantized already, has no config (or none transformers knows), or holds no
             weight to quantize; MXFP4 for a model that is not gpt-oss.
     """
-    method = MXFP4 if block == MXFP4 else "fp8"
-    if isinstance(block, PackScheme):
-        method = "nvfp4" if block.nvfp4 else "int4"
+    method = _method(block)
     if not has_model:
         raise ConfigError(
             f"quantize='{method}' needs the model's config (none usable for '{source}'): which tensors are Linear weights "
@@ -124,12 +147,10 @@ def quantized_specs(specs: Sequence[TargetSpec], layout: Layout, block: tuple[in
     dtypes = {s.name: _dtype(s, layout) for s in specs}
     already = sorted(n for n, d in dtypes.items() if d is not None and d not in FLOAT_DTYPES and (
         d.startswith("F8") or n.endswith((FP8_SCALE_SUFFIX, "_blocks", "_scales"))))
-    if quant is not None or already:
-        what = quant.describe() if quant is not None else f"{len(already)} quantized tensors ('{already[0]}', ...)"
-        raise ConfigError(
-            f"quantize='{method}': '{source}' is quantized already ({what}); quantizing "
-            f"{'FP8' if method == 'fp8' else 'quantized'} values again would compound their rounding. Dequantize it "
-            "first (dtype='bfloat16'), or merge it without quantize= to keep it as it is")
+    if quant is not None:
+        refuse_requantizing(block, quant, source)
+    if already:
+        _quantized_already(method, source, f"{len(already)} quantized tensors ('{already[0]}', ...)")
     if method == MXFP4:
         return mxfp4_specs(specs, dtypes, source=source, model_type=model_type)
     if isinstance(block, PackScheme):

@@ -20,7 +20,7 @@ from ckpttool.errors import ArgumentError, ConfigError, CoverageError
 from ckpttool.fast.frozen import quick_init
 from ckpttool.layout.layout import Box, Layout, Piece, Shape, TensorLayout
 from ckpttool.layout.regions import uncovered
-from ckpttool.plan.tiling import Copy, Slice, check_tiling
+from ckpttool.plan.tiling import Copy, Slice, check_tiling, slab_copies
 from ckpttool.plan.transforms import Transform
 
 if TYPE_CHECKING:  # a fused target's deltas (.lora), only named here: the plan does not compute them
@@ -279,24 +279,32 @@ def _bound_transform(spec: TargetSpec) -> Transform | None:
 
 
 def _whole_copy(layout: Layout, spec: TargetSpec, dtype: str | None) -> Target | None:
-    """The target :func:`_plan_target` plans when ``spec`` is one slice that is the whole of a one-piece source
-    tensor, copied as it is (most tensors of a checkpoint, and a plan can hold 90k of them), without the tiling
-    machinery; None for any other spec."""
+    """The target :func:`_plan_target` plans when ``spec`` is one slice that is the whole of its source tensor,
+    copied as it is from one piece or from slabs cut along one dim (most tensors of a checkpoint, and a plan can
+    hold 90k of them: :func:`~ckpttool.plan.tiling.slab_copies`), without the general tiling machinery; None for
+    any other spec, or pieces that do not tile it so (the general path then says why)."""
     sl = spec.slices[0]
     tensor = layout.tensors.get(sl.source)
-    if tensor is None or len(tensor.pieces) != 1:
+    if tensor is None:
         return None
-    piece = tensor.pieces[0]
-    box, src, dst = piece.box, sl.src, sl.dst
-    shape = box.sizes
-    if box is src and box is dst:  # one box object, as identity_specs and the readers give it: compared once
-        if not (shape == spec.shape == tensor.global_shape and not any(box.offsets) and min(shape, default=1) > 0):
+    box, src, dst = tensor.pieces[0].box if len(tensor.pieces) == 1 else None, sl.src, sl.dst
+    if box is None:  # several pieces: the slice must be the whole tensor, and the pieces slabs of it
+        if not (src == dst and src.sizes == spec.shape == tensor.global_shape and not any(src.offsets)):
             return None
-    elif not (shape == src.sizes == dst.sizes == spec.shape == tensor.global_shape
-              and box.offsets == src.offsets == dst.offsets and not any(box.offsets) and min(shape, default=1) > 0):
+        copies = slab_copies(spec.shape, tensor.pieces)
+        if copies is None:
+            return None
+    elif box is src and box is dst:  # one box object, as identity_specs and the readers give it: compared once
+        if not (box.sizes == spec.shape == tensor.global_shape and not any(box.offsets) and min(box.sizes, default=1) > 0):
+            return None
+        copies = (Copy(tensor.pieces[0], box, dst),)
+    elif not (box.sizes == src.sizes == dst.sizes == spec.shape == tensor.global_shape
+              and box.offsets == src.offsets == dst.offsets and not any(box.offsets) and min(box.sizes, default=1) > 0):
         return None
+    else:
+        copies = (Copy(tensor.pieces[0], box, dst),)
     out_dtype = dtype if (dtype is not None and tensor.dtype in FLOAT_DTYPES) else tensor.dtype
-    return Target(spec.name, spec.shape, out_dtype, tensor.dtype, (Copy(piece, box, dst),), (sl.source,))
+    return Target(spec.name, spec.shape, out_dtype, tensor.dtype, copies, (sl.source,))
 
 
 def _plan_dequantized(layout: Layout, spec: TargetSpec, dq: Dequantize, copies: list[Copy], stored_dtype: str,

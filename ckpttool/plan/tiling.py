@@ -78,6 +78,36 @@ def check_tiling(
     return problems
 
 
+def slab_copies(shape: Shape, pieces: Sequence[Piece]) -> tuple[Copy, ...] | None:
+    """Each of ``pieces`` (one tensor's, in order) copied whole to its box, when they tile a tensor of ``shape``
+    exactly once as slabs along one dim: every piece the whole extent of the other dims (a TP or FSDP cut, the
+    commonest layout of a sharded checkpoint, 90k pieces in a large one). Proven by one sort of the slabs'
+    offsets, where :func:`check_tiling` sweeps regions; None for any other layout (a replica, a cut along two
+    dims, a gap, an overlap, an empty piece), which :func:`check_tiling` then proves or explains."""
+    if len(pieces) < 2 or not shape or min(shape) <= 0:
+        return None
+    cut = [d for d, (s, n) in enumerate(zip(pieces[0].box.sizes, shape)) if s != n]
+    if len(cut) != 1:
+        return None
+    dim = cut[0]
+    rest, zeros = shape[:dim] + shape[dim + 1:], (0,) * (len(shape) - 1)
+    spans = []
+    for piece in pieces:
+        offsets, sizes = piece.box.offsets, piece.box.sizes
+        if (len(sizes) != len(shape) or sizes[:dim] + sizes[dim + 1:] != rest
+                or offsets[:dim] + offsets[dim + 1:] != zeros or sizes[dim] <= 0):
+            return None
+        spans.append((offsets[dim], sizes[dim]))
+    end = 0
+    for start, size in sorted(spans):
+        if start != end:  # a gap or an overlap: the general proof says which, and where
+            return None
+        end += size
+    if end != shape[dim]:
+        return None
+    return tuple(Copy(piece, Box.whole(piece.box.sizes), piece.box) for piece in pieces)
+
+
 def _overlaps(name: str, shape: Shape, copies: Sequence[Copy]) -> list[str]:
     if not shape:
         return [f"'{name}': the scalar is covered {len(copies)} times"] if len(copies) > 1 else []

@@ -17,6 +17,7 @@ scale, ModelOpt's ``weight_scale_2``) are read whole with every chunk and checke
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckpttool.fast.deferred import torch
@@ -78,15 +79,18 @@ class PackedInt(RowForRow):
         per, mask, offset = 32 // self.bits, (1 << self.bits) - 1, 1 << (self.bits - 1)
         work = scratch("work", (rows, stored.shape[-1] * per), "F32")
         unpacked = work.view(rows, stored.shape[-1], per)
-        words = stored.to(torch.int64) if stored.dtype != torch.int64 else stored  # no sign to carry into the shift
+        # the int32 words shifted in a buffer of ours (an arithmetic shift: the sign it carries in lies above the
+        # mask), not in fresh tensors per chunk, which let each thread's heap grow
+        nibble = scratch("nibble", tuple(stored.shape), "I32")
         for k in range(per):
-            unpacked[:, :, k].copy_((words >> (self.bits * k)) & mask)
+            torch.bitwise_right_shift(stored, self.bits * k, out=nibble)
+            unpacked[:, :, k].copy_(nibble.bitwise_and_(mask))
         values = work[:, :width]
         values.sub_(offset)
         if not self.symmetric:
             zero = self._zero_points(aux[1], start, rows, per, mask, offset)
-            values.sub_(self._spread(zero, width))
-        values.mul_(self._spread(scales.float(), width))
+            by_group(torch.Tensor.sub_, values, zero, self.group or width)
+        by_group(torch.Tensor.mul_, values, scales.float(), self.group or width)
         if scales.dtype != torch.float32:  # the producer's product is in the scale's dtype: rounded there once
             rounded = scratch("rounded", (rows, width), _NAMES[str(scales.dtype)])
             rounded.copy_(values)
@@ -103,16 +107,10 @@ class PackedInt(RowForRow):
         lo = start - first * per
         return full[lo: lo + rows]
 
-    def _spread(self, per_group: torch.Tensor, width: int) -> torch.Tensor:
-        """``[r, G]`` values spread over ``width`` columns, ``group`` each (all of them: one per row)."""
-        if not self.group:
-            return per_group[:, :1]
-        return per_group.repeat_interleave(self.group, dim=-1)[:, :width]
-
     def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...], out_dtype: str) -> dict[str, int]:
         del scales, out_dtype
         n = math.prod(stored) * (32 // self.bits)
-        return {"work": n * 4, "rounded": n * 4}
+        return {"work": n * 4, "rounded": n * 4, "nibble": math.prod(stored) * 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +147,7 @@ class Nvfp4(RowForRow):
         factors = scratch("scale-f32", tuple(scales.shape), "F32").copy_(scales)
         glob = aux[-1].reshape(1, 1).float()
         factors.div_(glob) if self.divide else factors.mul_(glob)
-        values.mul_(factors.repeat_interleave(NVFP4_GROUP, dim=-1)[:, :width])
+        by_group(torch.Tensor.mul_, values, factors, NVFP4_GROUP)
         if self.divide:  # compressed-tensors' decompressor returns its float32 product as bfloat16, its unpack dtype
             out.copy_(scratch("rounded", (rows, width), "BF16").copy_(values))
         else:
@@ -191,6 +189,19 @@ class Fp8Tensor(RowForRow):
 
 
 _OUT_NAMES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32"}
+
+
+def by_group(op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], values: torch.Tensor, per_group: torch.Tensor,
+             group: int) -> None:
+    """``op`` (``Tensor.mul_``, ``Tensor.sub_``) in place on ``values`` ``[r, width]`` with ``per_group`` ``[r, G]``
+    spread over ``group`` columns each: through a broadcast view where ``width`` is whole groups (the same products,
+    element for element, without an ``[r, width]`` copy of the operand per chunk), a last part group apart."""
+    width = values.shape[1]
+    whole = width // group
+    if whole:
+        op(values[:, :whole * group].unflatten(1, (whole, group)), per_group[:, :whole].unsqueeze(-1))
+    if width > whole * group:
+        op(values[:, whole * group:], per_group[:, whole:whole + 1])
 
 
 #: the safetensors names of the 16-bit scale dtypes (the ``rounded`` scratch buffer's), by torch's name

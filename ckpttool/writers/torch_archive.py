@@ -22,8 +22,7 @@ import pickle
 import struct
 from dataclasses import dataclass, field
 
-import torch
-
+from ckpttool.fast.deferred import torch
 from ckpttool.io.dtypes import itemsize, torch_dtype
 from ckpttool.layout.layout import c_strides
 

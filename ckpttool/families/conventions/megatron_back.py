@@ -136,6 +136,17 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
+def refuse_model_type(model_type: str) -> None:
+    """Refuse a model type this convention has no Megatron-Core form for (the config alone decides it).
+
+    Raises:
+        ConfigError: naming the model type and the ones written.
+    """
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"model_type {model_type!r}: ckpttool knows no Megatron-Core form for it; split "
+                          f"--to megatron writes {', '.join(MODEL_TYPES)}")
+
+
 def megatron_shapes(info: ModelInfo, vocab_rows: int, mtp_layers: int = 0) -> dict[str, Shape]:
     """The global tensors megatron-core's GPT model of ``info`` saves (local spec, stacked layers; DeepSeek-V3's
     per layer, with ``mtp_layers`` MTP layers: :mod:`.megatron_back_mla`), in the order its ``sharded_state_dict``
@@ -145,9 +156,7 @@ def megatron_shapes(info: ModelInfo, vocab_rows: int, mtp_layers: int = 0) -> di
         ConfigError: a model type or a layer structure this convention has no Megatron-Core form for (layers
             that are not all alike: some MoE, some dense).
     """
-    if info.model_type not in MODEL_TYPES:
-        raise ConfigError(f"model_type {info.model_type!r}: ckpttool knows no Megatron-Core form for it; split "
-                          f"--to megatron writes {', '.join(MODEL_TYPES)}")
+    refuse_model_type(info.model_type)
     disk, config = info.disk_shapes, info.config
     if info.model_type in megatron_back_hybrid.MODEL_TYPES:
         return megatron_back_hybrid.megatron_shapes(disk, config, vocab_rows, "lm_head.weight" in info.tied)
