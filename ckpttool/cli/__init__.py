@@ -1,27 +1,23 @@
 """The ``ckpttool`` command line: parse options, call the API, hand the result to one output sink.
 
 Data goes to stdout, progress and logs to stderr; ``--json`` prints exactly one JSON document and turns
-progress off. Exit codes: 0 ok, 1 error, 2 usage, 3 audit found errors, 130 interrupted (Ctrl-C).
+progress off. How a command runs (its errors worded for the command line, exit codes, Ctrl-C, JSON, logging):
+:mod:`ckpttool.cli.running`.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import sys
-import traceback
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from ckpttool.cli.choices import FORMAT_NAMES, SPLIT_NAMES, SPLIT_TARGETS
+from ckpttool.cli.running import EXIT_AUDIT, EXIT_OK, fail, printed_as_json, run, setup_logging, speaks
 from ckpttool.cli.show import generic_warning, print_report, print_result, print_summary
 from ckpttool.commands.meshes import MAX_DIVISIBLE_BY, MAX_ITERATION, MAX_RANKS
-from ckpttool.errors import CkptError
 from ckpttool.fast.jsontext import dumps as json_text
-from ckpttool.console.startup import restore_interrupts
 from ckpttool.console.terminal import Bar, Group, escaped, shown
 from ckpttool.version import __version__
 
@@ -29,111 +25,17 @@ if TYPE_CHECKING:  # the commands import the API when they run: --help stays tor
     from ckpttool.findings import Report
     from ckpttool.commands.merge import MergeResult
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_AUDIT = 0, 1, 2, 3
-#: Ctrl-C while a command runs: 128 + SIGINT, as a shell reports a process that SIGINT ended
-EXIT_INTERRUPTED = 130
 FORMATS = click.Choice(list(FORMAT_NAMES))
 #: what --dtype casts floating-point tensors to (ckpttool.io.dtypes.CAST_DTYPES); integer tensors are never cast
 DTYPES = click.Choice(["bfloat16", "float16", "float32", "bf16", "fp16", "fp32"], case_sensitive=False)
 DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 
 
-def _speaks() -> bool:
-    """Under torchrun only rank 0 prints; the others' failures reach it and it names them."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def _fail(message: str, as_json: bool, code: int = EXIT_ERROR, tell: bool = False) -> None:
-    """Print ``message`` (rank 0 only under torchrun, or every rank when ``tell``) and exit with ``code``."""
-    if not (tell or _speaks()):
-        sys.exit(code)
-    if as_json:
-        click.echo(json.dumps({"status": "error", "error": message}))
-    click.echo(f"Error: {escaped(message, lines=True)}", err=True)
-    sys.exit(code)
-
-
-def _interrupted(error: KeyboardInterrupt) -> str:
-    """What Ctrl-C left: the staging directory a merge kept for ``--resume`` (:class:`ckpttool.errors.Interrupted`),
-    named only when one was really kept."""
-    kept = getattr(error, "kept", None)
-    if kept is None:
-        return "interrupted; nothing was published"
-    return (f"interrupted; nothing was published. The files finished so far are kept in '{kept}': run the same "
-            "merge with --resume to continue")
-
-
-#: the API's arguments, as library errors name them, and the options that set them on the command line
-_FLAGS = {
-    "force=True": "--force", "audit=False": "--no-audit", "weights='master'": "--weights master",
-    "weights='module'": "--weights module", "format='NAME'": "--format NAME", "dtype= asks": "--dtype asks",
-    "config='PATH'": "--config PATH", "quantize='fp8'": "--quantize fp8", "without quantize=": "without --quantize",
-    "dtype='bfloat16'": "--dtype bfloat16", "dequantize=True": "--dequantize",
-    "config='path/to/config.json'": "--config path/to/config.json", "raw_names=True": "--raw-names",
-    "drop=": "--drop ", "quantize='int4'": "--quantize int4", "quantize='nvfp4'": "--quantize nvfp4",
-    "(group=)": "(--group)", "quantize='int4-asym'": "--quantize int4-asym", "scales_from= (--scales-from)": "--scales-from",
-    "scales_from='": "--scales-from '",
-}
-
-
-def _as_flags(message: str) -> str:
-    """A library error worded for the command line: API arguments become the options that set them."""
-    for argument, flag in _FLAGS.items():
-        message = message.replace(argument, flag)
-    return message
-
-
-def _run(as_json: bool, call: Callable[[], Any], bar: Bar | None = None) -> Any:
-    """Call the API; expected errors become a message and exit 1, anything else too (traceback on request).
-    The progress ``bar`` is erased before any message, so no stale bar stays above it, and closed after success."""
-    restore_interrupts()  # start-up (the command's imports) is over: Ctrl-C is the command's (ckpttool.console.startup)
-    try:
-        try:
-            result = call()
-            if bar is not None:
-                bar.close()
-            return result
-        except BaseException:
-            if bar is not None:
-                bar.close(clear=True)
-            raise
-    except CkptError as e:
-        if os.environ.get("CKPTTOOL_DEBUG") == "1":
-            traceback.print_exc()
-        # a lost process is told by every survivor: rank 0 may be the one lost
-        _fail(_as_flags(str(e)), as_json, tell=getattr(e, "every_rank_tells", False))
-    except KeyboardInterrupt as e:
-        _fail(_interrupted(e), as_json, EXIT_INTERRUPTED)
-    except Exception as e:  # bad input is a CkptError: anything else is a bug in ckpttool; no traceback unless asked
-        if os.environ.get("CKPTTOOL_DEBUG") == "1":
-            traceback.print_exc()
-        _fail(f"internal error in ckpttool ({type(e).__name__}: {e}); rerun with CKPTTOOL_DEBUG=1 and report it",
-              as_json)
-
-
 def merge(*args: Any, **kwargs: Any) -> MergeResult:
     """:func:`ckpttool.merge`, imported when a merge runs (torch with it); tests replace this name."""
-    from ckpttool.commands.merge import merge as run
+    from ckpttool.commands.merge import merge as api
 
-    return run(*args, **kwargs)
-
-
-def _printed_as_json(result: Any, as_json: bool) -> bool:
-    """Say what a publishing command restored; print its JSON document. True when nothing more is to be printed
-    (``--json``, or a torchrun rank other than 0)."""
-    if not _speaks():
-        return True
-    if result.restored:
-        click.echo(f"note: {result.restored}", err=True)
-    if as_json:
-        click.echo(json_text(result.to_json()))  # json.dumps(indent=2)'s text, faster (ckpttool.fast.jsontext)
-    return as_json
-
-
-def _setup_logging(verbose: int, quiet: bool) -> None:
-    level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("ckpttool").setLevel(level)
+    return api(*args, **kwargs)
 
 
 def _check_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -242,10 +144,10 @@ def merge_command(
     if quantize in ("fp8", "int4", "int4-asym", "nvfp4") and dtype is not None:
         raise click.UsageError(f"--quantize and --dtype are exclusive: --quantize writes {quantize.upper()} weights and keeps "
                                "every other tensor's dtype (cast first with a merge given --dtype, then quantize).")
-    quiet = quiet or not _speaks()
-    _setup_logging(verbose, quiet or as_json)
+    quiet = quiet or not speaks()
+    setup_logging(verbose, quiet or as_json)
     bar = Bar() if not (as_json or quiet or dry_run) else None
-    result: MergeResult = _run(as_json, lambda: merge(
+    result: MergeResult = run(as_json, lambda: merge(
         src, out, format=fmt, config=config, dtype=dtype, max_shard_size=max_shard_size, dry_run=dry_run,
         force=force, audit=not no_audit, resume=resume, verify=verify, workers=workers, progress=bar, weights=weights,
         quantize=quantize, block=block, verify_forward=verify_forward, raw_names=raw_names, drop=drop,
@@ -256,7 +158,7 @@ def merge_command(
     ), bar)
     if result.embedded is not None and not quiet:  # the output is not the base alone: say so, whatever the mode
         click.echo(f"note: {result.embedded}, as it was saved with the base", err=True)
-    if _printed_as_json(result, as_json):
+    if printed_as_json(result, as_json):
         return
     if not quiet:  # -q: nothing on success but a warning (errors never reach here)
         print_result(result, verbose)
@@ -275,10 +177,10 @@ def _export_adapter(src: str, out: str | None, fmt: str | None, config: str | No
                                "does not apply to it.")
     from ckpttool.commands.adapter_only import export_adapter
 
-    _setup_logging(verbose, quiet or as_json)
-    result = _run(as_json, lambda: export_adapter(src, out, format=fmt, config=config, adapter_config=adapter_config,
+    setup_logging(verbose, quiet or as_json)
+    result = run(as_json, lambda: export_adapter(src, out, format=fmt, config=config, adapter_config=adapter_config,
                                                   force=force), None)
-    if _printed_as_json(result, as_json):
+    if printed_as_json(result, as_json):
         return
     if not quiet:
         click.echo(f"wrote the LoRA adapter of '{src}' ({result.modules} modules, rank {result.ranks}) to '{out}': "
@@ -302,9 +204,9 @@ def audit_command(
     """Audit the checkpoint in SRC (any format merge reads). Exit 0: no errors; 3: errors found; 1: unreadable."""
     from ckpttool.audit import audit
 
-    _setup_logging(verbose, quiet or as_json)
+    setup_logging(verbose, quiet or as_json)
     bar = Bar("audit") if not (as_json or quiet or no_data) else None
-    report: Report = _run(as_json, lambda: audit(src, config=config, format=fmt, data=not no_data, progress=bar), bar)
+    report: Report = run(as_json, lambda: audit(src, config=config, format=fmt, data=not no_data, progress=bar), bar)
     if strict:
         report = report.strict()
     if html_path is not None:
@@ -314,7 +216,7 @@ def audit_command(
             with open(html_path, "w", encoding="utf-8") as f:
                 f.write(render(report))
         except OSError as e:
-            _fail(f"'{html_path}': cannot write the HTML report: {e.strerror or e}", as_json)
+            fail(f"'{html_path}': cannot write the HTML report: {e.strerror or e}", as_json)
         click.echo(f"HTML report written to {shown(html_path)}", err=True)  # a message: stdout keeps the data
     if as_json:
         click.echo(json_text(report.to_json()))
@@ -343,9 +245,9 @@ def diff_command(
     """Compare two checkpoints of any formats and shardings. Exit 0: equal; 3: different; 1: unreadable."""
     from ckpttool.commands.diff import DiffResult, diff
 
-    _setup_logging(0, quiet or as_json)
+    setup_logging(0, quiet or as_json)
     bar = Bar("diff") if not (as_json or quiet) else None
-    result: DiffResult = _run(as_json, lambda: diff(
+    result: DiffResult = run(as_json, lambda: diff(
         a, b, config=config, config_b=config_b, format_a=format_a, format_b=format_b, progress=bar,
         dequantize=dequantize, adapters=adapters,
     ), bar)
@@ -379,8 +281,8 @@ def verify_command(out: str, ref: str | None, tokens: int | None, text: str | No
 
     if tokens is not None and text is not None:
         raise click.UsageError("--tokens and --text are exclusive: feed fixed ids or a text, not both.")
-    _setup_logging(0, as_json)
-    result = _run(as_json, lambda: verify(out, against=ref, tokens=tokens, text=text,
+    setup_logging(0, as_json)
+    result = run(as_json, lambda: verify(out, against=ref, tokens=tokens, text=text,
                                           tolerance=tolerance))
     if as_json:
         click.echo(json_text(result.to_json()))
@@ -445,21 +347,21 @@ def split_command(
     if names != "hf" and to != "dcp":
         raise click.UsageError(f"--names {names} is for --to dcp (torchtitan saves a PyTorch Distributed Checkpoint); "
                                f"--to {to} writes its own names.")
-    quiet = quiet or not _speaks()
-    _setup_logging(verbose, quiet or as_json)
+    quiet = quiet or not speaks()
+    setup_logging(verbose, quiet or as_json)
     # the mesh and OUT are checked before the split (and torch) is even imported: a refusal takes no time
-    _run(as_json, lambda: mesh_for(to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, divisible_by=divisible_by,
+    run(as_json, lambda: mesh_for(to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, divisible_by=divisible_by,
                                    iteration=iteration, **stages))
     if out is not None:
-        _run(as_json, lambda: check_destination(Path(out), [Path(src)], force, SPLIT_OUTPUT))
+        run(as_json, lambda: check_destination(Path(out), [Path(src)], force, SPLIT_OUTPUT))
     from ckpttool.commands.split import split
     bar = Bar("split") if not (as_json or quiet or dry_run) else None
-    result = _run(as_json, lambda: split(
+    result = run(as_json, lambda: split(
         src, out, to=to, fsdp=fsdp, tp=tp, ep=ep, pp=pp, dp=dp, make_vocab_size_divisible_by=divisible_by,
         iteration=iteration, names=names, **stages, format=fmt, config=config, dtype=dtype, dry_run=dry_run,
         force=force, workers=workers, progress=bar,
     ), bar)
-    if _printed_as_json(result, as_json):
+    if printed_as_json(result, as_json):
         return
     for line in result.lines(verbose=bool(verbose)):
         click.echo(line)
