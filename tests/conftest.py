@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -107,6 +108,18 @@ def assert_failed_cleanly(result, out: Path, *needles: str) -> None:
         assert needle in result.stderr, f"{needle!r} not in:\n{result.stderr}"
     assert not out.exists()
     assert not list(out.parent.glob(f".{out.name}.ckpttool-partial-*")), "staging directory left behind"
+
+
+def assert_merge_refused_with_config(cli, tmp_path: Path, src: Path, config: dict, *needles: str) -> None:
+    """``merge SRC OUT --config`` with ``config`` (written under tmp_path) fails cleanly with every needle in its
+    message (:func:`assert_failed_cleanly`), and the source is left as it was."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    before = tree_digest(src)
+    out = tmp_path / "out"
+    result = cli("merge", src, out, "--config", tmp_path / "cfg" / "config.json")
+    assert_failed_cleanly(result, out, *needles)
+    assert tree_digest(src) == before
 
 
 @pytest.fixture(autouse=True, scope="session")

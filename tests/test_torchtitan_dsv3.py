@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_failed_cleanly, fixture_dir, load_output, tree_digest
+from conftest import assert_failed_cleanly, assert_merge_refused_with_config, fixture_dir, load_output, tree_digest
 from conftest import assert_same_dcp
 from conftest import dcp_chunks as _chunks
 from transformers import DeepseekV3ForCausalLM
@@ -104,16 +104,10 @@ def test_split_back_is_torchtitans_own_save_in_the_same_chunks(name, merged, tmp
 def test_a_config_without_interleaved_rope_is_refused_naming_the_key(cli, tmp_path):
     name = "torchtitan_dsv3_fsdp2"
     config = {**_config(name), "rope_interleave": False}
-    (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
-    src = fixture_dir(name) / "checkpoint"
-    before = tree_digest(src)
-    out = tmp_path / "out"
-    result = cli("merge", src, out, "--config", tmp_path / "cfg" / "config.json")
-    assert_failed_cleanly(result, out, "'layers.0.attention.wkv_a.weight': its rotary rows are in torchtitan's "
-                          "interleaved pairs and the config sets rope_interleave: false",
-                          "'layers.2.attention.wq.weight'")
-    assert tree_digest(src) == before
+    assert_merge_refused_with_config(
+        cli, tmp_path, fixture_dir(name) / "checkpoint", config,
+        "'layers.0.attention.wkv_a.weight': its rotary rows are in torchtitan's interleaved pairs and the config sets "
+        "rope_interleave: false", "'layers.2.attention.wq.weight'")
 
 
 def test_split_back_without_interleaved_rope_is_refused(merged, tmp_path):

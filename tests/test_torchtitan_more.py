@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_failed_cleanly, assert_same_dcp, fixture_dir, tree_digest
+from conftest import assert_failed_cleanly, assert_merge_refused_with_config, assert_same_dcp, fixture_dir, tree_digest
 from conftest import dcp_chunks as _chunks
 from conftest import dcp_model_tensors as _tensors
 
@@ -296,16 +296,10 @@ def test_deepseek_v3_with_an_mtp_layer_and_yarn_merges_to_deepseeks_release_layo
 def test_an_mtp_layer_the_config_does_not_declare_is_refused_naming_it(cli, tmp_path):
     name = "torchtitan_dsv3mtp_fsdp2"
     config = {**json.loads((fixture_dir(name) / "reference" / "config.json").read_text()), "num_nextn_predict_layers": 0}
-    (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
-    src = fixture_dir(name) / "checkpoint"
-    before = tree_digest(src)
-    out = tmp_path / "out"
-    result = cli("merge", src, out, "--config", tmp_path / "cfg" / "config.json")
-    assert_failed_cleanly(result, out, "and 20 more tensors of MTP layer 0: the deepseek_v3 config declares 0 MTP "
-                          "layers (num_nextn_predict_layers), so they have no place",
-                          "One with num_nextn_predict_layers 1 carries them to model.layers.3")
-    assert tree_digest(src) == before
+    assert_merge_refused_with_config(
+        cli, tmp_path, fixture_dir(name) / "checkpoint", config,
+        "and 20 more tensors of MTP layer 0: the deepseek_v3 config declares 0 MTP layers (num_nextn_predict_layers), "
+        "so they have no place", "One with num_nextn_predict_layers 1 carries them to model.layers.3")
 
 
 def test_experts_fsdp_cut_along_dim_1_merge_and_split_back_in_torchtitans_chunks(titan_merged, tmp_path):

@@ -67,14 +67,8 @@ def test_the_release_is_true_shape_and_sparse(release):
 @pytest.mark.parametrize("dtype", [None, "bfloat16"], ids=["fp8-kept", "dequantized"])
 def test_merge_dry_run_plans_every_tensor_once_in_bounded_memory(release, cli, dtype):
     root, tensors, _ = release
-    before = _snapshot(root)
-    result = cli("merge", root, "--dry-run", "--json", *(["--dtype", dtype] if dtype else []))
-    assert result.exit_code == 0, result.output
-    doc = json.loads(result.stdout)
-    assert doc["status"] == "ok" and doc["dry_run"] and doc["output"] is None
-    assert doc["coverage"] == "every target tensor is covered exactly once"
+    doc = _dry_run(cli, root, *(["--dtype", dtype] if dtype else []))
     names = [t["name"] for t in doc["targets"]]
-    assert len(names) == len(set(names))
     if dtype is None:  # kept as released: the same tensors, scales included, byte for byte the same sizes
         assert set(names) == set(tensors)
         index = json.loads((root / "model.safetensors.index.json").read_text())
@@ -82,6 +76,20 @@ def test_merge_dry_run_plans_every_tensor_once_in_bounded_memory(release, cli, d
     else:  # dequantized: the weights without their scales, each bf16
         assert set(names) == {n for n in tensors if not n.endswith("weight_scale_inv")}
         assert {t["dtype"] for t in doc["targets"] if "experts" in t["name"]} == {"BF16"}
+    assert doc["predicted_peak_bytes"] < doc["largest_tensor_bytes"]
+
+
+def _dry_run(cli, root: Path, *options: str) -> dict:
+    """``merge ROOT --dry-run --json``: every target once, the largest tensor DeepSeek-V3's embedding, the predicted
+    peak bounded, nothing written; the JSON document, for each case's own checks."""
+    before = _snapshot(root)
+    result = cli("merge", root, "--dry-run", "--json", *options)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "ok" and doc["dry_run"] and doc["output"] is None
+    assert doc["coverage"] == "every target tensor is covered exactly once"
+    names = [t["name"] for t in doc["targets"]]
+    assert len(names) == len(set(names))
     assert doc["largest_tensor_bytes"] == 129280 * 7168 * 2  # the embedding (and head): 1.77 GiB
     # The executor streams each tensor in chunks of CHUNK_BYTES (32 MiB), whatever its size: per worker a read
     # buffer, an output buffer and, dequantizing, the block scales and a float32 scratch of one chunk's rows
@@ -90,12 +98,11 @@ def test_merge_dry_run_plans_every_tensor_once_in_bounded_memory(release, cli, d
     # and the issue's 2 GiB per process.
     bound = doc["workers"] * 6 * CHUNK_BYTES + OVERHEAD_BYTES
     assert 0 < doc["predicted_peak_bytes"] <= bound < 2 * 2**30
-    assert doc["predicted_peak_bytes"] < doc["largest_tensor_bytes"]
     assert _snapshot(root) == before  # a dry run writes nothing, beside the source or in it
+    return doc
 
 
-def test_audit_no_data_passes(release, cli):
-    root, tensors, _ = release
+def _audit_no_data_passes(cli, root: Path, tensors) -> None:
     before = _snapshot(root)
     result = cli("audit", root, "--no-data", "--json")
     assert result.exit_code == 0, result.output
@@ -104,6 +111,11 @@ def test_audit_no_data_passes(release, cli):
     assert summary["verdict"] == "pass" and summary["errors"] == 0 and not summary["data_checked"], doc["findings"]
     assert summary["tensors"] == len(tensors)
     assert _snapshot(root) == before
+
+
+def test_audit_no_data_passes(release, cli):
+    root, tensors, _ = release
+    _audit_no_data_passes(cli, root, tensors)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,31 +201,13 @@ def test_the_dcp_checkpoint_is_true_shape_sparse_and_read_in_place(dcp):
 
 def test_merge_dry_run_of_each_sharded_checkpoint_covers_every_tensor_once(sharded, cli):
     root, tensors, _ = sharded
-    before = _snapshot(root)
-    result = cli("merge", root, "--dry-run", "--json")
-    assert result.exit_code == 0, result.output
-    doc = json.loads(result.stdout)
-    assert doc["status"] == "ok" and doc["dry_run"] and doc["output"] is None
-    assert doc["coverage"] == "every target tensor is covered exactly once"
-    names = [t["name"] for t in doc["targets"]]
-    assert len(names) == len(set(names)) and set(names) == set(tensors)
-    assert doc["largest_tensor_bytes"] == 129280 * 7168 * 2
-    # streamed in CHUNK_BYTES chunks (a read and an output buffer per worker, bounded by 6 as in test_truescale)
-    bound = doc["workers"] * 6 * CHUNK_BYTES + OVERHEAD_BYTES
-    assert 0 < doc["predicted_peak_bytes"] <= bound < 2 * 2**30
-    assert _snapshot(root) == before
+    doc = _dry_run(cli, root)
+    assert {t["name"] for t in doc["targets"]} == set(tensors)
 
 
 def test_audit_no_data_of_each_sharded_checkpoint_passes(sharded, cli):
     root, tensors, _ = sharded
-    before = _snapshot(root)
-    result = cli("audit", root, "--no-data", "--json")
-    assert result.exit_code == 0, result.output
-    doc = json.loads(result.stdout)
-    summary = doc["summary"]
-    assert summary["verdict"] == "pass" and summary["errors"] == 0 and not summary["data_checked"], doc["findings"]
-    assert summary["tensors"] == len(tensors)
-    assert _snapshot(root) == before
+    _audit_no_data_passes(cli, root, tensors)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ from ckpttool.commands.merge import config_dtype, extras_search, prepare
 from ckpttool.commands.meshes import MegatronMesh, Mesh, Sharding, mesh_for
 from ckpttool.families.quantized import output_config
 from ckpttool.families.source import Planned
-from ckpttool.commands.split_dcp import NAMES, in_memory, left_out, model_of, plan_dcp
-from ckpttool.families.conventions.torchtitan_back import release_of, to_torchtitan
+from ckpttool.commands.split_dcp import NAMES, model_of, plan_dcp
+from ckpttool.families.conventions.torchtitan_back import release_of
 from ckpttool.commands.split_megatron import plan_megatron, training_args
 from ckpttool.families.conventions.megatron_back import MODEL_TYPES as MEGATRON_TYPES, refuse_model_type
 from ckpttool.model.config_file import find_config, read_config
@@ -240,8 +240,9 @@ def split(
         if isinstance(mesh, MegatronMesh):
             info = model_of(prepared)
             shardings, files = plan_megatron(prepared, info, mesh)
+            notes: tuple[str, ...] = ()
         else:
-            shardings, files = plan_dcp(prepared, mesh, names)
+            shardings, files, notes = plan_dcp(prepared, mesh, names)
         plan = Plan(str(root), prepared.layout.format, tuple(i.target for f in files for i in f.items), prepared.plan.notes)
         if dest is not None and not dry_run:
             total = sum(f.data_bytes for f in files)
@@ -272,7 +273,7 @@ def split(
                  else f"{prepared.adapter}; written in torchtitan {release_of(names)}'s names" if names != "hf"
                  else prepared.adapter),
         dry_run=dry_run, extras=tuple(extras), workers=workers, restored=restored,
-        notes=(*prepared.plan.notes, *_names_notes(to, names, prepared)),
+        notes=(*prepared.plan.notes, *notes),
     )
 
 
@@ -287,14 +288,6 @@ def _check_names(to: str, names: str) -> None:
     if names != "hf" and to != "dcp":
         raise ArgumentError(f"names={names!r} is for to='dcp' (torchtitan saves a PyTorch Distributed Checkpoint); "
                             f"to={to!r} writes its own names")
-
-
-def _names_notes(to: str, names: str, prepared: Planned) -> list[str]:
-    """What writing ``names`` did, for the summary: for transformers' own, in a DCP, what the model leaves out."""
-    if names == "hf":
-        return left_out(prepared) if to == "dcp" else []
-    return to_torchtitan(in_memory(prepared), model_of(prepared), release_of(names),
-                         on_disk=[t.name for t in prepared.plan.targets]).notes
 
 
 def _refuse_by_config(root: Path, config: str | Path | None, megatron: bool, dtype: str | None) -> None:

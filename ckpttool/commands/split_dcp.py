@@ -58,11 +58,11 @@ def model_of(prepared: Planned) -> ModelInfo:
     return prepared.model
 
 
-def left_out(prepared: Planned) -> list[str]:
-    """A note naming the source's tensors that no in-memory tensor reads, which ``split --to dcp`` in transformers'
-    names therefore leaves out (a DCP of transformers' model holds none of them): above all the MTP layers of a
-    DeepSeek-V3 release, which transformers' causal LM does not build. Empty when every tensor is read."""
-    read = {sl.source for m in in_memory(prepared) for sl in m.slices}
+def _left_out(prepared: Planned, memory: list[MemoryTensor]) -> list[str]:
+    """A note naming the source's tensors that no in-memory tensor of ``memory`` reads, which ``split --to dcp`` in
+    transformers' names therefore leaves out (a DCP of transformers' model holds none of them): above all the MTP
+    layers of a DeepSeek-V3 release, which transformers' causal LM does not build. Empty when every tensor is read."""
+    read = {sl.source for m in memory for sl in m.slices}
     unread = [t.name for t in prepared.plan.targets if t.name not in read]
     if not unread:
         return []
@@ -74,9 +74,11 @@ def left_out(prepared: Planned) -> list[str]:
             + ("; its MTP layers are kept by --to megatron (and, for DeepSeek-V3, --names torchtitan)" if mtp else "")]
 
 
-def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sharding], tuple[dcp.DcpFile, ...]]:
+def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf",
+             ) -> tuple[list[Sharding], tuple[dcp.DcpFile, ...], tuple[str, ...]]:
     """Every rank's chunks of every in-memory tensor, each a target proven to tile its box, laid out in the rank
-    files torch's ``FileSystemWriter`` would write (a replicated chunk once). Reads no tensor data.
+    files torch's ``FileSystemWriter`` would write (a replicated chunk once), and the notes for the summary (what
+    writing torchtitan's names did, or what of the source transformers' names leave out). Reads no tensor data.
 
     ``names``: one of :data:`NAMES`; ``"torchtitan"`` writes torchtitan's names, RoPE order and placements.
 
@@ -85,6 +87,7 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sha
             CoverageError: a chunk not covered exactly once.
     """
     memory = in_memory(prepared)
+    notes = _left_out(prepared, memory) if names == "hf" else []
     placement, whole, zeros = adapter_for(model_of(prepared)).tp_placement, frozenset(), frozenset()
     experts_on: Placement | None = None  # torchtitan's FSDP placement of stacked experts, where not ckpttool's
     if names != "hf":
@@ -93,7 +96,7 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sha
         experts_on = torchtitan_back.check_mesh(written, torchtitan_back.release_of(names), fsdp=mesh.fsdp,
                                                 tp=mesh.tp, ep=mesh.ep, dp=mesh.dp)
         memory, placement = written.tensors, torchtitan_back.tp_placement
-        whole, zeros = written.whole, written.zeros
+        whole, zeros, notes = written.whole, written.zeros, list(written.notes)
     _check_degrees(memory, mesh)
     shardings = shard_tensors(((m.name, m.shape, m.stacked) for m in memory), mesh, placement)
     if experts_on is not None:  # torchtitan's FSDP cuts each expert along dim 1 instead
@@ -125,7 +128,7 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf") -> tuple[list[Sha
         per_rank.append(items)
     if problems:
         raise CoverageError(problems)
-    return shardings, dcp.lay_out(per_rank)
+    return shardings, dcp.lay_out(per_rank), tuple(notes)
 
 
 def _on_expert_fsdp(sharding: Sharding, placement: Placement) -> Sharding:
