@@ -155,6 +155,17 @@ def disk_only(files, directory: Path, chunk: int) -> float:
     return time.perf_counter() - start
 
 
+def fsync_files(files, directory: Path) -> None:
+    """``fsync`` the rank's written files: ``disk_only`` fsyncs each, and ``save_hf`` does before it publishes, so
+    the gather + write timing counts the same durable bytes (without it, the page cache hides the disk)."""
+    for out in files:
+        fd = os.open(directory / out.name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -205,7 +216,7 @@ def worker(args: argparse.Namespace) -> None:
         found["disk"].append(disk_only(mine, here / "disk", min(bucket // 2, 64 * MiB)))
         shutil.rmtree(here, ignore_errors=True)
         here.mkdir(parents=True)
-        found["run"].append(peak_of("run", lambda: gather.run(mine, here)))
+        found["run"].append(peak_of("run", lambda: (gather.run(mine, here), fsync_files(mine, here))))
         shutil.rmtree(here, ignore_errors=True)
         found["save_hf"].append(peak_of("save_hf", lambda: save_hf(
             state, args.work / "save_hf", max_shard_size=args.max_shard_size, bucket_bytes=bucket, force=True)))
