@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 from ckpttool.errors import SourceError
 from ckpttool.fast.deferred import torch
-from ckpttool.io.dtypes import itemsize, torch_dtype
+from ckpttool.io.dtypes import dtype_name, itemsize, torch_dtype
 from ckpttool.quant.decode import RowForRow, Scratch
 from ckpttool.quant.encode import RoundTrip, e2m1_codes, e2m1_scratch
-from ckpttool.quant.pack_encode import OneSourceRow, int_codes, pack_int32, round_trip
+from ckpttool.quant.pack_encode import OneSourceRow, int_codes, pack_int32
 from ckpttool.quant.packed import NVFP4_GROUP
 
 GRID_INT = "grid-int"
@@ -81,27 +81,47 @@ class ReleaseTensor:
         return torch.frombuffer(bytearray(data), dtype=torch_dtype(self.dtype)).reshape(shape)
 
 
-def _off_grid(name: str, source: torch.Tensor, decoded: torch.Tensor, start: int, group: int, release: str) -> None:
-    """Refuse rows whose values are further from their codes' values than rounding (see :data:`_ULPS`)."""
-    w, d = source.float(), decoded.float()
-    error = (d - w).abs_()
-    allowed = torch.maximum(w.abs(), d.abs()).mul_(_ULPS * 2.0 ** -7)
-    bad = error > allowed
+def _on_grid(name: str, source: torch.Tensor, decoded: torch.Tensor, start: int, group: int, release: str,
+             scratch: Scratch) -> RoundTrip:
+    """The round trip of ``decoded`` (bfloat16 rows) against ``source``, after refusing rows whose values are further
+    from their codes' values than rounding (see :data:`_ULPS`). The float32 copies, the error and the comparison
+    live on the thread's ``grid.*`` buffers (:func:`_on_grid_scratch`): fresh ones per chunk grow every thread's
+    heap beyond the predicted peak."""
+    shape, n = tuple(source.shape), source.numel()
+    w = scratch("grid.source", shape, "F32").copy_(source)
+    d = scratch("grid.decoded", shape, "F32").copy_(decoded)
+    error = torch.sub(d, w, out=scratch("grid.error", shape, "F32")).abs_()
+    # |error| squared is error squared, bit for bit: the sums are round_trip's
+    flat_error, flat = error.view(-1), w.view(-1)
+    largest = float(torch.maximum(w.max(), w.min().neg())) if n else 0.0
+    measured = RoundTrip(float(error.max()) if n else 0.0, float(torch.dot(flat_error, flat_error)),
+                         float(torch.dot(flat, flat)), largest, n)
+    allowed = torch.maximum(w.abs_(), d.abs_(), out=d).mul_(_ULPS * 2.0 ** -7)
+    bad = torch.gt(error, allowed, out=scratch("grid.bad", shape, "BOOL"))
     if not bool(bad.any()):
-        return
+        return measured
     r, c = (int(i) for i in bad.nonzero()[0])
     g = c // group if group else 0
-    lo, hi = (g * group, min((g + 1) * group, w.shape[1])) if group else (0, w.shape[1])
+    lo, hi = (g * group, min((g + 1) * group, shape[1])) if group else (0, shape[1])
     raise SourceError(
-        f"'{name}': {int(bad.sum())} values of rows {start}..{start + w.shape[0]} lie off the grid of '{release}' "
-        f"beyond rounding; the first at row {start + r}, group {g} (columns {lo}..{hi}): {float(w[r, c])!r} where "
-        f"the nearest value its scale gives is {float(d[r, c])!r} (max |error| {float(error.max())!r} in these rows). "
+        f"'{name}': {int(bad.sum())} values of rows {start}..{start + shape[0]} lie off the grid of '{release}' "
+        f"beyond rounding; the first at row {start + r}, group {g} (columns {lo}..{hi}): {float(source[r, c])!r} "
+        f"where the nearest value its scale gives is {float(decoded[r, c])!r} (max |error| {float(error.max())!r} "
+        "in these rows). "
         "These are not the release's values (trained off its grid, or another release): re-pack without "
         "scales_from= (--scales-from) to compute scales from the values, or give the release they came from")
 
 
-def _bfloat16(stored: torch.Tensor) -> torch.Tensor:
-    return stored if stored.dtype == torch.bfloat16 else stored.to(torch.bfloat16)
+def _on_grid_scratch(n: int) -> dict[str, int]:
+    """The buffers :func:`_on_grid` takes for ``n`` values."""
+    return {"grid.source": n * 4, "grid.decoded": n * 4, "grid.error": n * 4, "grid.bad": n}
+
+
+def _bfloat16(stored: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """``stored`` rounded to bfloat16 (the dtype every release holds), on the thread's ``grid.bf16`` buffer."""
+    if stored.dtype == torch.bfloat16:
+        return stored
+    return scratch("grid.bf16", tuple(stored.shape), "BF16").copy_(stored)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,19 +143,21 @@ class GridInt(RowForRow):
         Raises:
             SourceError: a value off the grid beyond rounding.
         """
-        del scales, scratch
-        w = _bfloat16(stored)
+        del scales
+        w = _bfloat16(stored, scratch)
         rows, cols = w.shape
         scale = self.scale.rows(start, start + rows)
         zero = self._zero(start, rows, scale) if self.zero is not None else None
-        codes = int_codes(w, scale, zero, self.bits, self.group)
-        grouped = codes.view(rows, scale.shape[1], -1).clone()
+        # the codes and their dequantized values on the thread's buffers, in the dtype torch's division gives
+        kind = dtype_name(torch.result_type(w, scale))
+        codes = int_codes(w, scale, zero, self.bits, self.group, out=scratch("grid.codes", (rows, cols), kind))
+        grouped = scratch("grid.values", (rows, cols), kind).copy_(codes).view(rows, scale.shape[1], -1)
         if zero is not None:
             grouped.sub_(zero.unsqueeze(-1))
-        decoded = grouped.mul_(scale.unsqueeze(-1)).view(rows, cols)  # compressed-tensors' _dequantize, in bf16
-        _off_grid(self.name, w, decoded, start, self.group or cols, self.release)
-        out.copy_(pack_int32(codes, self.bits))
-        return round_trip(decoded, w)
+        decoded = grouped.mul_(scale.unsqueeze(-1)).view(rows, cols)  # compressed-tensors' _dequantize
+        measured = _on_grid(self.name, w, decoded, start, self.group or cols, self.release, scratch)
+        out.copy_(pack_int32(codes, self.bits, scratch))
+        return measured
 
     def _zero(self, start: int, rows: int, scale: torch.Tensor) -> torch.Tensor:
         """The zero points of rows ``start..start+rows``, unpacked from the release's words, in the scale's dtype."""
@@ -149,11 +171,14 @@ class GridInt(RowForRow):
         return full[lo: lo + rows].to(scale.dtype)
 
     def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
-        """Temporaries on buffers of their own (an upper bound): the bfloat16 copy, the scaled values and codes,
-        their decoded copy, the float32 comparison, the int64 words."""
+        """The thread's buffers: the bfloat16 copy, the codes and their dequantized values (in the scale's dtype
+        with bfloat16: 4 bytes unless both are bfloat16), :func:`_on_grid`'s, the int64 words; and what torch
+        allocates per chunk (the packed words' sums, an eighth of the int64 words, and the release's scales)."""
         del scales, out_dtype
         n = math.prod(stored)
-        return {"grid-int-temporaries": n * (2 + 2 + 2 + 4 * 4 + 8 + 8)}
+        code = 2 if self.scale.dtype == "BF16" else 4
+        return {"grid.bf16": n * 2, "grid.codes": n * code, "grid.values": n * code, **_on_grid_scratch(n),
+                "int-words": n * 8, "grid-int-temporaries": n * 8 // (32 // self.bits) + n * 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +202,7 @@ class GridNvfp4(RowForRow):
             SourceError: a value off the grid beyond rounding.
         """
         del scales
-        w = _bfloat16(stored)
+        w = _bfloat16(stored, scratch)
         rows, cols = w.shape
         factor = self.scale.rows(start, start + rows).float()
         glob = self.glob.rows(0, 1).float().reshape(1, 1)
@@ -191,17 +216,19 @@ class GridNvfp4(RowForRow):
         magnitude = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[codes.bitwise_and(7).long()]
         values = torch.where(codes.ge(8), -magnitude, magnitude).view(rows, -1, NVFP4_GROUP)
         decoded = values.mul_(factor.unsqueeze(-1)).view(rows, cols).to(torch.bfloat16)
-        _off_grid(self.name, w, decoded, start, NVFP4_GROUP, self.release)
+        measured = _on_grid(self.name, w, decoded, start, NVFP4_GROUP, self.release, scratch)
         pairs = codes.view(rows, cols // 2, 2)
         out.copy_(pairs[..., 0].bitwise_or(pairs[..., 1].bitwise_left_shift(4)))
-        return round_trip(decoded, w)
+        return measured
 
     def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
-        """Temporaries on buffers of their own (an upper bound): :func:`e2m1_codes`' buffers, and the float32
-        values, codes, the release's codes, magnitudes, decoded values and comparison."""
+        """The thread's buffers (the bfloat16 copy, :func:`e2m1_codes`' and :func:`_on_grid`'s) and the
+        temporaries torch allocates per chunk (an upper bound): the float32 values, codes, the release's codes,
+        magnitudes and decoded values."""
         del scales, out_dtype
         n = math.prod(stored)
-        return {**e2m1_scratch(n), "grid-nvfp4-temporaries": n * (2 + 4 + 4 + 4 + 4 + 8 + 4 + 4 + 2 + 4 * 4 + 1)}
+        return {"grid.bf16": n * 2, **e2m1_scratch(n), **_on_grid_scratch(n),
+                "grid-nvfp4-temporaries": n * (4 + 4 + 4 + 4 + 8 + 4 + 4 + 2)}
 
 
 @dataclass(frozen=True, slots=True)

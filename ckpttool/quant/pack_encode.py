@@ -86,23 +86,30 @@ def int_qparams(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> tupl
     return torch.where(scale == 0, eps, scale), zero
 
 
-def int_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int) -> torch.Tensor:
+def int_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """The integer codes (bfloat16 integers ``[r, I]``) of rows ``w`` given their ``scale`` and ``zero``: compressed-
-    tensors' ``_quantize``, in the rows' dtype."""
+    tensors' ``_quantize``, in the rows' dtype; into ``out`` (``w``'s shape and dtype) when given."""
     rows, cols = w.shape
-    scaled = w.view(rows, cols // (group or cols), group or cols) / scale.unsqueeze(-1)
+    grouped = w.view(rows, cols // (group or cols), group or cols)
+    scaled = torch.div(grouped, scale.unsqueeze(-1), out=None if out is None else out.view(grouped.shape))
     if zero is not None:
         scaled.add_(zero.unsqueeze(-1))
     qmin, qmax = _limits(bits)
     return scaled.clamp_(qmin, qmax).round_().view(rows, cols)
 
 
-def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_int32(codes: torch.Tensor, bits: int, scratch: Scratch | None = None) -> torch.Tensor:
     """Codes ``[r, n]`` (any dtype holding integers in range) as int32 words ``[r, ceil(n * bits / 32)]``: each
-    ``code + 2 ** (bits - 1)``, ``32 / bits`` to a word, the first in the lowest bits (``pack_to_int32``)."""
+    ``code + 2 ** (bits - 1)``, ``32 / bits`` to a word, the first in the lowest bits (``pack_to_int32``). With
+    ``scratch``, the int64 codes are shifted on its ``int-words`` buffer."""
     per = 32 // bits
     rows, cols = codes.shape
-    unsigned = codes.to(torch.int64).add_(1 << (bits - 1))
+    if scratch is None:
+        unsigned = codes.to(torch.int64)
+    else:
+        unsigned = scratch("int-words", (rows, cols), "I64").copy_(codes)
+    unsigned.add_(1 << (bits - 1))
     if cols % per:  # the last word's unused bits are zeros
         unsigned = torch.nn.functional.pad(unsigned, (0, per - cols % per))
     words = unsigned.view(rows, -1, per).bitwise_left_shift_(torch.arange(0, 32, bits)).sum(-1)
