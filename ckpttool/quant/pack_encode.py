@@ -31,7 +31,8 @@ e4m3(global * bf16(max|w| / 6))`` (0 becomes 0.125); ``q = clamp(w / (scale / gl
 rounded to the nearest E2M1 value with ties to the even code (:func:`~ckpttool.quant.encode.e2m1_codes`), a zero
 without sign (the compressor multiplies by ``sign(x)``: ``-0`` is code 0, a negative value rounded to 0 code 8);
 two codes per byte, the low nibble first. The global scale is the whole tensor's, so each of the three targets
-reads its whole source tensor in one chunk (memory: one tensor, not the model).
+reads its whole source tensor in one chunk (memory: one tensor, not the model), then scales and codes it a block of
+rows at a time (the temporaries: one block's).
 
 The scales come from the values, as the producer's observer computes them, not from a release: values that lie on
 a release's grid (a dequantized release) get the scales ``max|q * s| / 7.5``, which are not the release's ``s``
@@ -58,6 +59,8 @@ NVFP4_PART = "nvfp4-pack"
 METHODS = (INT_PACKED, INT_SCALES, INT_ZERO_POINTS, WEIGHT_SHAPE, NVFP4_PART)
 #: the largest E4M3 scale times the largest E2M1 value: what the largest group maps to, globally scaled
 _NVFP4_RANGE = 448.0 * 6.0
+#: how many values of an NVFP4 weight (whole rows, at least one) are scaled and coded at a time
+NVFP4_BLOCK = 1 << 20
 
 
 def _limits(bits: int) -> tuple[int, int]:
@@ -256,13 +259,29 @@ class Nvfp4Part:
     def decode(self, stored: torch.Tensor, scales: torch.Tensor | None, start: int, out: torch.Tensor,
                scratch: Scratch) -> RoundTrip | None:
         """Writes the part into ``out``; the packed values return their round trip: compressed-tensors'
-        decompressor's ``fp4 * (scale / global)`` in float32, rounded to bfloat16, against the bfloat16 source."""
+        decompressor's ``fp4 * (scale / global)`` in float32, rounded to bfloat16, against the bfloat16 source.
+
+        Only the global scale needs the whole weight: the scales and codes are computed :data:`NVFP4_BLOCK`
+        values of rows at a time, so their temporaries are those of a block, not of the weight (a 28672 x 8192
+        weight's would be ~9 GiB per thread). Every group lies in one row, so the bytes are the same."""
         del scales, start
         w = _bfloat16(stored, scratch)
         glob = nvfp4_global_scale(w)
         if self.part == "global":
             out.copy_(glob)
             return None
+        rows, cols = w.shape
+        step = max(1, NVFP4_BLOCK // max(1, cols))
+        measured = None
+        for first in range(0, rows, step):
+            block = w[first: first + step]
+            found = self._block(block, glob, out[first: first + step], scratch)
+            if found is not None:
+                measured = found if measured is None else measured + found
+        return measured
+
+    def _block(self, w: torch.Tensor, glob: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> RoundTrip | None:
+        """The scales, or the packed codes and their round trip, of the rows ``w`` into ``out``."""
         scale = nvfp4_scales(w, glob)
         if self.part == "scales":
             out.copy_(scale)
@@ -278,11 +297,15 @@ class Nvfp4Part:
         return round_trip(values.mul_(factor).view(rows, cols).to(torch.bfloat16), w)
 
     def scratch_bytes(self, stored: tuple[int, ...], scales: tuple[int, ...] | None, out_dtype: str) -> dict[str, int]:
-        """The temporaries, on buffers of their own (an upper bound): the bfloat16 copy, the scales, the scaled
-        values and :func:`~ckpttool.quant.encode.e2m1_codes`' buffer, its codes and masks, the round trip."""
+        """The temporaries, on buffers of their own (an upper bound): the bfloat16 copy of the weight, and for
+        a block of rows the scales, the scaled values and :func:`~ckpttool.quant.encode.e2m1_codes`' buffer, its
+        codes and masks, the round trip."""
         del scales, out_dtype
         n = math.prod(stored)
-        return {"bf16": n * 2, **e2m1_scratch(n), "nvfp4-temporaries": n * (4 + 1 + 1 + 4 + 4 + 4 + 8 + 4 + 4 + 4 + 2)}
+        cols = stored[-1] if len(stored) > 1 else max(1, n)
+        block = min(n, max(1, NVFP4_BLOCK // max(1, cols)) * cols)
+        return {"bf16": n * 2, **e2m1_scratch(block),
+                "nvfp4-temporaries": block * (4 + 1 + 1 + 4 + 4 + 4 + 8 + 4 + 4 + 4 + 2)}
 
 
 def _scratch(stored: tuple[int, ...], packed: bool) -> dict[str, int]:
