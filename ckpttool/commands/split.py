@@ -23,7 +23,8 @@ from ckpttool.execute.distributed import Group, share_out
 from ckpttool.layout.layout import RAW
 from ckpttool.plan.plan import Plan, plan_merge
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError, OutputError, SourceError
-from ckpttool.commands.merge import config_dtype, extras_search, prepare
+from ckpttool.commands.finish import config_dtype
+from ckpttool.commands.merge import extras_search, prepare
 from ckpttool.commands.meshes import MegatronMesh, Mesh, Sharding, mesh_for
 from ckpttool.families.quantized import output_config
 from ckpttool.families.source import Planned
