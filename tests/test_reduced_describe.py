@@ -26,6 +26,11 @@ _SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, 
 _MLA = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
         "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
         "n_group": 1, "topk_group": 1}
+_LINEAR = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+           "linear_num_value_heads": 4, "head_dim": 16}
+_MAMBA = {"mamba_num_heads": 4, "mamba_head_dim": 8, "ssm_state_size": 8, "n_groups": 2, "chunk_size": 8, "expand": 1,
+          "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+          "moe_shared_expert_intermediate_size": 16, "head_dim": 16}
 _QWEN_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
 
 #: name -> (tiny config, the number of layers its reduced config keeps)
@@ -42,6 +47,17 @@ TINY = {
                    "head_dim": 16}, 2),
     "mixtral": ({**_SMALL, "model_type": "mixtral", "num_hidden_layers": 3, "num_local_experts": 4,
                  "num_experts_per_tok": 2}, 1),
+    "gpt_oss": ({**_SMALL, "model_type": "gpt_oss", "num_hidden_layers": 4, "num_local_experts": 4, "head_dim": 16,
+                 "num_experts_per_tok": 2, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2},
+                2),
+    "qwen3_next": ({**_SMALL, **_QWEN_MOE, **_LINEAR, "model_type": "qwen3_next", "num_hidden_layers": 5,
+                    "mlp_only_layers": [1], "layer_types": ["linear_attention"] * 3 + ["full_attention"] * 2}, 3),
+    "qwen3_5_text": ({**_SMALL, **_LINEAR, "model_type": "qwen3_5_text", "num_hidden_layers": 4,
+                      "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]}, 2),
+    "nemotron_h pattern": ({**_SMALL, **_MAMBA, "model_type": "nemotron_h", "num_hidden_layers": 6,
+                            "hybrid_override_pattern": "M*EM-E"}, 4),
+    "nemotron_h layers_block_type": ({**_SMALL, **_MAMBA, "model_type": "nemotron_h",
+                                      "layers_block_type": ["mamba", "moe", "attention", "mamba", "moe"]}, 3),
     "llama tied": ({**_SMALL, "model_type": "llama", "num_hidden_layers": 3, "tie_word_embeddings": True}, 1),
     "qwen3 layer_types": ({**_SMALL, "model_type": "qwen3", "num_hidden_layers": 4, "head_dim": 16,
                            "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2,
@@ -70,7 +86,7 @@ def _assert_same(full: ModelInfo, reduced: ModelInfo) -> None:
 def test_the_reduced_description_of_a_tiny_config_is_the_full_one(name, tmp_path, monkeypatch):
     config, kept = TINY[name]
     reduction = reduced_layers(config)
-    assert reduction is not None and len(reduction.layer_of) == config["num_hidden_layers"]
+    assert reduction is not None and len(reduction.layer_of) == config.get("num_hidden_layers", 5)
     assert reduction.config["num_hidden_layers"] == kept == max(reduction.layer_of) + 1
     _assert_same(*_describe_both(config, tmp_path, monkeypatch))
 

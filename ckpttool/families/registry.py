@@ -51,6 +51,10 @@ LAYER_RULES: list[layers.LayerRule] = [
     deepseek.LAYERS,
     qwen2_moe.LAYERS,
     mixtral.LAYERS,
+    gpt_oss.LAYERS,
+    qwen3_next.LAYERS,
+    qwen3_5.LAYERS,
+    nemotron_h.LAYERS,
     layers.alike("llama", "mistral", "qwen2", "qwen3"),  # no adapter of their own: all layers alike
 ]
 
