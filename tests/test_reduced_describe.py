@@ -112,6 +112,16 @@ def test_deepseek_v3_671b_is_described_from_three_layers_as_in_full(tmp_path, mo
     _assert_same(full, reduced)
 
 
+def test_qwen3_moe_235b_is_described_from_one_layer_as_in_full(tmp_path, monkeypatch):
+    """benchmarks/first_run_bench.py's Qwen3-MoE-235B-shaped config: 94 MoE layers of 128 experts."""
+    config = _bench("first_run_bench").QWEN3_MOE_235B
+    reduction = reduced_layers(config)
+    assert reduction.config["num_hidden_layers"] == 1 and reduction.layer_of == (0,) * 94
+    full, reduced = _describe_both(config, tmp_path, monkeypatch)
+    assert len(full.disk_shapes) == 94 * (128 * 3 + 9) + 3
+    _assert_same(full, reduced)
+
+
 # the rule alone, without transformers
 
 
