@@ -5,7 +5,7 @@ meta device: no bytes)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -92,13 +92,10 @@ def test_the_reduced_description_of_a_tiny_config_is_the_full_one(name, tmp_path
 
 
 def _bench(name: str):
-    """``benchmarks/<name>.py`` as a module (the folder is no package)."""
+    """``benchmarks/<name>.py`` as a module (the folder is no package; its scripts import each other by name)."""
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(f"{name}_reduced", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(name)
 
 
 def test_deepseek_v3_671b_is_described_from_three_layers_as_in_full(tmp_path, monkeypatch):
