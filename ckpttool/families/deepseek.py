@@ -44,8 +44,8 @@ def _keep_dense_then_moe(config: Mapping[str, object], layers: list[int]) -> dic
     return {**config, "num_hidden_layers": len(layers), "first_k_dense_replace": sum(i < dense for i in layers)}
 
 
-#: DeepSeek-V2/V3's layer rule: dense layers first, then MoE
-LAYERS = LayerRule(("deepseek_v2", "deepseek_v3"), kinds=_dense_then_moe, shrink=_keep_dense_then_moe)
+#: DeepSeek-V2/V3's layer rule: dense layers first, then MoE (GLM-4-MoE reads the same key)
+LAYERS = LayerRule(("deepseek_v2", "deepseek_v3", "glm4_moe"), kinds=_dense_then_moe, shrink=_keep_dense_then_moe)
 
 
 def megatron_args(args: Any, info: ModelInfo) -> list[str]:
