@@ -34,7 +34,7 @@ from ckpttool.model.config_file import find_config, read_config
 from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import TargetSpec, plan_covered
-from ckpttool.families import READER_TABLES, mtp_missing_note
+from ckpttool.families import READER_TABLES, mtp_missing_note, reduced_layers
 from ckpttool.families.quantized import companion_names, scale_names
 from ckpttool.findings import Finding, Report, TensorStats, finding, sort_findings
 from ckpttool.families.source import plan_layout
@@ -103,7 +103,7 @@ def audit(
         check_config_sizes(config_dict, str(config_path), lambda: census(root, format, tables=READER_TABLES))
         rejected = None
         try:
-            model = model_info(config_dict, label=str(config_path))
+            model = model_info(config_dict, label=str(config_path), reduce=reduced_layers)
         except ConfigError as e:  # the weights are still audited, as a generic checkpoint
             rejected = e
         if model is None and fmt == hf_distributed.NAME:  # no generic audit: only the config gives its shapes

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ckpttool.families import READER_TABLES
+from ckpttool.families import READER_TABLES, reduced_layers
 from ckpttool.families.quantize_packed import PackScheme
 from ckpttool.families.source import Planned, plan_layout
 from ckpttool.layout.layout import Layout
@@ -81,7 +81,7 @@ def plan_source_and_adapter(
     model = None
     if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
         check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights, READER_TABLES))
-        model = model_info(config_dict, label=str(config_path))
+        model = model_info(config_dict, label=str(config_path), reduce=reduced_layers)
         if model is None and (format or detect_format(root)) == hf_distributed.NAME:  # needs the shapes it gives
             raise hf_distributed.undescribed(root, str(config_path), config_dict.get("model_type"))
     layout = read_layout(root, format=format, model=model, weights=weights)

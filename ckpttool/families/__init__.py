@@ -34,7 +34,7 @@ from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import Convention, FamilyAdapter
 from ckpttool.families.conventions import hf
 from ckpttool.families.registry import ADAPTERS, CONVENTIONS, adapter_for, convention_for, convention_of, known_family
-from ckpttool.families.registry import READER_TABLES, recognised, unrecognised
+from ckpttool.families.registry import READER_TABLES, recognised, reduced_layers, unrecognised
 from ckpttool.families.check import Mismatch, compare_with_model
 from ckpttool.families.mtp import absent as mtp_absent
 from ckpttool.families.mtp import missing_note as mtp_missing_note
@@ -43,7 +43,7 @@ from ckpttool.families.rules import keeps_dtype, memory_slices, stacks_experts
 __all__ = [
     "ADAPTERS", "CONVENTIONS", "READER_TABLES", "Convention", "FamilyAdapter", "HfMapping", "MemoryTensor", "Mismatch", "adapter_for",
     "compare_with_model", "convention_for", "convention_of", "keeps_dtype", "map_from_hf", "map_to_hf", "mtp_absent",
-    "mtp_missing_note", "recognised", "refusal", "tied_on_disk", "unrecognised",
+    "mtp_missing_note", "recognised", "reduced_layers", "refusal", "tied_on_disk", "unrecognised",
 ]
 
 

@@ -11,6 +11,9 @@ MLA's own sizes are compared instead (``q_lora_rank``, ``kv_lora_rank``, ``qk_he
 ``qk_pos_emb_head_dim`` = ``qk_rope_head_dim``, ``v_head_dim``), with the rotary layout (Megatron's MLA rotates
 interleaved pairs: transformers' ``rope_interleave``). So is the routing a DeepSeek-V3 model computes from its
 tensors: sigmoid scores, the expert bias, group-limited choice, the scaling factor, normalised top-k weights.
+
+Its decoder layers are dense below ``first_k_dense_replace`` and MoE from there on (transformers reads no
+``moe_layer_freq``); the MTP layer is built apart. :data:`LAYERS` says so (:mod:`ckpttool.families.layers`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,30 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckpttool.families.conventions.megatron_args import Pair, arg, disagreements, has, rope
+from ckpttool.families.layers import LayerRule, layer_count
 from ckpttool.model.architecture import ModelInfo
 
 #: model types whose router scores experts with a sigmoid (transformers' ``DeepseekV3TopkRouter``) and scores a group
 #: by the sum of its top 2 (a config may say so itself: DeepSeek's releases write ``scoring_func``)
 SIGMOID_ROUTERS = frozenset({"deepseek_v3"})
+
+
+def _dense_then_moe(config: Mapping[str, object]) -> list[str]:
+    """Each decoder layer's kind: ``dense`` below ``first_k_dense_replace`` (which the config must set: the default
+    differs between model types), ``moe`` from there on."""
+    dense = config["first_k_dense_replace"]
+    if not isinstance(dense, int):
+        raise TypeError(f"first_k_dense_replace is {dense!r}")
+    return ["dense" if i < dense else "moe" for i in range(layer_count(config))]
+
+
+def _keep_dense_then_moe(config: Mapping[str, object], layers: list[int]) -> dict[str, object]:
+    dense = config["first_k_dense_replace"]
+    return {**config, "num_hidden_layers": len(layers), "first_k_dense_replace": sum(i < dense for i in layers)}
+
+
+#: DeepSeek-V2/V3's layer rule: dense layers first, then MoE (GLM-4-MoE reads the same key)
+LAYERS = LayerRule(("deepseek_v2", "deepseek_v3", "glm4_moe"), kinds=_dense_then_moe, shrink=_keep_dense_then_moe)
 
 
 def megatron_args(args: Any, info: ModelInfo) -> list[str]:

@@ -33,6 +33,7 @@ from typing import Any
 from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import HF_TP_RULES, REPLICATE, SHARD0, CutResult, FamilyAdapter
 from ckpttool.families.conventions import megatron_core
+from ckpttool.families.layers import alike
 from ckpttool.layout.layout import Box, Layout, Shape
 from ckpttool.model.architecture import ModelInfo
 from ckpttool.plan.plan import Slice, TargetSpec
@@ -195,3 +196,6 @@ ADAPTER = FamilyAdapter(
     cuts=((megatron_core.NAME, megatron_core_cut),),
     args_checks=(megatron_args,),
 )
+
+#: every decoder layer is MoE; ``layer_types`` (sliding or full attention) tells them apart
+LAYERS = alike(NAME)

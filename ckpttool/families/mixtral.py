@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from ckpttool.families.adapter import FamilyAdapter
+from ckpttool.families.layers import alike
 from ckpttool.families.rules import Rename, Rules, Unstack
 
 NAME = "mixtral"
@@ -18,3 +19,6 @@ RULES: Rules = (
 )
 
 ADAPTER = FamilyAdapter(NAME, rules=RULES)
+
+#: every decoder layer is MoE
+LAYERS = alike(NAME)

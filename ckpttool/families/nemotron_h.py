@@ -28,6 +28,7 @@ here (``ep`` shards them), as for every MoE family.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +36,7 @@ from ckpttool.errors import ConfigError
 from ckpttool.families import hybrid
 from ckpttool.families.adapter import REPLICATE, SHARD0, CutResult, FamilyAdapter, PlacementRules
 from ckpttool.families.conventions import megatron_core, megatron_mamba
+from ckpttool.families.layers import LayerRule
 from ckpttool.families.rules import Rename, Rules, Unstack
 from ckpttool.layout.layout import Box, Layout
 from ckpttool.model.architecture import ModelInfo
@@ -177,3 +179,32 @@ def megatron_args(args: Any, info: ModelInfo) -> list[str]:
 
 ADAPTER = FamilyAdapter(NAME, rules=RULES, tp_rules=TP_RULES, cuts=((megatron_core.NAME, megatron_core_cut),),
                         args_checks=(megatron_args,))
+
+
+def _block_types(config: Mapping[str, object]) -> list[str]:
+    """Each decoder layer's block (Mamba-2, attention, MLP, MoE): ``layers_block_type`` as transformers 5 saves it,
+    else a release's ``hybrid_override_pattern`` (``M``, ``*``, ``-``, ``E``), one character a layer."""
+    blocks = config.get("layers_block_type")
+    if blocks is None:
+        blocks = config["hybrid_override_pattern"]
+        if not isinstance(blocks, str):
+            raise TypeError(f"hybrid_override_pattern is {blocks!r}")
+        return list(blocks)
+    if not isinstance(blocks, list):
+        raise TypeError(f"layers_block_type is {blocks!r}")
+    return [str(b) for b in blocks]
+
+
+def _keep_blocks(config: Mapping[str, object], layers: list[int]) -> dict[str, object]:
+    blocks = _block_types(config)
+    reduced = {**config, "num_hidden_layers": len(layers)}
+    if config.get("layers_block_type") is None:
+        reduced["hybrid_override_pattern"] = "".join(blocks[i] for i in layers)
+    else:
+        reduced["layers_block_type"] = [blocks[i] for i in layers]
+    return reduced
+
+
+#: a layer's kind is its block; transformers names the layers ``model.layers.N`` in memory, ``backbone.layers.N``
+#: on disk
+LAYERS = LayerRule((NAME,), kinds=_block_types, shrink=_keep_blocks, prefixes=("model.layers.", "backbone.layers."))

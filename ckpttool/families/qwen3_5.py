@@ -19,6 +19,7 @@ this adapter's.
 from __future__ import annotations
 
 from ckpttool.families.adapter import HF_TP_RULES, REPLICATE, SHARD0, FamilyAdapter, PlacementRules
+from ckpttool.families.layers import alike
 
 NAME = "qwen3_5_text"
 TP_RULES: PlacementRules = (
@@ -28,3 +29,6 @@ TP_RULES: PlacementRules = (
 )
 
 ADAPTER = FamilyAdapter(NAME, tp_rules=TP_RULES, carried=(r"^mtp\.",))  # ignored on load, as Qwen3-Next's
+
+#: a layer's kind is its ``layer_types`` entry (linear or full attention)
+LAYERS = alike(NAME)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from ckpttool.families import qwen2_moe
 from ckpttool.families.adapter import HF_TP_RULES, REPLICATE, SHARD0, FamilyAdapter, PlacementRules
+from ckpttool.families.layers import LayerRule
 
 NAME = "qwen3_next"
 #: transformers' plan for the gated DeltaNet (``colwise_gather_output``: weight rows), then the Llama plan
@@ -36,3 +37,6 @@ TP_RULES: PlacementRules = (
 CARRIED = (r"^mtp\.",)
 
 ADAPTER = FamilyAdapter(NAME, model_types=(NAME,), rules=qwen2_moe.RULES, tp_rules=TP_RULES, carried=CARRIED)
+
+#: a layer's kind: MoE or dense as Qwen2-MoE's, and its ``layer_types`` entry (linear or full attention)
+LAYERS = LayerRule((NAME,), kinds=qwen2_moe.sparse_layers, shrink=qwen2_moe.keep_sparse_layers)

@@ -12,13 +12,16 @@ checks), handed to them by the one place that reads a source.
 from __future__ import annotations
 
 from ckpttool.errors import ConfigError
+from collections.abc import Mapping
+
 from ckpttool.families import (
-    glm4v, gpt_oss, llama4, llava, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_5, qwen3_next,
+    deepseek, glm4v, gpt_oss, layers, llama4, llava, mixtral, nemotron_h, qwen2_moe, qwen2_vl, qwen3_5, qwen3_next,
 )
 from ckpttool.families.adapter import Convention, FamilyAdapter
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, megatron_tp, torchtitan
 from ckpttool.layout.layout import Layout
 from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.reduced import LayerReduction
 
 #: every model family with an adapter of its own; a model type none serves is cut as transformers names it
 ADAPTERS: list[FamilyAdapter] = [
@@ -41,6 +44,27 @@ CONVENTIONS: list[Convention] = [
     torchtitan.CONVENTION,
     hf.CONVENTION,
 ]
+
+
+#: every family's layer rule (:mod:`.layers`): a config of these model types is described from one layer of each kind
+LAYER_RULES: list[layers.LayerRule] = [
+    deepseek.LAYERS,
+    qwen2_moe.LAYERS,
+    mixtral.LAYERS,
+    gpt_oss.LAYERS,
+    qwen3_next.LAYERS,
+    qwen3_5.LAYERS,
+    nemotron_h.LAYERS,
+    layers.alike("llama", "mistral", "qwen2", "qwen3"),  # no adapter of their own: all layers alike
+]
+
+
+def reduced_layers(config: Mapping[str, object]) -> LayerReduction | None:
+    """``config`` with one decoder layer of each kind, by its model type's rule in :data:`LAYER_RULES`
+    (:func:`ckpttool.model.architecture.model_info`'s ``reduce``); None for a model type with no rule, or a
+    config its rule does not reduce."""
+    rule = next((r for r in LAYER_RULES if config.get("model_type") in r.model_types), None)
+    return layers.reduce(rule, config) if rule is not None else None
 
 
 def adapter_for(info: ModelInfo) -> FamilyAdapter:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ckpttool.families import reduced_layers
 from ckpttool.model.architecture import model_info
 from ckpttool.execute.distributed import Group, share_out
 from ckpttool.io.dtypes import cast_dtype
@@ -163,7 +164,7 @@ def save_hf(
         log.info("live gather: %d tensors, %d bytes, %d files, %d rounds", len(plan.targets), plan.nbytes,
                  len(files), len(gather.rounds))
         collect(group, watch, "gather and write the tensors", lambda: gather.run(mine, path))
-        info = model_info(config_dict, label="config") if config_dict is not None else None
+        info = model_info(config_dict, label="config", reduce=reduced_layers) if config_dict is not None else None
         extras, report = collect(group, watch, "publish the checkpoint", lambda: finish_output(
             staging, plan, files, config=config_dict, model=info, config_label="config" if config_dict else None,
             search=[], dtype=dtype, audit=audit,

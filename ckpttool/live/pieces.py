@@ -21,6 +21,7 @@ from ckpttool.layout.layout import Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.plan.plan import Plan
 from ckpttool.errors import ConfigError, SourceError
+from ckpttool.families import reduced_layers
 from ckpttool.families.source import plan_layout
 from ckpttool.io.sidecar import PieceSpec
 
@@ -115,7 +116,7 @@ def plan_gather(everyone: Sequence[list[Held]], config: dict[str, object] | None
             tags = (("rank", rank), *(spec.coordinates if spec is not None else ()))
             builder.add(h.fqn, Piece(_rank_file(rank), h.fqn, Box(h.offsets, h.sizes), h.dtype, tags=tags))
     layout: Layout = builder.build()
-    info = model_info(config, label="config") if config is not None else None
+    info = model_info(config, label="config", reduce=reduced_layers) if config is not None else None
     planned = plan_layout(layout, config_path=None, config=config, model=info, dtype=cast_dtype(dtype), notes=notes,
                           no_config="no config given")
     planned.refuse()

@@ -17,7 +17,6 @@ Which file is the config, and reading it, is :mod:`ckpttool.model.config_file`'s
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -25,59 +24,32 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ckpttool.io import jsonfile
-from ckpttool.layout.layout import Shape
 from ckpttool.errors import ArgumentError, ConfigError
+from ckpttool.layout.layout import Shape
+from ckpttool.model.description import ModelInfo, cache_path, from_doc, read_cache, to_doc, write_cache
+from ckpttool.model.reduced import LayerReduction, expand
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What transformers says a model built from this config looks like.
-
-    Attributes:
-        model_type: ``config.model_type``.
-        config: the config as a plain dict.
-        memory_shapes: in-memory state-dict names -> global shapes (what DCP and FSDP save).
-        disk_shapes: on-disk names -> shapes (what ``save_pretrained`` writes), tied weights removed.
-        tied: tied target name -> the name it shares storage with (e.g. ``lm_head.weight``).
-        family: the family whose adapter cuts this model's tensors (:mod:`ckpttool.families`): the model type, or
-            the one transformers itself treats it as (``qwen3_moe`` is cut as ``qwen2_moe``).
-        mtp_shapes: the multi-token-prediction layers the config declares, as transformers' ``MtpModel`` builds
-            them (``layers.0.eh_proj.weight``, ``layers.0.post_norm.weight``, ``embed_tokens.weight``,
-            ``shared_head.weight``), each decoder block under its on-disk names (``layers.0.mtp_block.mlp.experts.0
-            .gate_proj.weight``); empty when the config declares none. Where a release stores them is
-            :mod:`ckpttool.families.mtp`'s to say.
-        buffers: the model's non-persistent buffers (``model.rotary_emb.inv_freq``): not in its state dict, so
-            ``save_pretrained`` never writes them, but some savers do (ColossalAI's MoE checkpoint IO); a merge
-            drops them with a note.
-        architecture: the transformers class the expectations were built from (``Qwen2_5_VLForConditionalGeneration``
-            for an image-text-to-text model, a causal LM otherwise); None in descriptions cached before it was kept.
-    """
-
-    model_type: str
-    config: Mapping[str, object]
-    memory_shapes: Mapping[str, Shape]
-    disk_shapes: Mapping[str, Shape]
-    tied: Mapping[str, str] = field(default_factory=dict)
-    family: str | None = None
-    mtp_shapes: Mapping[str, Shape] = field(default_factory=dict)
-    buffers: Mapping[str, Shape] = field(default_factory=dict)
-    architecture: str | None = None
-
-
-def model_info(config: Mapping[str, object], *, label: str = "config.json") -> ModelInfo | None:
+def model_info(config: Mapping[str, object], *, label: str = "config.json",
+               reduce: Callable[[Mapping[str, object]], LayerReduction | None] | None = None) -> ModelInfo | None:
     """Build the architecture on the meta device and read its expected tensors; None if transformers lacks it.
 
     The answer depends only on the config and the transformers version, and importing transformers takes
     seconds, so it is kept in a cache (``CKPTTOOL_CACHE``, default ``~/.cache/ckpttool``) keyed by both. A config
     not in the cache is described in a subprocess (see :data:`DESCRIBE_ENV`); the time it took is logged.
+
+    Args:
+        config: the model's config as a plain dict.
+        label: what the config is called in messages (its path).
+        reduce: the family's layer rule (:func:`ckpttool.families.registry.reduced_layers`): a config with one
+            decoder layer of each kind, whose description is repeated by layer index (:func:`.reduced.expand`)
+            instead of building every layer; None, or a rule that answers None, describes the config in full.
 
     Raises:
         ConfigError: transformers knows the model type but cannot build it from this config, or the subprocess
@@ -86,13 +58,33 @@ def model_info(config: Mapping[str, object], *, label: str = "config.json") -> M
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise ConfigError(f"'{label}': no model_type; is it a transformers config?")
-    cache = _cache_path(config)
-    cached = _read_cache(cache, config) if cache is not None else None
+    cache = cache_path(config)
+    cached = read_cache(cache, config) if cache is not None else None
     if cached is not None:
         return cached[0]
-    info = _build(model_type, config, label)
+    reduction = reduce(config) if reduce is not None else None
+    info = _build_reduced(model_type, config, label, reduction) if reduction is not None else None
+    if info is None:
+        info = _build(model_type, config, label)
     if cache is not None:
-        _write_cache(cache, info)
+        write_cache(cache, info)
+    return info
+
+
+def _build_reduced(model_type: str, config: Mapping[str, object], label: str,
+                   reduction: LayerReduction) -> ModelInfo | None:
+    """The description of ``config`` from its reduced config's, or None when that cannot stand for it: transformers
+    rejects the reduced config or builds no model of it (the full config is then described and its own error, or
+    None, is the answer), or its layers cannot be repeated (:func:`.reduced.expand`)."""
+    try:
+        small = _build(model_type, reduction.config, label)
+    except ConfigError as e:
+        log.info("the reduced %s config of '%s' is not described (%s): describing it in full", model_type, label, e)
+        return None
+    info = expand(small, reduction, config) if small is not None else None
+    if info is not None:
+        log.info("'%s': %d decoder layers described as %d (one of each kind), repeated by layer index", label,
+                 len(reduction.layer_of), max(reduction.layer_of) + 1)
     return info
 
 
@@ -154,7 +146,7 @@ def _describe_in_subprocess(model_type: str, config: Mapping[str, object], label
         try:
             answer = json.loads(done.stdout)
             error = answer.get("error")
-            info = None if answer.get("none") or error is not None else _from_doc(answer, config)
+            info = None if answer.get("none") or error is not None else from_doc(answer, config)
             peak = int(answer.get("peak", 0))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             reason = f"its answer is not a description: {e}"
@@ -175,7 +167,7 @@ def _describe_main() -> None:
     config, label = request["config"], request["label"]
     with contextlib.redirect_stdout(sys.stderr):  # whatever transformers prints must not mix with the answer
         try:
-            answer = _to_doc(_describe(config["model_type"], config, label))
+            answer = to_doc(_describe(config["model_type"], config, label))
         except ConfigError as e:
             answer = {"error": str(e)}
     answer["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -294,60 +286,6 @@ def _mtp_shapes(model: Any, cfg: Any) -> dict[str, Shape]:
         index, _, rest = name.removeprefix("model.layers.").partition(".")
         shapes[f"layers.{index}.mtp_block.{rest}"] = tuple(tensor.shape)
     return shapes
-
-
-#: bumped whenever :class:`ModelInfo` gains a field, so that no older entry (which lacks it) is read
-_CACHE_FORMAT = 4
-
-
-def _cache_path(config: Mapping[str, object]) -> Path | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        key = json.dumps({"transformers": version("transformers"), "config": config, "format": _CACHE_FORMAT},
-                         sort_keys=True, default=str)
-    except (PackageNotFoundError, TypeError, ValueError):
-        return None
-    root = Path(os.environ.get("CKPTTOOL_CACHE") or Path.home() / ".cache" / "ckpttool")
-    return root / "models" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
-
-
-def _read_cache(path: Path, config: Mapping[str, object]) -> tuple[ModelInfo | None] | None:
-    """``(info,)`` from the cache (``info`` may be None: no causal LM), or None when there is no usable entry."""
-    try:
-        doc = jsonfile.loads(path.read_text())
-        if doc is None or doc.get("none"):
-            return (None,) if doc is not None else None
-        return (_from_doc(doc, config),)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def _from_doc(doc: Mapping[str, Any], config: Mapping[str, object]) -> ModelInfo:
-    """The description a cache entry (:func:`_to_doc`) holds, for ``config``; KeyError, TypeError, ValueError or
-    AttributeError when it holds none."""
-    shapes = lambda m: {k: tuple(int(n) for n in v) for k, v in m.items()}  # noqa: E731
-    return ModelInfo(doc["model_type"], dict(config), shapes(doc["memory"]), shapes(doc["disk"]), dict(doc["tied"]),
-                     doc.get("family"), shapes(doc["mtp"]), shapes(doc["buffers"]), doc.get("architecture"))
-
-
-def _to_doc(info: ModelInfo | None) -> dict[str, Any]:
-    """A description as a JSON document (a cache entry, and the subprocess's answer); ``{"none": true}`` for None."""
-    return {"none": True} if info is None else {
-        "model_type": info.model_type, "memory": info.memory_shapes, "disk": info.disk_shapes, "tied": info.tied,
-        "family": info.family, "mtp": info.mtp_shapes, "buffers": info.buffers, "architecture": info.architecture,
-    }
-
-
-def _write_cache(path: Path, info: ModelInfo | None) -> None:
-    doc = _to_doc(info)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(doc))
-        os.replace(temporary, path)
-    except OSError as e:  # a read-only home: no cache, same answers
-        log.info("cannot cache the model description in %s: %s", path.parent, e)
 
 
 def _family(model_type: str) -> str:
