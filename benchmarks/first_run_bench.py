@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from many_tensors_bench import timed  # noqa: E402  (this folder is no package)
-from truescale import _claim, _inside, config  # noqa: E402
+from truescale import claim_workdir, config, inside_workdir  # noqa: E402
 from truescale_readers import generate_sidecar  # noqa: E402
 
 #: a Qwen3-MoE-235B-A22B-shaped config (its published sizes)
@@ -62,16 +62,16 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="reuse the sidecar checkpoint in --workdir if there")
     parser.add_argument("--skip-describe", action="store_true", help="time the merge dry runs only")
     args = parser.parse_args()
-    workdir = _claim(args.workdir)
-    cache = _inside(workdir / "cache", workdir)
+    workdir = claim_workdir(args.workdir)
+    cache = inside_workdir(workdir / "cache", workdir)
     env = {**os.environ, "PYTHONPATH": str(args.tree.resolve())}
     env.pop("CKPTTOOL_DESCRIBE", None)
     os.environ.clear()
     os.environ.update(env)
-    src = _inside(workdir / "sidecar", workdir)
+    src = inside_workdir(workdir / "sidecar", workdir)
     if not (args.keep and src.exists()):
         shutil.rmtree(src, ignore_errors=True)
-        os.environ["CKPTTOOL_CACHE"] = str(_inside(workdir / "generator-cache", workdir))
+        os.environ["CKPTTOOL_CACHE"] = str(inside_workdir(workdir / "generator-cache", workdir))
         print("sidecar:", generate_sidecar(src, config(bf16=True)))
     os.environ["CKPTTOOL_CACHE"] = str(cache)
     print(f"tree {args.tree.resolve()}; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f}; {args.runs} runs, medians")
