@@ -196,3 +196,38 @@ def test_another_module_s_adapter_is_refused_by_name():
     assert str(e.value) == (f"'{SOURCE}': '{name}': a Megatron-Core adapter tensor ckpttool does not fuse (it fuses "
                             "LoRA's adapter.linear_in / linear_out on linear_qkv, linear_proj, linear_fc1 and "
                             "linear_fc2)")
+
+
+class _Held:
+    """An adapter tensor held in memory (AdapterTensor's interface)."""
+
+    def __init__(self, tensor: torch.Tensor, dtype: str):
+        self.tensor, self.dtype, self.shape, self.key, self.file, self.byte_offset = tensor, dtype, tuple(tensor.shape), \
+            "t", "mem", 0
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.tensor[start:stop].clone()
+
+
+def test_a_bf16_model_is_fused_in_bf16_as_lora_merge_computes_it():
+    """Megatron-Bridge's LoRAMerge.merge (0.3.1), on a bf16 model: ``base + alpha / dim * (linear_out @ linear_in)``,
+    every step in bf16; PEFT's upcast (float32 product, one rounding) gives other bytes."""
+    from ckpttool.plan.lora import LoraDelta, fuse_rows
+
+    g = torch.Generator().manual_seed(0)
+    w, b, a = (torch.randn(shape, generator=g).to(torch.bfloat16) for shape in ((512, 96), (512, 16), (16, 96)))
+    alpha, dim = 32, 16
+    merged = w + alpha / dim * (b @ a)  # megatron/bridge/peft/lora.py, LoRAMerge.merge
+    delta = LoraDelta("src", "m", _Held(a, "BF16"), _Held(b, "BF16"), alpha / dim, upcast=False)
+    buffers: dict[str, torch.Tensor] = {}
+
+    def scratch(name, shape, dtype):
+        from ckpttool.io.dtypes import torch_dtype
+
+        buffers[name] = torch.empty(shape, dtype=torch_dtype(dtype))
+        return buffers[name]
+
+    assert torch.equal(fuse_rows(w, (delta,), 0, 512), merged)
+    chunks = [fuse_rows(w[i:i + 256].clone(), (delta,), i, i + 256, scratch) for i in (0, 256)]
+    assert torch.equal(torch.cat(chunks), merged)
+    assert not torch.equal(fuse_rows(w, (replace(delta, upcast=True),), 0, 512), merged)

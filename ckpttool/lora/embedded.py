@@ -226,6 +226,8 @@ def embedded_adapter(embedded: Embedded, root: str | Path, config: str | Path | 
     if embedded.targets is not None:
         tensors = {k: SourceTensor(str(source), t, fqn) for k, (t, fqn) in embedded.targets.items()}
         deltas = lora_deltas(str(source), read, str(path), tensors, str(source))
+        # Megatron-Bridge's LoRAMerge computes in the adapter's own dtype (bf16 on a bf16 model): so does the fuse
+        deltas = {module: replace(delta, upcast=False) for module, delta in deltas.items()}
         return Adapter(str(source), str(source), read, deltas, target_modules(read))
     planned = plan_merge(Layout(str(source), embedded.base.format, {k: replace(t, fqn=k) for k, t in
                                                                      embedded.lora.items()}))
