@@ -16,12 +16,13 @@ sits in every LoRA key)::
 source's pieces (:class:`SourceTensor`), with the scaling of the adapter's config: the weights do not record
 ``lora_alpha``, so without ``adapter_config.json`` (beside the checkpoint, or given) the fuse is refused.
 What PEFT saves with the base and ckpttool does not fuse is refused by name: several adapters in one model,
-``modules_to_save`` copies, embedding LoRA, DoRA's magnitude vectors.
+``modules_to_save`` copies, embedding LoRA, DoRA's magnitude vectors. A Megatron-Core LoRA saved with its base
+(Megatron-Bridge's ``adapter.linear_in`` / ``linear_out``) is set aside too, under Megatron's names; its pairs become
+the HuggingFace model's once the base is planned (:mod:`.megatron`).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -31,12 +32,10 @@ from ckpttool.errors import ArgumentError, SourceError
 from ckpttool.execute.buffers import Chunk
 from ckpttool.execute.executor import Reader, build, piece_uses
 from ckpttool.fast.deferred import torch
-from ckpttool.io.jsonfile import loads
-from ckpttool.io.paths import JSON_LIMIT, read_source_text
 from ckpttool.layout.layout import Layout, TensorLayout
 from ckpttool.lora import megatron
-from ckpttool.lora.adapter import CONFIG, Adapter, lora_deltas, read_adapter_config, target_modules
-from ckpttool.lora.megatron import split_bridge
+from ckpttool.lora.adapter import (CONFIG, Adapter, check_positive, lora_deltas, read_adapter_config,
+                                   read_json_object, target_modules)
 from ckpttool.plan.plan import Target, plan_merge
 
 #: the folder verl's FSDP worker (0.5 on) writes beside a LoRA actor's rank files: PEFT's adapter_config.json (of
@@ -86,7 +85,7 @@ def split_embedded(layout: Layout) -> Embedded | None:
         SourceError: the source holds what ckpttool does not fuse (two adapters, ``modules_to_save``, embedding
             LoRA, DoRA; a Megatron-Core adapter other than LoRA's: :func:`.megatron.split_bridge`), naming the tensor.
     """
-    bridge = split_bridge(layout)
+    bridge = megatron.split_bridge(layout)
     if bridge is not None:  # Megatron-Bridge's names: HF's are the family's to give (ckpttool.commands.source)
         return Embedded(bridge[0], bridge[1], megatron.NAME)
     if not any(".lora_A." in fqn or ".base_layer." in fqn for fqn in layout.tensors):
@@ -173,17 +172,8 @@ def verl_meta_config(path: Path, embedded: Embedded) -> dict[str, object]:
     Raises:
         SourceError: not a JSON object, or ``r`` / ``lora_alpha`` missing or not a positive number, naming the file.
     """
-    try:
-        meta = loads(read_source_text(path, str(path), limit=JSON_LIMIT))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceError(f"'{path}': not verl's JSON LoRA metadata ({e})") from None
-    if not isinstance(meta, dict):
-        raise SourceError(f"'{path}': not a JSON object")
-    for key in ("r", "lora_alpha"):
-        value = meta.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise SourceError(f"'{path}': {key} = {value!r}; expected a positive number (verl writes the LoRA "
-                              "actor's rank and alpha here)")
+    meta = read_json_object(path, "verl's JSON LoRA metadata")
+    check_positive(meta, ("r", "lora_alpha"), path, "verl writes the LoRA actor's rank and alpha here")
     modules = sorted({key.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for key in embedded.lora})
     return {"peft_type": "LORA", "r": meta["r"], "lora_alpha": meta["lora_alpha"], "bias": "none",
             "task_type": str(meta.get("task_type", "CAUSAL_LM")), "target_modules": modules}

@@ -22,7 +22,6 @@ a module other than the four, and any other adapter tensor.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -30,10 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ckpttool.errors import SourceError
-from ckpttool.io.jsonfile import loads
-from ckpttool.io.paths import JSON_LIMIT, read_source_text
 from ckpttool.layout.layout import Layout, TensorLayout
-from ckpttool.lora.adapter import read_adapter_config
+from ckpttool.lora.adapter import check_positive, read_adapter_config, read_json_object
 from ckpttool.plan.plan import Target
 
 #: Megatron-Bridge's (and NeMo's) LoRA on a Megatron-Core module, saved with the base
@@ -142,21 +139,13 @@ def bridge_config(path: Path, targets: Mapping[str, tuple[Target, str]]) -> dict
     are the HuggingFace modules ``targets`` makes (``q_proj``, ...).
 
     Raises:
-            SourceError: not JSON, ``dim`` / ``alpha`` (or ``r`` / ``lora_alpha``) missing or not positive, or
-                rsLoRA / patterns, which Megatron-Bridge's LoRA does not have; naming the file.
+        SourceError: not JSON, ``dim`` / ``alpha`` (or ``r`` / ``lora_alpha``) missing or not positive, or rsLoRA /
+            patterns, which Megatron-Bridge's LoRA does not have; naming the file.
     """
-    try:
-        found = loads(read_source_text(path, str(path), limit=JSON_LIMIT))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceError(f"'{path}': not a JSON LoRA config ({e})") from None
-    if not isinstance(found, dict):
-        raise SourceError(f"'{path}': not a JSON object")
+    found = read_json_object(path, "a JSON LoRA config")
     keys = ("dim", "alpha") if "dim" in found or "alpha" in found else ("r", "lora_alpha")
-    for key in keys:
-        value = found.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise SourceError(f"'{path}': {key} = {value!r}; expected a positive number (a Megatron-Core LoRA's scaling "
-                              "is alpha / dim: give Megatron-Bridge's LoRA dim and alpha, or PEFT's r and lora_alpha)")
+    check_positive(found, keys, path, "a Megatron-Core LoRA's scaling is alpha / dim: give Megatron-Bridge's LoRA dim "
+                   "and alpha, or PEFT's r and lora_alpha")
     if keys == ("r", "lora_alpha"):
         config = read_adapter_config(path)
         for key in ("use_rslora", "rank_pattern", "alpha_pattern"):
