@@ -135,6 +135,19 @@ def test_without_its_lora_config_the_fuse_is_refused(cli, tmp_path):
         '{"dim": 32, "alpha": 32}')
 
 
+def test_without_the_models_config_the_fuse_is_refused(cli, tmp_path):
+    import shutil
+
+    src, out = tmp_path / "torch_dist", tmp_path / "out"
+    shutil.copytree(SOURCE, src)  # no config.json beside it or above it
+    result = cli("merge", src, out, "--adapter-config", LORA)
+    assert_failed_cleanly(result, out)
+    assert result.stderr.strip() == (
+        f"Error: '{src}': holds a Megatron-Core LoRA adapter saved with the base (e.g. "
+        "'decoder.layers.self_attention.linear_proj.adapter.linear_in.weight'), which is fused into the HuggingFace "
+        "model's tensors: give the model's config.json (--config)")
+
+
 @pytest.mark.parametrize("text, message", [
     ('{"dim": 4}', "alpha = None; expected a positive number"),
     ('{"r": 4, "lora_alpha": 8, "use_rslora": true}', "use_rslora = True; Megatron-Bridge's LoRA has one dim and alpha"),
