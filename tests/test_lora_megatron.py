@@ -244,3 +244,46 @@ def test_a_bf16_model_is_fused_in_bf16_as_lora_merge_computes_it():
     chunks = [fuse_rows(w[i:i + 256].clone(), (delta,), i, i + 256, scratch) for i in (0, 256)]
     assert torch.equal(torch.cat(chunks), merged)
     assert not torch.equal(fuse_rows(w, (replace(delta, upcast=True),), 0, 512), merged)
+
+
+@pytest.fixture(scope="module")
+def o_proj():
+    """linear_proj's adapter tensors, and the base's o_proj targets of layers 0 and 1."""
+    from ckpttool.commands.source import plan_source, read_layout
+
+    targets = {t.name: t for t in plan_source(SOURCE, config=CONFIG).plan.targets}
+    lora = {k: t for k, t in read_layout(SOURCE).tensors.items() if ".linear_proj.adapter." in k}
+    return lora, [targets[f"model.layers.{i}.self_attn.o_proj.weight"] for i in range(2)]
+
+
+PROJ = "decoder.layers.self_attention.linear_proj.adapter"
+
+
+def test_a_base_plan_that_moves_more_than_b_s_rows_is_refused(o_proj):
+    from ckpttool.lora.megatron import bridge_targets
+    from ckpttool.plan.transforms import Transpose
+
+    lora, targets = o_proj
+    moved = replace(targets[0], transform=Transpose(0, 1))
+    with pytest.raises(SourceError) as e:
+        bridge_targets("src", lora, lambda tensors: [moved])
+    assert str(e.value) == (f"'src': '{PROJ}.linear_out.weight': planned as 'model.layers.0.self_attn.o_proj.weight', "
+                            f"which the base's plan makes with {moved.transform.name}; only a permutation of B's rows "
+                            "keeps B @ A the delta of that tensor, so it is not fused")
+
+
+def test_a_b_the_base_plan_makes_nothing_of_or_an_a_without_its_layer_is_refused(o_proj):
+    from ckpttool.lora.megatron import bridge_targets
+
+    lora, targets = o_proj
+    with pytest.raises(SourceError) as e:
+        bridge_targets("src", lora, lambda tensors: [])
+    assert str(e.value) == f"'src': '{PROJ}.linear_out.weight': the base's plan makes no HuggingFace tensor of it"
+
+    def one_layer_of_a(tensors):  # B (out, dim) planned whole, A (dim, in) for layer 0 only
+        return targets if next(iter(tensors.values())).global_shape[-1] == 4 else targets[:1]
+
+    with pytest.raises(SourceError) as e:
+        bridge_targets("src", lora, one_layer_of_a)
+    assert str(e.value) == (f"'src': '{PROJ}.linear_in.weight': no layer's A for "
+                            "'model.layers.1.self_attn.o_proj.weight' (its layers are not planned one target each)")

@@ -32,6 +32,7 @@ from ckpttool.errors import SourceError
 from ckpttool.layout.layout import Layout, TensorLayout
 from ckpttool.lora.adapter import check_positive, read_adapter_config, read_json_object
 from ckpttool.plan.plan import Target
+from ckpttool.plan.transforms import Permute
 
 #: Megatron-Bridge's (and NeMo's) LoRA on a Megatron-Core module, saved with the base
 BRIDGE = re.compile(r"(?P<module>.+\.(?P<kind>linear_qkv|linear_proj|linear_fc1|linear_fc2))\.adapter\."
@@ -95,8 +96,8 @@ def bridge_targets(root: str, lora: Mapping[str, TensorLayout], plan: Planner) -
     A (``linear_in``) whole for each target its module makes, cut per layer by the plan of :data:`_CARRIER`.
 
     Raises:
-        SourceError: the base's plan makes no target of a module's B, or A's plan is not one target per layer,
-            naming the tensor.
+        SourceError: the base's plan makes no target of a module's B, A's plan is not one target per layer, or a
+            plan transforms more than B's rows (a permutation of columns would mix B's rank), naming the tensor.
     """
     modules = sorted({BRIDGE.fullmatch(fqn)["module"] for fqn in lora})  # type: ignore[index]
     found: dict[str, tuple[Target, str]] = {}
@@ -109,6 +110,12 @@ def bridge_targets(root: str, lora: Mapping[str, TensorLayout], plan: Planner) -
         if not b_targets:
             raise SourceError(f"'{root}': '{b.fqn}': the base's plan makes no HuggingFace tensor of it")
         by_layer = {_layer_of(t.name): t for t in a_targets}
+        for target in (*b_targets, *a_targets):
+            moves = target.transform
+            if moves is not None and not (target in b_targets and isinstance(moves, Permute) and moves.dim == 0):
+                raise SourceError(f"'{root}': '{b.fqn if target in b_targets else a.fqn}': planned as "
+                                  f"'{target.name}', which the base's plan makes with {moves.name}; only a "
+                                  "permutation of B's rows keeps B @ A the delta of that tensor, so it is not fused")
         for target in b_targets:
             hf = target.name.removesuffix(".weight")
             a_target = by_layer.get(_layer_of(target.name))
