@@ -135,6 +135,17 @@ def test_without_its_lora_config_the_fuse_is_refused(cli, tmp_path):
         '{"dim": 32, "alpha": 32}')
 
 
+def test_a_peft_adapter_config_beside_the_checkpoint_gives_the_scaling(cli, tmp_path):
+    import shutil
+
+    src, out = tmp_path / "torch_dist", tmp_path / "out"
+    shutil.copytree(SOURCE, src)
+    (src / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    result = cli("merge", src, out, "--config", CONFIG, "-q")
+    assert result.exit_code == 0, result.output
+    assert (out / "model.safetensors").read_bytes() == (BRIDGE / "reference" / "model.safetensors").read_bytes()
+
+
 def test_without_the_models_config_the_fuse_is_refused(cli, tmp_path):
     import shutil
 
