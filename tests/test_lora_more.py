@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURES, assert_failed_cleanly, build_in_row_chunks, fixture_dir, load_output, tree_digest
+from conftest import assert_failed_cleanly, build_in_row_chunks, fixture_dir, load_output, tree_digest
 
 pytestmark = pytest.mark.usefixtures("describe_inline")
 
@@ -198,35 +198,3 @@ def test_diff_proves_the_gpt_oss_fuse(cli):
     result = cli("diff", GPT_OSS / "reference", GPT_OSS / "checkpoint", "--adapter", GPT_OSS / "adapter", "-q")
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[-1] == "equal: 37 tensors identical"
-
-
-# Megatron-Bridge LoRA saved with a Megatron-Core base: refused by name, never merged as the base alone -------------
-
-BRIDGE = FIXTURES / "megatron_bridge_lora_tp2"
-
-
-def _bridge_refusal(src) -> str:
-    return (f"Error: '{src}': 'decoder.layers.self_attention.linear_proj.adapter.linear_in.weight': a Megatron-Core "
-            "LoRA adapter saved with the base (Megatron-Bridge / NeMo's adapter.linear_in / linear_out, 8 tensors); "
-            "ckpttool does not fuse Megatron LoRA yet, and merging the base alone would silently drop the adapter. "
-            "Merge it into the base with Megatron-Bridge's LoRAMerge before saving, or export the HuggingFace model "
-            "with Megatron-Bridge")
-
-
-@pytest.mark.parametrize("extra", [(), ("--adapter-only",)], ids=["merge", "adapter-only"])
-def test_a_megatron_bridge_lora_source_is_refused_by_name(cli, tmp_path, extra):
-    """Megatron-Bridge 0.3.1's own output (fixtures/make_megatron_lora.py, TP=2 on gloo): without the refusal the base
-    merged with a clean PASS and the adapter was dropped."""
-    src, out = BRIDGE / "torch_dist", tmp_path / "out"
-    before = tree_digest(BRIDGE)
-    result = cli("merge", src, out, "--config", BRIDGE / "config.json", *extra)
-    assert_failed_cleanly(result, out)
-    assert result.stderr.strip() == _bridge_refusal(src)
-    assert tree_digest(BRIDGE) == before
-
-
-def test_diff_refuses_a_megatron_bridge_lora_source(cli):
-    src = BRIDGE / "torch_dist"
-    result = cli("diff", src, src, "--config", BRIDGE / "config.json")
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    assert result.stderr.strip() == _bridge_refusal(src)

@@ -7,17 +7,22 @@ and tells the readers what the conventions know that a format does not record (:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
+from ckpttool.errors import SourceError
 from ckpttool.families import READER_TABLES, reduced_layers
 from ckpttool.families.quantize_packed import PackScheme
 from ckpttool.families.source import Planned, plan_layout
-from ckpttool.layout.layout import Layout
+from ckpttool.layout.layout import Layout, TensorLayout
+from ckpttool.lora import megatron
 from ckpttool.lora.embedded import Embedded, split_embedded
+from ckpttool.lora.megatron import bridge_targets
 from ckpttool.model.architecture import ModelInfo, model_info
 from ckpttool.model.config_file import find_config, read_config
 from ckpttool.model.config_sizes import check_config_sizes
+from ckpttool.plan.plan import Target
 from ckpttool import readers
 from ckpttool.readers import census, detect_format, hf_distributed
 
@@ -88,5 +93,29 @@ def plan_source_and_adapter(
     embedded = split_embedded(layout)
     if embedded is not None:
         layout = embedded.base
-    return plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype, quantize=quantize,
-                       drop=drop), embedded
+    planned = plan_layout(layout, config_path=config_path, config=config_dict, model=model, dtype=dtype,
+                          quantize=quantize, drop=drop)
+    if embedded is not None and embedded.name == megatron.NAME:
+        embedded = _bridge_planned(root, embedded, planned)
+    return planned, embedded
+
+
+def _bridge_planned(root: Path, embedded: Embedded, planned: Planned) -> Embedded:
+    """A Megatron-Core LoRA's A and B planned as the base is (:func:`ckpttool.lora.megatron.bridge_targets`), so
+    its pairs are those of the HuggingFace modules the base is written as.
+
+    Raises:
+        SourceError: the base has no model config (its HuggingFace names, and so the adapter's, are unknown).
+    """
+    if planned.model is None:
+        raise SourceError(f"'{root}': holds a Megatron-Core LoRA adapter saved with the base (e.g. "
+                          f"'{next(iter(embedded.lora))}'), which is fused into the HuggingFace model's tensors: "
+                          "give the model's config.json (--config)")
+    base = embedded.base
+
+    def plan(tensors: Mapping[str, TensorLayout]) -> tuple[Target, ...]:
+        layout = replace(base, tensors=dict(tensors), notes=())
+        return plan_layout(layout, config_path=planned.config_path, config=planned.config,
+                           model=planned.model).plan.targets
+
+    return replace(embedded, targets=bridge_targets(str(root), embedded.lora, plan))

@@ -28,7 +28,7 @@ from pathlib import Path
 from ckpttool.errors import SourceError, SourceNotFoundError
 from ckpttool.io import torch_save
 from ckpttool.io.jsonfile import loads
-from ckpttool.io.paths import open_source, read_source_text
+from ckpttool.io.paths import JSON_LIMIT, open_source, read_source_text
 from ckpttool.io.safetensors_format import read_header
 from ckpttool.plan.lora import AdapterTensor, LoraDelta
 
@@ -124,6 +124,34 @@ def read_adapter_config(path: Path) -> dict[str, object]:
         if not isinstance(config.get(key) or {}, dict):
             raise SourceError(f"'{path}': {key} = {config.get(key)!r}; expected an object of module name: value")
     return config
+
+
+def read_json_object(path: Path, what: str) -> dict[str, object]:
+    """A small JSON object that states a LoRA's rank and alpha (verl's ``lora_train_meta.json``, a Megatron-Core
+    LoRA's dim and alpha), read.
+
+    Raises:
+        SourceError: not JSON (``what`` says what was expected) or not an object, naming the file.
+    """
+    try:
+        found = loads(read_source_text(path, str(path), limit=JSON_LIMIT))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SourceError(f"'{path}': not {what} ({e})") from None
+    if not isinstance(found, dict):
+        raise SourceError(f"'{path}': not a JSON object")
+    return found
+
+
+def check_positive(found: Mapping[str, object], keys: tuple[str, ...], path: Path, why: str) -> None:
+    """Each of ``keys`` of ``found`` (read from ``path``) is a positive number.
+
+    Raises:
+        SourceError: one is missing or not a positive number, naming the file and the key; ``why`` follows.
+    """
+    for key in keys:
+        value = found.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise SourceError(f"'{path}': {key} = {value!r}; expected a positive number ({why})")
 
 
 def target_modules(config: Mapping[str, object]) -> tuple[str, ...] | str:

@@ -16,12 +16,13 @@ sits in every LoRA key)::
 source's pieces (:class:`SourceTensor`), with the scaling of the adapter's config: the weights do not record
 ``lora_alpha``, so without ``adapter_config.json`` (beside the checkpoint, or given) the fuse is refused.
 What PEFT saves with the base and ckpttool does not fuse is refused by name: several adapters in one model,
-``modules_to_save`` copies, embedding LoRA, DoRA's magnitude vectors.
+``modules_to_save`` copies, embedding LoRA, DoRA's magnitude vectors. A Megatron-Core LoRA saved with its base
+(Megatron-Bridge's ``adapter.linear_in`` / ``linear_out``) is set aside too, under Megatron's names; its pairs become
+the HuggingFace model's once the base is planned (:mod:`.megatron`).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -31,10 +32,10 @@ from ckpttool.errors import ArgumentError, SourceError
 from ckpttool.execute.buffers import Chunk
 from ckpttool.execute.executor import Reader, build, piece_uses
 from ckpttool.fast.deferred import torch
-from ckpttool.io.jsonfile import loads
-from ckpttool.io.paths import JSON_LIMIT, read_source_text
 from ckpttool.layout.layout import Layout, TensorLayout
-from ckpttool.lora.adapter import CONFIG, Adapter, lora_deltas, read_adapter_config, target_modules
+from ckpttool.lora import megatron
+from ckpttool.lora.adapter import (CONFIG, Adapter, check_positive, lora_deltas, read_adapter_config,
+                                   read_json_object, target_modules)
 from ckpttool.plan.plan import Target, plan_merge
 
 #: the folder verl's FSDP worker (0.5 on) writes beside a LoRA actor's rank files: PEFT's adapter_config.json (of
@@ -46,8 +47,6 @@ VERL_META = "lora_train_meta.json"
 #: ``model`` is the transformers model)
 WRAPPED = "base_model.model."
 _LORA = re.compile(r"(?P<module>.+)\.lora_(?P<which>A|B)\.(?P<name>[^.]+)\.weight")
-#: Megatron-Bridge's (and NeMo's) LoRA on a Megatron-Core module, saved with the base (fixtures/make_megatron_lora.py)
-_BRIDGE = re.compile(r"\.adapter\.linear_(in|out)(_w|_v)?\.weight$")
 #: what PEFT keeps beside a LoRA module that ckpttool does not fuse, and why
 _REFUSED = (
     (re.compile(r"\.lora_embedding_[AB]\."), "embedding LoRA (lora_embedding_A / _B) is not fused yet"),
@@ -66,12 +65,17 @@ class Embedded:
         base: the layout without the LoRA tensors, renamed (:data:`WRAPPED` and ``.base_layer`` dropped).
         lora: per PEFT adapter-file key (``model.layers.0.self_attn.q_proj.lora_A.weight``: what
             ``save_pretrained`` would write, less its prefix), the source's tensor.
-        name: the adapter's name in the source's keys (``default``).
+        name: the adapter's name in the source's keys (``default``), or :data:`.megatron.NAME` for a
+            Megatron-Core LoRA, whose ``lora`` holds the source's tensors under their own names (Megatron's).
+        targets: a Megatron-Core LoRA's A and B as targets of the source, per PEFT adapter-file key of the
+            HuggingFace model and with the source's name of each (:func:`.megatron.bridge_targets`, once the base
+            is planned); None until then, and for PEFT's.
     """
 
     base: Layout
     lora: Mapping[str, TensorLayout]
     name: str
+    targets: Mapping[str, tuple[Target, str]] | None = None
 
 
 def split_embedded(layout: Layout) -> Embedded | None:
@@ -79,15 +83,11 @@ def split_embedded(layout: Layout) -> Embedded | None:
 
     Raises:
         SourceError: the source holds what ckpttool does not fuse (two adapters, ``modules_to_save``, embedding
-            LoRA, DoRA, a Megatron-Bridge LoRA's ``adapter.linear_in`` / ``linear_out``), naming the tensor.
+            LoRA, DoRA; a Megatron-Core adapter other than LoRA's: :func:`.megatron.split_bridge`), naming the tensor.
     """
-    bridge = [fqn for fqn in layout.tensors if ".adapter.linear_" in fqn and _BRIDGE.search(fqn)]
-    if bridge:
-        raise SourceError(
-            f"'{layout.root}': '{bridge[0]}': a Megatron-Core LoRA adapter saved with the base (Megatron-Bridge / NeMo's "
-            f"adapter.linear_in / linear_out, {len(bridge)} tensors); ckpttool does not fuse Megatron LoRA yet, and "
-            "merging the base alone would silently drop the adapter. Merge it into the base with Megatron-Bridge's "
-            "LoRAMerge before saving, or export the HuggingFace model with Megatron-Bridge")
+    bridge = megatron.split_bridge(layout)
+    if bridge is not None:  # Megatron-Bridge's names: HF's are the family's to give (ckpttool.commands.source)
+        return Embedded(bridge[0], bridge[1], megatron.NAME)
     if not any(".lora_A." in fqn or ".base_layer." in fqn for fqn in layout.tensors):
         return None
     base: dict[str, TensorLayout] = {}
@@ -172,17 +172,8 @@ def verl_meta_config(path: Path, embedded: Embedded) -> dict[str, object]:
     Raises:
         SourceError: not a JSON object, or ``r`` / ``lora_alpha`` missing or not a positive number, naming the file.
     """
-    try:
-        meta = loads(read_source_text(path, str(path), limit=JSON_LIMIT))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceError(f"'{path}': not verl's JSON LoRA metadata ({e})") from None
-    if not isinstance(meta, dict):
-        raise SourceError(f"'{path}': not a JSON object")
-    for key in ("r", "lora_alpha"):
-        value = meta.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise SourceError(f"'{path}': {key} = {value!r}; expected a positive number (verl writes the LoRA "
-                              "actor's rank and alpha here)")
+    meta = read_json_object(path, "verl's JSON LoRA metadata")
+    check_positive(meta, ("r", "lora_alpha"), path, "verl writes the LoRA actor's rank and alpha here")
     modules = sorted({key.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for key in embedded.lora})
     return {"peft_type": "LORA", "r": meta["r"], "lora_alpha": meta["lora_alpha"], "bias": "none",
             "task_type": str(meta.get("task_type", "CAUSAL_LM")), "target_modules": modules}
@@ -204,6 +195,13 @@ def embedded_adapter(embedded: Embedded, root: str | Path, config: str | Path | 
     if config is None and not path.is_file() and (source / VERL_META).is_file():
         path = source / VERL_META
         read = verl_meta_config(path, embedded)
+    elif not path.is_file() and embedded.targets is not None:
+        given = f"'{path}': no such file" if config is not None else f"no {CONFIG} beside it"
+        raise SourceError(
+            f"'{source}': holds a Megatron-Core LoRA adapter saved with the base ({len(embedded.lora)} tensors, "
+            f"e.g. '{next(iter(embedded.lora))}'), and {given}. The scaling (alpha / dim) is not in the checkpoint: "
+            "give --adapter-config FILE, a JSON object with Megatron-Bridge's LoRA dim and alpha (as its "
+            "run_config.yaml records them under peft), e.g. {\"dim\": 32, \"alpha\": 32}")
     elif not path.is_file():
         given = f"'{path}': no such file" if config is not None else f"no {CONFIG} beside it"
         raise SourceError(
@@ -211,8 +209,16 @@ def embedded_adapter(embedded: Embedded, root: str | Path, config: str | Path | 
             f"'{next(iter(embedded.lora.values())).fqn}'), and {given}. The scaling (lora_alpha / r) is only in the "
             f"adapter's config: give --adapter-config path/to/{CONFIG} (what save_pretrained or "
             f"LoraConfig.save_pretrained writes), or put it beside the checkpoint")
+    elif embedded.targets is not None:
+        read = megatron.bridge_config(path, embedded.targets)
     else:
         read = read_adapter_config(path)
+    if embedded.targets is not None:
+        tensors = {k: SourceTensor(str(source), t, fqn) for k, (t, fqn) in embedded.targets.items()}
+        deltas = lora_deltas(str(source), read, str(path), tensors, str(source))
+        # Megatron-Bridge's LoRAMerge computes in the adapter's own dtype (bf16 on a bf16 model): so does the fuse
+        deltas = {module: replace(delta, upcast=False) for module, delta in deltas.items()}
+        return Adapter(str(source), str(source), read, deltas, target_modules(read))
     planned = plan_merge(Layout(str(source), embedded.base.format, {k: replace(t, fqn=k) for k, t in
                                                                      embedded.lora.items()}))
     tensors = {t.name: SourceTensor(str(source), t, embedded.lora[t.name].fqn) for t in planned.targets}

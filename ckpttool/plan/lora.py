@@ -105,6 +105,9 @@ class LoraDelta:
             for a parameter stored ``(E, in, out)`` (transformers' ``is_transposed`` experts, gpt-oss's) or
             ``"e o i"`` for ``(E, out, in)``; rows ``start..stop`` are ``einsum("o r e, e r i -> " + stacked)`` of
             those experts' blocks of A and columns of B, as ``ParamWrapper.get_delta_weight`` computes the whole.
+        upcast: a bf16 / fp16 adapter is computed in float32 (PEFT's ``autocast_adapter_dtype``); False: in its own
+            dtype, the product rounded to it and scaled in it before the add, as Megatron-Bridge's ``LoRAMerge``
+            computes ``base + alpha / dim * (linear_out @ linear_in)`` on a bf16 model.
     """
 
     adapter: str
@@ -119,6 +122,7 @@ class LoraDelta:
     row_offset: int = 0
     parameters: tuple[str, ...] = ()
     stacked: str = ""
+    upcast: bool = True
 
     @property
     def rank(self) -> int:
@@ -139,12 +143,12 @@ class LoraDelta:
         else:
             a = self.a.read_rows(0, self.a.shape[0])
             b = self.b.read_rows(self.row_offset + start, self.row_offset + stop)
-        if self.b.dtype in CAST_UP:
+        if self.upcast and self.b.dtype in CAST_UP:
             a, b = a.float(), b.float()
         if scratch is None:
             product = b @ a
         else:
-            dtype = "F64" if b.dtype == torch.float64 else "F32"
+            dtype = dtype_name(b.dtype)
             product = torch.matmul(b, a, out=scratch("lora", (b.shape[0], a.shape[1]), dtype))
         return (product.T if self.fan_in_fan_out else product).mul_(self.scaling)
 
