@@ -130,8 +130,8 @@ def _chunks(metadata) -> dict[str, list]:
 
 def test_split_tp2_cuts_every_tensor_as_transformers_tp_plan_did(tmp_path):
     """The chunks of ``split --to dcp --tp 2`` are the producer's (transformers' Qwen3-Next plan on 2 ranks) for
-    every tensor but the routed experts, which transformers' plan cuts by their packed gate/up rows and ckpttool
-    keeps whole on every TP rank (``ep`` shards them), as for every MoE family."""
+    every tensor; since issue 30's fifth round the routed experts too, which transformers' plan cuts by their packed
+    gate/up rows and saves as contiguous halves (``ckpttool/families/expert_tp.py``); before, they were kept whole."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
@@ -141,7 +141,7 @@ def test_split_tp2_cuts_every_tensor_as_transformers_tp_plan_did(tmp_path):
     theirs = _chunks(HuggingFaceStorageReader(str(fixture / "checkpoint")).read_metadata())
     assert sorted(ours) == sorted(theirs)
     differ = sorted(name for name in theirs if ours[name] != theirs[name])
-    assert differ == [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 2, 3) for p in ("down_proj", "gate_up_proj")]
+    assert differ == []
     assert ours[QKVZ] == theirs[QKVZ] == [((0, 0), (48, 32)), ((48, 0), (48, 32))]
 
 

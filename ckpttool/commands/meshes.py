@@ -16,7 +16,8 @@ replicated chunk once (``dedup_save_plans``; :func:`ckpttool.writers.dcp.share_i
 Tensor-parallel placements are the family adapter's (:meth:`ckpttool.families.adapter.FamilyAdapter.tp_placement`,
 by default torch's and transformers' Llama/Mixtral plans: ``ColwiseParallel`` q/k/v/gate/up ``Shard(0)``,
 ``RowwiseParallel`` o/down ``Shard(1)``, embeddings and ``lm_head`` ``Shard(0)``, norms, routers and experts
-replicated; ``ep`` shards experts), given to :func:`shard_tensors` by the command. FSDP2 over TP shards dim 0 of each TP shard: ``_StridedShard(0, tp)`` on ``fsdp`` when
+replicated; stacked experts cut where transformers' own plan cuts them, :mod:`ckpttool.families.expert_tp`; ``ep``
+shards experts), given to :func:`shard_tensors` by the command. FSDP2 over TP shards dim 0 of each TP shard: ``_StridedShard(0, tp)`` on ``fsdp`` when
 TP shards dim 0, else ``Shard(0)``. The arithmetic is :mod:`ckpttool.layout.placements` (``torch.chunk`` splits, uneven
 sizes included), the same that reads such checkpoints.
 

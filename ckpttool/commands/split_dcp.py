@@ -17,7 +17,7 @@ import math
 
 from ckpttool.commands.meshes import REPLICATE, Mesh, Sharding, shard_tensors
 from ckpttool.errors import ConfigError, CoverageError
-from ckpttool.families import MemoryTensor, adapter_for, map_from_hf
+from ckpttool.families import MemoryTensor, adapter_for, expert_tp, map_from_hf
 from ckpttool.families.conventions import torchtitan_back
 from ckpttool.families.mtp import expected as mtp_expected
 from ckpttool.io.dtypes import itemsize
@@ -88,7 +88,9 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf",
     """
     memory = in_memory(prepared)
     notes = _left_out(prepared, memory) if names == "hf" else []
-    placement, whole, zeros = adapter_for(model_of(prepared)).tp_placement, frozenset(), frozenset()
+    # stacked experts cut where transformers' own plan cuts them (its distributed save's chunks), for every family
+    placement = expert_tp.with_plan_experts(adapter_for(model_of(prepared)).tp_placement, model_of(prepared).model_type)
+    whole, zeros = frozenset(), frozenset()
     experts_on: Placement | None = None  # torchtitan's FSDP placement of stacked experts, where not ckpttool's
     if names != "hf":
         written = torchtitan_back.to_torchtitan(memory, model_of(prepared), torchtitan_back.release_of(names),
@@ -132,10 +134,16 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf",
 
 
 def _on_expert_fsdp(sharding: Sharding, placement: Placement) -> Sharding:
-    """``sharding`` with ``placement`` on its (expert) FSDP dim, ``fsdp`` or ``efsdp``."""
-    placements = tuple(placement if name in ("fsdp", "efsdp") and n > 1 else p
-                       for (name, n), p in zip(sharding.dims, sharding.placements))
-    return Sharding(sharding.name, sharding.shape, sharding.dims, placements)
+    """``sharding`` with ``placement`` on its (expert) FSDP dim, ``fsdp`` or ``efsdp``: a ``_StridedShard`` of it
+    when a later mesh dim (tensor parallel) shards the same tensor dim, as FSDP2's ``fully_shard`` places a
+    parameter already cut by TP (its split factor: those dims' ranks)."""
+    placements = list(sharding.placements)
+    for i, ((name, n), p) in enumerate(zip(sharding.dims, sharding.placements)):
+        if name in ("fsdp", "efsdp") and n > 1:
+            later = math.prod(m for (_, m), q in zip(sharding.dims[i + 1:], sharding.placements[i + 1:])
+                              if q.kind in ("shard", "strided") and q.dim == placement.dim)
+            placements[i] = Placement("strided", placement.dim, later) if later > 1 else placement
+    return Sharding(sharding.name, sharding.shape, sharding.dims, tuple(placements))
 
 
 def _check_degrees(memory: list[MemoryTensor], mesh: Mesh) -> None:

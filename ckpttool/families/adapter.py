@@ -42,7 +42,8 @@ SHARD0, SHARD1, REPLICATE = Placement("shard", 0), Placement("shard", 1), Placem
 #: the tensor-parallel placements of transformers' in-memory names, as torch's and transformers' Llama/Mixtral plans
 #: place them (``split --to dcp``): ``ColwiseParallel`` q/k/v/gate/up ``Shard(0)`` (their biases too),
 #: ``RowwiseParallel`` o/down ``Shard(1)`` (their biases replicated), embeddings and ``lm_head`` ``Shard(0)`` (the
-#: vocab), norms, routers and experts replicated (``ep`` shards experts); a vision-language model's vision tower and
+#: vocab), norms, routers and experts replicated (``ep`` shards experts; where transformers' own plan cuts stacked experts,
+#: :mod:`ckpttool.families.expert_tp` places them before these rules); a vision-language model's vision tower and
 #: projector replicated (transformers' plans cut only the language model, Llama 4's aside), so a VLM no adapter serves
 #: (Qwen3-VL, dense and MoE) splits its language model as a Llama's
 HF_TP_RULES: PlacementRules = (

@@ -7,7 +7,9 @@ stacked as ``feed_forward.experts.gate_up_proj [E, H, 2I]`` and ``down_proj [E, 
 a router): a DCP or transformers-distributed source needs no rule.
 
 Tensor parallel (``split --to dcp --tp N``): the language model as Llama's plan places it (attention, the dense and
-shared-expert MLPs); the router and the stacked experts replicated (``ep`` shards experts); the vision model and the
+shared-expert MLPs); the router replicated, the stacked experts cut as transformers' plan cuts them
+(:mod:`ckpttool.families.expert_tp`: ``gate_up_proj`` ``Shard(2)``, ``down_proj`` ``Shard(1)``; ``ep`` shards them
+instead); the vision model and the
 projector whole on every rank (transformers' plan cuts some of them, but a whole tensor is what any cut gathers to).
 """
 

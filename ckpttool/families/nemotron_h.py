@@ -21,8 +21,9 @@ pattern, and a tensor of another kind of layer is refused.
 
 Tensor parallel (``split --to dcp --tp N``), as transformers' plan for Nemotron-H cuts it
 (``NemotronHConfig.base_model_tp_plan``): only the embeddings (``embedding_rowwise``: vocab rows) and the MoE experts
-are sharded; the mixers (Mamba-2, attention, MLP) and ``lm_head`` are whole on every rank. Experts stay replicated
-here (``ep`` shards them), as for every MoE family.
+are sharded; the mixers (Mamba-2, attention, MLP) and ``lm_head`` are whole on every rank. The stacked experts are
+cut as that plan cuts them (``up_proj`` colwise, ``down_proj`` rowwise) by :mod:`ckpttool.families.expert_tp`, for
+every MoE family; ``ep`` shards them instead.
 """
 
 from __future__ import annotations

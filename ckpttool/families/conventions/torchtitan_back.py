@@ -198,12 +198,15 @@ def check_mesh(written: TorchtitanNames, release: str, *, fsdp: int, tp: int, ep
                dp: int = 1) -> Placement | None:
     """How torchtitan ``release`` places the stacked experts of ``written`` on its expert FSDP dim, where it differs
     from ckpttool's default (experts ``Shard(0)`` over FSDP, over ``(efsdp, ep)`` with EP): ``Shard(1)`` when its
-    expert FSDP size (``fsdp``, or ``efsdp x ep`` = ``fsdp x tp`` with EP) exceeds the number of experts, as
-    0.3's ``apply_fsdp_to_decoder`` does (each expert cut along dim 1 instead of padding dim 0); None otherwise.
+    expert FSDP size exceeds the number of experts, as 0.3's ``apply_fsdp_to_decoder`` does (each expert cut along
+    dim 1 instead of padding dim 0); None otherwise. That size is ``efsdp x ep`` (= ``fsdp x tp``) with EP, else
+    the whole FSDP mesh's, ``dp x fsdp`` (HSDP's replicas count: torchtitan takes ``mesh.size()`` of its
+    ``(dp_replicate, fsdp)`` mesh), without TP. The caller makes it ``_StridedShard(1, tp)`` where tensor parallel
+    cuts the same dim (torchtitan's ``w1``/``w3`` beside TP without EP), as FSDP2 does.
 
     Raises:
-        ConfigError: a mesh ckpttool does not write so (experts cut along dim 1 over HSDP or beside TP without EP;
-            0.2's experts over TP within EP), naming the tensor, the mesh and what to choose instead.
+        ConfigError: a mesh ckpttool does not write so (experts cut along dim 1 in 0.2's names; 0.2's experts over
+            TP within EP), naming the tensor, the mesh and what to choose instead.
     """
     stacked = next((t for t in written.tensors if t.stacked), None)
     if stacked is None:
@@ -215,12 +218,13 @@ def check_mesh(written: TorchtitanNames, release: str, *, fsdp: int, tp: int, ep
                           "ckpttool does not write; write 0.3's names, or choose tp=1 or ep=1; nothing was written")
     if size <= experts:
         return None
-    # proven on torchtitan 0.3's own saves: FSDP alone (fsdp 4, 2 experts) and FSDP with EP (fsdp 4, ep 2)
-    if release != RELEASES[0] or dp > 1 or (tp > 1 and ep == 1):
+    # proven on torchtitan 0.3's own saves: FSDP alone (fsdp 4, 2 experts), with EP (fsdp 4, ep 2), over HSDP
+    # (dp 2 x fsdp 2, 2 experts) and beside TP without EP (fsdp 2 x tp 2, 1 expert); 0.2 was never run so
+    if release != RELEASES[0]:
         raise ConfigError(
             f"'{stacked.name}': torchtitan {release} shards its {experts} experts along dim 1 when its expert FSDP "
-            f"size ({what} = {size}) exceeds them, a layout ckpttool writes only for torchtitan {RELEASES[0]} without "
-            f"HSDP, and with tp=1 unless ep>1; choose {what} at most {experts}; nothing was written")
+            f"size ({what} = {size}) exceeds them, a layout ckpttool writes only in torchtitan {RELEASES[0]}'s names "
+            f"(names='torchtitan'); choose {what} at most {experts}; nothing was written")
     return _SHARD1
 
 
