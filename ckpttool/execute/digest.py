@@ -12,12 +12,12 @@ says are unchanged. A journal of another scheme is not trusted (see :class:`ckpt
 from __future__ import annotations
 
 import hashlib
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from ckpttool.execute.buffers import Chunk
+from ckpttool.fast.crc import crc32
 from ckpttool.execute.copies import Span, copied
 from ckpttool.execute.reads import Reader
 
@@ -40,7 +40,7 @@ def running(prefix: bytes) -> hashlib._Hash:
 
 def crc_token(data: bytes | memoryview) -> bytes:
     """The token of a chunk built in a buffer: its CRC-32."""
-    return zlib.crc32(data).to_bytes(4, "big")
+    return crc32(data).to_bytes(4, "big")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,7 @@ def recheck(f: BinaryIO, check: int | FromSource, buffers: tuple[bytearray, byte
             got = f.readinto(mine[:min(left, len(mine))])
             if not got:  # a short file: its digest differs
                 break
-            crc, left = zlib.crc32(mine[:got], crc), left - got
+            crc, left = crc32(mine[:got], crc), left - got
         return crc.to_bytes(4, "big")
     at = f.tell()
     same = True

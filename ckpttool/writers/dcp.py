@@ -19,7 +19,6 @@ import os
 import pickle
 import threading
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from ckpttool.execute.executor import write_file as stream_file
 from ckpttool.layout.layout import Box, Shape
 from ckpttool.plan.plan import Target
 from ckpttool.errors import OutputError
+from ckpttool.fast.crc import crc32
 from ckpttool.writers.torch_archive import TensorArchive, crc32_combine
 from ckpttool.writers.trust import create_file
 
@@ -169,7 +169,7 @@ def _write_file(path: Path, out: DcpFile, reader: Reader, workers: int, on_bytes
     lock = threading.Lock()
 
     def take_crc(chunk: Chunk, view: memoryview) -> None:
-        crc = zlib.crc32(view)
+        crc = crc32(view)
         with lock:
             crcs[id(chunk)] = crc
 
