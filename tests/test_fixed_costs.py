@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ckpttool
+import ckpttool.execute.assembly as assembly
 import ckpttool.execute.executor as executor
 from ckpttool.execute.executor import Reader, buffer_sizes, chunks, file_digest, piece_uses, write_file
 from ckpttool.plan.plan import Plan
@@ -259,11 +260,11 @@ def test_a_refused_write_back_hint_changes_nothing(tmp_path, monkeypatch):
 
 def test_a_row_run_copy_keeps_values_and_converts_between_dtypes():
     out = torch.zeros(3, 4, dtype=torch.bfloat16)
-    executor._place(out[:, 1:3], torch.arange(6, dtype=torch.bfloat16).reshape(3, 2))
+    assembly._place(out[:, 1:3], torch.arange(6, dtype=torch.bfloat16).reshape(3, 2))
     assert out.tolist() == [[0, 0, 1, 0], [0, 2, 3, 0], [0, 4, 5, 0]]
     half = torch.zeros(2, dtype=torch.float16)  # same size as bfloat16: a byte copy would be wrong
-    executor._place(half, torch.tensor([1.5, -2.0], dtype=torch.bfloat16))
+    assembly._place(half, torch.tensor([1.5, -2.0], dtype=torch.bfloat16))
     assert half.tolist() == [1.5, -2.0]
     scalar = torch.zeros((), dtype=torch.float32)  # no byte view of a zero-dim tensor: torch copies it
-    executor._place(scalar, torch.tensor(3.25))
+    assembly._place(scalar, torch.tensor(3.25))
     assert scalar.item() == 3.25

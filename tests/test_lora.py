@@ -279,7 +279,7 @@ def test_an_untrained_adapter_stops_the_publish(cli, tmp_path):
 
 
 def test_a_fuse_that_wrote_the_base_is_caught(cli, tmp_path, monkeypatch):
-    import ckpttool.execute.executor as executor
+    import ckpttool.execute.assembly as executor  # the chunk builder, which fuses
 
     monkeypatch.setattr(executor, "fuse_rows", lambda weight, *rest: weight)  # the delta left out
     out = tmp_path / "out"

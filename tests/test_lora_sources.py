@@ -173,7 +173,7 @@ def test_adapter_only_keeps_a_destination_holding_other_files(cli, tmp_path):
 
 
 def test_a_fuse_that_left_the_delta_out_fails_the_audit(cli, tmp_path, monkeypatch):
-    from ckpttool.execute import executor
+    from ckpttool.execute import assembly as executor  # the chunk builder, which fuses
 
     monkeypatch.setattr(executor, "fuse_rows", lambda weight, *rest: weight)  # the delta left out
     out = tmp_path / "out"

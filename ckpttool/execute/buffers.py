@@ -1,5 +1,6 @@
-"""Chunks and the per-thread buffers they need: the chunk geometry the executor reads by, and the memory
-prediction (:func:`buffer_sizes`, :func:`predict_peak_bytes`) made from it without reading any tensor.
+"""Chunks and the per-thread buffers they need: the chunk geometry the executor reads by (:func:`chunks`: a target
+of shape ``(R, ...)`` cut into chunks of whole rows of at most :data:`CHUNK_BYTES`; :func:`piece_uses`), and the
+memory prediction (:func:`buffer_sizes`, :func:`predict_peak_bytes`) made from it without reading any tensor.
 
 Most targets of a large checkpoint are alike (an expert's weights: the same shape, dtypes and copy structure in
 another file), so :func:`buffer_sizes` computes each distinct chunk signature once.
@@ -8,16 +9,20 @@ another file), so :func:`buffer_sizes` computes each distinct chunk signature on
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ckpttool.io.dtypes import itemsize
 from ckpttool.quant.codecs import codec
-from ckpttool.layout.layout import RAW, Box, c_strides
+from ckpttool.layout.layout import RAW, Box, Piece, c_strides
+from ckpttool.plan.lora import ROW_ALIGN
 from ckpttool.plan.plan import Copy, Target
 from ckpttool.execute.reference import CACHE_BYTES
 from ckpttool.layout.regions import map_region
 
+#: the most output bytes one chunk holds (a chunk is at least one row)
+CHUNK_BYTES = 32 * 2**20
 #: what the plan's bookkeeping and the interpreter take besides the buffers (chunk lists, file handles)
 OVERHEAD_BYTES = 8 * 2**20
 
@@ -31,6 +36,55 @@ class Chunk:
     stop: int
     offset: int
     nbytes: int
+
+
+def chunks(target: Target, offset: int, chunk_bytes: int = CHUNK_BYTES, rows: int | None = None) -> list[Chunk]:
+    """The chunks of ``target`` (written at ``offset``), in file order: ``rows`` rows each, or as many as
+    ``chunk_bytes`` holds."""
+    shape = target.shape or (1,)
+    row = math.prod(shape[1:]) * itemsize(target.dtype)
+    if rows is None and target.dequant is None and not target.lora and 0 < shape[0] * row <= chunk_bytes:  # most tensors: one chunk
+        return [Chunk(target, 0, shape[0], offset, shape[0] * row)]
+    per = rows or (max(1, chunk_bytes // _compute_row_bytes(target, row)) if row else max(1, shape[0]))
+    if target.dequant is not None:  # a computed target: chunks of whole rows of blocks where it needs them
+        per = codec(target.dequant.method, target.dequant.params).align(per)
+    if target.transform is not None and target.dequant is not None:  # quantized after it (rows of its encoder's)
+        per = target.shape[0] if target.transform.moves_rows() else -(-per // (g := _granule(target))) * g
+    elif target.transform is not None:  # whole blocks of a row permutation; everything when dim 0 is transposed
+        per = max(1, target.transform.align(target.shape, per))  # (0 for a target of no rows: a step of 1)
+    if target.lora and not all(d.stacked for d in target.lora):  # whole blocks of ROW_ALIGN rows: the matrix
+        per = -(-per // ROW_ALIGN) * ROW_ALIGN  # kernel's row blocks, as in PEFT's whole product (experts stacked on
+        # disk are rows of their own: each expert's product is one batch of PEFT's einsum)
+    return [
+        Chunk(target, a, min(a + per, shape[0]), offset + a * row, (min(a + per, shape[0]) - a) * row)
+        for a in range(0, shape[0], per)
+    ]
+
+
+def _granule(target: Target) -> int:
+    """The fewest rows of a target quantized after its transform that a chunk may hold: whole rows of its encoder
+    (FP8 block rows) whose stored rows are whole blocks of the transform (a permutation's period)."""
+    assert target.dequant is not None and target.transform is not None
+    compute = codec(target.dequant.method, target.dequant.params)
+    period, step = max(1, target.transform.align(target.dequant.stored, 1)), max(1, compute.align(1))
+    rows = step
+    while rows < target.shape[0]:
+        first, last = compute.stored_rows(0, rows)
+        if (last - first) % period == 0:
+            break
+        rows += step
+    return rows
+
+
+def _compute_row_bytes(target: Target, row: int) -> int:
+    """Bytes one row of ``target`` takes at its largest: an encoder's float32 copy of its source rows, or a fused
+    target's float32 product, delta and sum (:mod:`ckpttool.plan.lora`)."""
+    if target.lora:
+        return max(row, 8 * math.prod(target.shape[1:]))
+    if target.dequant is None or not target.dequant.stored:
+        return row
+    a, b = codec(target.dequant.method, target.dequant.params).stored_rows(0, 1)
+    return max(row, (b - a) * math.prod(target.dequant.stored[1:]) * 4)
 
 
 def chunk_rows(chunk: Chunk) -> Box:
@@ -170,6 +224,32 @@ def chunk_targets(chunk_list: Sequence[Chunk]) -> list[Target]:
         if not found or found[-1] is not chunk.target:
             found.append(chunk.target)
     return found
+
+
+def piece_uses(chunk_list: Sequence[Chunk]) -> Counter[Piece]:
+    """How many chunks read each piece of ``torch.save`` bytes (kept loaded until its last one); pieces of raw
+    bytes, read in place, are not counted."""
+    uses: Counter[Piece] = Counter()
+    if all(c.piece.encoding == RAW for t in chunk_targets(chunk_list) for c in _every_copy(t)):
+        return uses  # the common case, told in one pass over the targets: every piece is raw bytes
+    archived: dict[int, bool] = {}  # by the target's id: hashing a target hashes all its copies
+    for chunk in chunk_list:
+        target = chunk.target
+        found = archived.get(id(target))
+        if found is None:
+            every = _every_copy(target)
+            found = archived[id(target)] = any(c.piece.encoding != RAW for c in every)
+        if found:
+            for copies, rows in chunk_inputs(chunk):
+                uses.update(c.piece for c in copies if c.piece.encoding != RAW and c.dst.intersect(rows) is not None)
+    return uses
+
+
+def _every_copy(target: Target) -> tuple[Copy, ...]:
+    if target.scale is None and not target.aux:
+        return target.copies
+    return (*target.copies, *(target.scale.copies if target.scale is not None else ()),
+            *(c for aux in target.aux for c in aux.copies))
 
 
 def _read_copies(target: Target) -> tuple[tuple[Copy, ...], ...]:
