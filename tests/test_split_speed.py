@@ -123,3 +123,20 @@ def test_a_dcp_is_the_same_bytes_with_either_crc(source, tmp_path, monkeypatch):
     write_dcp(root, tmp_path / "zlib")
     assert files(tmp_path / "fast") == files(tmp_path / "zlib")
     assert_reads_back(tmp_path / "fast", tensors, tmp_path)
+
+
+def test_the_metadata_classes_are_imported_while_the_files_are_written(monkeypatch):
+    """A failed import on the writer's thread is left for ``write_metadata`` (which imports them again) to raise."""
+    import sys
+    import threading
+
+    started = threading.Event()
+
+    def fail(name):
+        started.set()
+        raise ImportError(f"no {name} here")
+
+    monkeypatch.delitem(sys.modules, "torch.distributed.checkpoint.filesystem", raising=False)
+    monkeypatch.setattr(dcp.importlib, "import_module", fail)
+    dcp._import_metadata_classes()  # returns at once, raises nothing
+    assert started.wait(10)

@@ -38,9 +38,9 @@ def running(prefix: bytes) -> hashlib._Hash:
     return hashlib.sha256(DIGEST_SCHEME + hashlib.sha256(prefix).digest())
 
 
-def crc_token(data: bytes | memoryview) -> bytes:
-    """The token of a chunk built in a buffer: its CRC-32."""
-    return crc32(data).to_bytes(4, "big")
+def crc_token(crc: int) -> bytes:
+    """The token of a chunk built in a buffer, from its CRC-32 (taken once, as it is written)."""
+    return crc.to_bytes(4, "big")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,7 @@ def recheck(f: BinaryIO, check: int | FromSource, buffers: tuple[bytearray, byte
             if not got:  # a short file: its digest differs
                 break
             crc, left = crc32(mine[:got], crc), left - got
-        return crc.to_bytes(4, "big")
+        return crc_token(crc)
     at = f.tell()
     same = True
     for piece, start, rel, nbytes in check.spans:
