@@ -60,12 +60,13 @@ def backend() -> str:
 
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """``zlib.crc32(data, value)``, computed by libdeflate for a large contiguous buffer when it is loaded."""
+    """``zlib.crc32(data, value)``, computed by libdeflate for a large, writable, contiguous buffer (the executor's
+    and the digest's own buffers) when it is loaded; by zlib otherwise (a read-only ``bytes``: ctypes takes the
+    address of writable buffers only, and numpy, which could take it, is not imported for a CRC)."""
     view = memoryview(data)
-    function = _function() if view.nbytes >= SMALL and view.c_contiguous else None
+    large = view.nbytes >= SMALL and view.c_contiguous and not view.readonly
+    function = _function() if large else None
     if function is None:
         return zlib.crc32(data, value)
-    import numpy  # the address of any buffer, read-only ones too (bytes, a mapped file), without a copy
-
-    array = numpy.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=numpy.uint8)
-    return function(value, array.ctypes.data, array.nbytes)
+    flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    return function(value, ctypes.addressof(ctypes.c_char.from_buffer(flat)), flat.nbytes)
