@@ -92,24 +92,24 @@ def gather_only(gather) -> tuple[float, int]:
     import torch
     import torch.distributed as dist
 
-    from ckpttool.live.gather import _Arena, _bucket_bytes
+    from ckpttool.live.gather import Arena, bucket_nbytes
 
-    moved = sum(_bucket_bytes(buckets[gather.rank]) for buckets in gather.rounds if gather.rank in buckets)
-    arenas = [_Arena(gather.arena_bytes, gather.device) for _ in range(2)]
+    moved = sum(bucket_nbytes(buckets[gather.rank]) for buckets in gather.rounds if gather.rank in buckets)
+    arenas = [Arena(gather.arena_bytes, gather.device) for _ in range(2)]
     torch.cuda.synchronize()
     dist.barrier()
     start = time.perf_counter()
     taken = 0
     for number, buckets in enumerate(gather.rounds):
         if gather.rank not in buckets:
-            gather._exchange(number, buckets, None)
+            gather.exchange(number, buckets, None)
             continue
         arena = arenas[taken % 2]
         if arena.event is not None:
             arena.event.synchronize()  # the bucket before last is on the host: its arena is free
         arena.reset()
         taken += 1
-        gather._exchange(number, buckets, arena)
+        gather.exchange(number, buckets, arena)
     for arena in arenas:
         if arena.event is not None:
             arena.event.synchronize()

@@ -136,7 +136,7 @@ def generate(root: Path, cfg: dict, files: int = FILES) -> dict:
             "disk_bytes": sum(p.stat().st_blocks * 512 for p in paths)}
 
 
-def _claim(workdir: Path) -> Path:
+def claim_workdir(workdir: Path) -> Path:
     """``workdir`` resolved, made if absent; refused (SystemExit) if it holds anything but this script's output."""
     workdir = workdir.resolve()
     if workdir == Path(workdir.anchor) or workdir == Path.home().resolve():
@@ -148,7 +148,7 @@ def _claim(workdir: Path) -> Path:
     return workdir
 
 
-def _inside(path: Path, workdir: Path) -> Path:
+def inside_workdir(path: Path, workdir: Path) -> Path:
     """``path``, checked to lie inside ``workdir`` (every path this script writes or deletes goes through this)."""
     if not path.resolve().is_relative_to(workdir):
         raise SystemExit(f"refusing to write {path}: outside --workdir {workdir}")
@@ -173,7 +173,7 @@ def peaks(doc: object) -> dict[str, int]:
 
 def measure(name: str, argv: list[str], workdir: Path) -> dict:
     """Run ``argv`` once in a fresh process, its stdout and stderr kept in ``workdir``; timings, exit, peaks."""
-    out, err = _inside(workdir / f"{name}.out", workdir), _inside(workdir / f"{name}.err", workdir)
+    out, err = inside_workdir(workdir / f"{name}.out", workdir), inside_workdir(workdir / f"{name}.err", workdir)
     result = timed(["sh", "-c", 'o=$0 e=$1; shift; exec "$@" >"$o" 2>"$e"', str(out), str(err), *argv])
     try:
         result["peaks"] = peaks(json.loads(out.read_text()))
@@ -195,11 +195,11 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="reuse the release in --workdir if it is there")
     parser.add_argument("--bf16", action="store_true", help="the release dequantized to BF16 (what split takes)")
     args = parser.parse_args()
-    workdir = _claim(args.workdir)
-    src, cache = _inside(workdir / "src", workdir), _inside(workdir / "cache", workdir)
+    workdir = claim_workdir(args.workdir)
+    src, cache = inside_workdir(workdir / "src", workdir), inside_workdir(workdir / "cache", workdir)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # as many_tensors_bench: modules from their bytecode
     # the generator describes the config too: in a cache of its own, so that the timed first runs find none
-    os.environ["CKPTTOOL_CACHE"] = str(_inside(workdir / "generator-cache", workdir))
+    os.environ["CKPTTOOL_CACHE"] = str(inside_workdir(workdir / "generator-cache", workdir))
     if not (args.keep and (src / "model.safetensors.index.json").exists()):
         shutil.rmtree(src, ignore_errors=True)
         start = time.perf_counter()

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from many_tensors_bench import release  # noqa: E402  (this folder is no package)
-from truescale import ITEMSIZE, _claim, _inside, config, generate, measure  # noqa: E402
+from truescale import ITEMSIZE, claim_workdir, inside_workdir, config, generate, measure  # noqa: E402
 
 from ckpttool.writers.torch_archive import TensorArchive, crc32_combine  # noqa: E402
 
@@ -203,14 +203,14 @@ def main() -> None:
                         help="the torch_dist checkpoint's mesh (default 2 1 8: ~90k items at 61 layers)")
     parser.add_argument("--only-second", action="store_true", help="skip the first (empty cache) runs")
     args = parser.parse_args()
-    workdir = _claim(args.workdir)
-    cache = _inside(workdir / "cache", workdir)
+    workdir = claim_workdir(args.workdir)
+    cache = inside_workdir(workdir / "cache", workdir)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    os.environ["CKPTTOOL_CACHE"] = str(_inside(workdir / "generator-cache", workdir))
-    sources = {"sidecar": (_inside(workdir / "sidecar", workdir), generate_sidecar),
-               "dcp": (_inside(workdir / "dcp", workdir), generate_dcp)}
-    hf = _inside(workdir / "hf-bf16", workdir)  # torch_dist is made from the sparse BF16 release
-    sources["torch_dist"] = (_inside(workdir / "torch_dist", workdir),
+    os.environ["CKPTTOOL_CACHE"] = str(inside_workdir(workdir / "generator-cache", workdir))
+    sources = {"sidecar": (inside_workdir(workdir / "sidecar", workdir), generate_sidecar),
+               "dcp": (inside_workdir(workdir / "dcp", workdir), generate_dcp)}
+    hf = inside_workdir(workdir / "hf-bf16", workdir)  # torch_dist is made from the sparse BF16 release
+    sources["torch_dist"] = (inside_workdir(workdir / "torch_dist", workdir),
                              lambda root, cfg: generate_torch_dist(root, hf, *args.mesh))
     for name, (src, make) in sources.items():
         if not (args.keep and src.exists()):

@@ -33,7 +33,7 @@ def spy() -> None:
     """Record which device the gather moved data on and how many pinned host arenas it allocated."""
     from ckpttool.live import gather
 
-    real_device, real_init = gather._data_device, gather._Arena.__init__
+    real_device, real_init = gather._data_device, gather.Arena.__init__
 
     def data_device(views):
         device = real_device(views)
@@ -47,7 +47,7 @@ def spy() -> None:
             seen["pinned"] += 1
 
     gather._data_device = data_device
-    gather._Arena.__init__ = arena_init
+    gather.Arena.__init__ = arena_init
 
 
 def save(model, out: Path, name: str) -> None:

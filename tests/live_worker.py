@@ -216,14 +216,14 @@ def scenario_die(out: Path, world: int) -> None:
 
     model = load(LLAMA)
     if dist.get_rank() == world - 1:
-        real = live.Gather._exchange
+        real = live.Gather.exchange
 
         def die(self, number, *args):
             if number == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(self, number, *args)
 
-        live.Gather._exchange = die
+        live.Gather.exchange = die
     try:
         save_hf(model, out / "die", config=model.config, max_shard_size="60KB", bucket_bytes=64 * 1024, timeout=20)
     except LiveGatherError as e:

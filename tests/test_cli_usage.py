@@ -16,7 +16,7 @@ from test_deepspeed import STEP, _model_states, _write
 
 import ckpttool
 from ckpttool.io.dtypes import cast_dtype
-from ckpttool.commands.merge import config_dtype
+from ckpttool.commands.finish import config_dtype
 from ckpttool.writers.hf import parse_size
 
 LLAMA = fixture_dir("llama_tp2_dcp") / "checkpoint"

@@ -1,27 +1,31 @@
-"""``merge``: source checkpoint -> layout -> coverage-checked plan -> HuggingFace safetensors, atomically."""
+"""``merge``: source checkpoint -> layout -> coverage-checked plan -> HuggingFace safetensors, atomically.
+
+:func:`merge` runs its steps in order: the quantize options checked (:func:`_quantize_options`, from the config
+alone), the plan prepared (:func:`prepare_and_adapter`) and its adapters attached (:func:`_attach_adapters`), the
+files assigned and the destination checked, then, unless a dry run, the weights written in a staging directory and
+the output finished there and published (:func:`_write`, :mod:`ckpttool.commands.finish`).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
-from ckpttool.model.architecture import ModelInfo
 from ckpttool.model.config_file import find_config, read_config
 from ckpttool.execute.distributed import Group, share_out
-from ckpttool.io.dtypes import cast_dtype, dtype_name, prevailing_float
+from ckpttool.io.dtypes import cast_dtype
 from ckpttool.plan.plan import Plan
-from ckpttool.errors import ArgumentError, AuditError, ConfigError, ForwardError, Interrupted, SourceError
-from ckpttool.families.quantize import output_config as quantized_config
+from ckpttool.errors import ArgumentError, Interrupted, SourceError
 from ckpttool.families.quantize import MXFP4_DTYPE, quantize_block, refuse_requantizing
 from ckpttool.families.quantize_packed import PackScheme
-from ckpttool.families.quantize_release import check_method
+from ckpttool.families.quantize_release import Release, check_method
+from ckpttool.commands.finish import finish_output
+from ckpttool.commands.merge_result import MergeResult
 from ckpttool.commands.release import read_release
 from ckpttool.quant.formats import MXFP4, read_quantization
-from ckpttool.families.quantized import output_config, scale_names
-from ckpttool.findings import Finding, Report, sort_findings
-from ckpttool.fast.jsontext import dumps as json_text
+from ckpttool.findings import Report
 from ckpttool.commands.source import plan_source_and_adapter
 from ckpttool.families.source import Planned
 from ckpttool.quant.encode import RoundTrip
@@ -29,101 +33,13 @@ from ckpttool.lora.adapter import read_adapter
 from ckpttool.lora.attach import attach_to_family
 from ckpttool.lora.embedded import Embedded, source_adapter
 from ckpttool.families.registry import adapter_for
-from ckpttool.writers.destination import AUDIT_FILE, check_destination
+from ckpttool.writers.destination import check_destination
 from ckpttool.writers.staging import Staging
-from ckpttool.writers.hf import (
-    OutputFile,
-    assign_files,
-    clean_staging,
-    find_extras,
-    plan_id,
-    predict_peak_bytes,
-    write_extras,
-    write_index,
-    write_text,
-    write_weights,
-)
+from ckpttool.writers.hf import OutputFile, assign_files, clean_staging, find_extras, plan_id, write_weights
+
+__all__ = ["MergeResult", "extras_search", "merge", "prepare", "prepare_and_adapter"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class MergeResult:
-    """What :func:`merge` did (or, with ``dry_run``, would do)."""
-
-    source: str
-    #: the destination; None for a dry run given none
-    output: str | None
-    format: str
-    plan: Plan
-    files: tuple[OutputFile, ...]
-    extras: tuple[str, ...]
-    config: str | None
-    dry_run: bool
-    audit: Report | None = None
-    kept_files: int = 0
-    workers: int = 1
-    parallel: dict[str, int] = field(default_factory=dict)
-    #: an earlier output that a killed run had moved aside, put back before this merge (see ckpttool.writers.staging)
-    restored: str | None = None
-    #: no architecture was mapped (no config, or one transformers has no causal LM for): names kept as recorded
-    generic: bool = False
-    #: the family adapter that named the tensors, in words (see ckpttool.families)
-    adapter: str = ""
-    #: a generic merge of a source named in a convention of its own: that convention (``"Megatron-Core"``), whose
-    #: names were written as they are (transformers loads none of them); None otherwise (see merge's raw_names)
-    raw_names: str | None = None
-    #: quantize="fp8", "mxfp4" or "int4": per quantized weight this process wrote, its round trip against the source
-    round_trips: dict[str, RoundTrip] = field(default_factory=dict)
-    #: the source held a LoRA adapter saved with the base, fused by default: what was fused, in words; else None
-    embedded: str | None = None
-
-    def worst_round_trip(self) -> tuple[str, RoundTrip] | None:
-        """The quantized weight whose dequantized values are furthest from the source (relative RMS error)."""
-        return max(self.round_trips.items(), key=lambda item: item[1].relative_error, default=None)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "status": "ok",
-            "dry_run": self.dry_run,
-            "source": self.source,
-            "output": self.output,
-            "format": self.format,
-            "parallel": self.parallel,
-            "config": self.config,
-            "generic": self.generic,
-            "adapter": self.adapter,
-            "raw_names": self.raw_names,
-            "coverage": "every target tensor is covered exactly once",
-            "tensors": len(self.plan.targets),
-            "total_bytes": self.plan.nbytes,
-            "largest_tensor_bytes": self.plan.largest_target_bytes(),
-            "workers": self.workers,
-            "predicted_peak_bytes": predict_peak_bytes(self.plan, self.workers),
-            "files": [{"name": f.name, "bytes": f.nbytes, "tensors": len(f.targets)} for f in self.files],
-            "extras": list(self.extras),
-            "notes": list(self.plan.notes),
-            "targets": [
-                {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "pieces": len(t.copies), "sources": list(t.sources),
-                 **({"transform": t.transform.name} if t.transform is not None else {}),
-                 **({"lora": [{"adapter": d.adapter, "rank": d.rank, "scaling": d.scaling} for d in t.lora]}
-                    if t.lora else {})}
-                for t in self.plan.targets
-            ],
-            "audit": self.audit.to_json() if self.audit is not None else None,
-            "quantization": self._quantization_json(),
-            "kept_files": self.kept_files,
-            "restored": self.restored,
-            "embedded_adapter": self.embedded,
-        }
-
-
-    def _quantization_json(self) -> dict[str, object] | None:
-        worst = self.worst_round_trip()
-        if worst is None:
-            return None
-        return {"tensors": len(self.round_trips), "worst": {"name": worst[0], **worst[1].to_json()},
-                "round_trips": {name: r.to_json() for name, r in sorted(self.round_trips.items())}}
 
 
 def prepare(
@@ -277,38 +193,16 @@ def merge(
     if out is None and not dry_run:
         raise ArgumentError("out=None: give the destination directory (only a dry run, dry_run=True, needs none)")
     root, dest = Path(src), (Path(out) if out is not None else None)
-    quantizing = quantize_block(quantize, block, group)
-    release = None
-    if scales_from is not None:
-        if not isinstance(quantizing, PackScheme):
-            raise ArgumentError(f"scales_from='{scales_from}' re-packs to a release's own grid: give quantize='int4', "
-                                "'int4-asym' or 'nvfp4' (the release's format) too")
-        release = read_release(scales_from)
-        check_method(str(quantize), group, release)
-        quantizing = replace(quantizing, release=release)
-    if quantizing == MXFP4:  # the release's layout: everything but the experts in bfloat16, unless told otherwise
-        dtype = dtype or MXFP4_DTYPE
-    elif quantizing is not None and dtype is not None:
-        what = {"fp8": "FP8", "nvfp4": "NVFP4"}.get(str(quantize), "packed INT4")
-        raise ArgumentError(f"quantize={quantize!r} and dtype={dtype!r} together: quantize writes {what} weights and "
-                            "keeps every other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
-    if quantizing is not None:  # the config alone decides it: refused before the checkpoint is read
-        _refuse_requantizing(root, config, quantizing)
+    quantizing, release, dtype = _quantize_options(root, config, dtype, quantize, block, group, scales_from)
     round_trips: dict[str, RoundTrip] = {}
-    group = Group()
+    processes = Group()
     try:
         prepared, embedded = prepare_and_adapter(root, format=format, config=config, dtype=dtype, weights=weights,
                                                  quantize=quantizing, drop=drop)
         if not raw_names:
             prepared.refuse_raw_names()
-        plan = prepared.plan
-        own = source_adapter(root, embedded, adapter_config)
-        read = [*own, *map(read_adapter, adapters)]
-        if read and quantizing is not None:
-            raise ArgumentError(f"quantize={quantize!r} with adapters: fuse first (a merge given adapters=), then quantize")
-        plan = attach_to_family(plan, read, adapter_for(prepared.model) if prepared.model is not None else None)
-        # attach_adapters appends one note per adapter, in order: the source's own comes first
-        own_note = plan.notes[len(plan.notes) - len(read)] if own else None
+        plan, own_note = _attach_adapters(root, prepared, embedded, adapters, adapter_config,
+                                          quantize if quantizing is not None else None)
         if not plan.targets:
             raise SourceError(f"'{root}': the checkpoint holds no model tensors ({'; '.join(plan.notes)})")
         files = tuple(assign_files(plan, max_shard_size))
@@ -317,35 +211,13 @@ def merge(
         extras: list[str] = []
         report, kept, restored = None, 0, None
         if dest is not None and not dry_run:
-            total = plan.nbytes  # once: a sum over every target, and on_bytes is called per chunk (90k and more)
-            on_bytes = (lambda n: progress(n, total)) if progress else (lambda n: None)
-            owner = share_out([f.nbytes for f in files], group.world)
-            mine = [f for f, rank in zip(files, owner) if rank == group.rank]
-            identity = plan_id(plan, files)
-            staging = Staging(dest, sources=[root, *map(Path, adapters)], force=force, resume=resume)
-            entered, restored = group.on_rank0(lambda: _enter(staging, identity))
-            path = Path(entered)
-            try:
-                kept = sum(group.on_all(lambda: write_weights(
-                    plan, mine, path, identity, on_bytes, verify=verify, workers=workers, rank=group.rank,
-                    round_trips=round_trips,
-                )))
-
-                extras, report = group.on_rank0(lambda: finish_output(
-                    staging, plan, files, config=prepared.config, model=prepared.model,
-                    config_label=str(prepared.config_path) if prepared.config_path else None,
-                    search=extras_search(root, prepared.config_path), dtype=dtype, audit=audit,
-                    verify_forward=verify_forward,
-                ))
-            except BaseException as e:
-                if group.rank == 0:
-                    staging.abandon(e)
-                    if isinstance(e, KeyboardInterrupt) and staging.kept is not None:
-                        raise Interrupted(str(staging.kept)) from None
-                raise
-            log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
+            extras, report, kept, restored = _write(
+                root, dest, prepared, plan, files, processes, adapters=adapters, force=force, resume=resume,
+                progress=progress, verify=verify, workers=workers, round_trips=round_trips, dtype=dtype, audit=audit,
+                verify_forward=verify_forward,
+            )
     finally:
-        group.close()
+        processes.close()
     return MergeResult(
         source=str(root),
         output=str(dest) if dest is not None else None,
@@ -368,6 +240,90 @@ def merge(
     )
 
 
+def _quantize_options(
+    root: Path, config: str | Path | None, dtype: str | None, quantize: str | None, block: int | tuple[int, int] | None,
+    group: int | None, scales_from: str | Path | None,
+) -> tuple[tuple[int, int] | str | PackScheme | None, Release | None, str | None]:
+    """What ``quantize`` (with ``block``, ``group``, ``scales_from``) asks, checked before the checkpoint is read:
+    the quantization, the release re-packed to (or None) and the dtype written (gpt-oss's MXFP4 release keeps
+    everything but its experts in bfloat16). A source whose config declares a quantization is refused from the
+    config alone."""
+    quantizing = quantize_block(quantize, block, group)
+    release = None
+    if scales_from is not None:
+        if not isinstance(quantizing, PackScheme):
+            raise ArgumentError(f"scales_from='{scales_from}' re-packs to a release's own grid: give quantize='int4', "
+                                "'int4-asym' or 'nvfp4' (the release's format) too")
+        release = read_release(scales_from)
+        check_method(str(quantize), group, release)
+        quantizing = replace(quantizing, release=release)
+    if quantizing == MXFP4:  # the release's layout: everything but the experts in bfloat16, unless told otherwise
+        dtype = dtype or MXFP4_DTYPE
+    elif quantizing is not None and dtype is not None:
+        what = {"fp8": "FP8", "nvfp4": "NVFP4"}.get(str(quantize), "packed INT4")
+        raise ArgumentError(f"quantize={quantize!r} and dtype={dtype!r} together: quantize writes {what} weights and "
+                            "keeps every other tensor's dtype. Give one of them (cast first with a merge given dtype=, then quantize)")
+    if quantizing is not None:  # the config alone decides it: refused before the checkpoint is read
+        _refuse_requantizing(root, config, quantizing)
+    return quantizing, release, dtype
+
+
+def _attach_adapters(
+    root: Path, prepared: Planned, embedded: Embedded | None, adapters: Sequence[str | Path],
+    adapter_config: str | Path | None, quantize: str | None,
+) -> tuple[Plan, str | None]:
+    """The plan with the LoRA adapters fused into its targets: the source's own (``embedded``) first, then
+    ``adapters`` in order; and the note of the source's own, or None. ``quantize`` (None when not quantizing)
+    refuses any adapter: a fuse and a quantization are two merges."""
+    own = source_adapter(root, embedded, adapter_config)
+    read = [*own, *map(read_adapter, adapters)]
+    if read and quantize is not None:
+        raise ArgumentError(f"quantize={quantize!r} with adapters: fuse first (a merge given adapters=), then quantize")
+    plan = attach_to_family(prepared.plan, read, adapter_for(prepared.model) if prepared.model is not None else None)
+    # attach_adapters appends one note per adapter, in order: the source's own comes first
+    return plan, plan.notes[len(plan.notes) - len(read)] if own else None
+
+
+def _write(
+    root: Path, dest: Path, prepared: Planned, plan: Plan, files: tuple[OutputFile, ...], group: Group, *,
+    adapters: Sequence[str | Path], force: bool, resume: bool, progress: Callable[[int, int], None] | None,
+    verify: bool, workers: int, round_trips: dict[str, RoundTrip], dtype: str | None, audit: bool,
+    verify_forward: bool,
+) -> tuple[list[str], Report | None, int, str | None]:
+    """Write the weights files in a staging directory beside ``dest`` (this process's share of them), then on rank 0
+    finish the output there and publish it; on any failure the staging directory is abandoned (kept for a resume
+    when interrupted). Returns the extra files written, the audit report, the files a resume kept and what was
+    restored at the destination."""
+    total = plan.nbytes  # once: a sum over every target, and on_bytes is called per chunk (90k and more)
+    on_bytes = (lambda n: progress(n, total)) if progress else (lambda n: None)
+    owner = share_out([f.nbytes for f in files], group.world)
+    mine = [f for f, rank in zip(files, owner) if rank == group.rank]
+    identity = plan_id(plan, files)
+    staging = Staging(dest, sources=[root, *map(Path, adapters)], force=force, resume=resume)
+    entered, restored = group.on_rank0(lambda: _enter(staging, identity))
+    path = Path(entered)
+    try:
+        kept = sum(group.on_all(lambda: write_weights(
+            plan, mine, path, identity, on_bytes, verify=verify, workers=workers, rank=group.rank,
+            round_trips=round_trips,
+        )))
+
+        extras, report = group.on_rank0(lambda: finish_output(
+            staging, plan, files, config=prepared.config, model=prepared.model,
+            config_label=str(prepared.config_path) if prepared.config_path else None,
+            search=extras_search(root, prepared.config_path), dtype=dtype, audit=audit,
+            verify_forward=verify_forward,
+        ))
+    except BaseException as e:
+        if group.rank == 0:
+            staging.abandon(e)
+            if isinstance(e, KeyboardInterrupt) and staging.kept is not None:
+                raise Interrupted(str(staging.kept)) from None
+        raise
+    log.info("wrote %d tensors (%d bytes) to %s", len(plan.targets), plan.nbytes, dest)
+    return extras, report, kept, restored
+
+
 def _enter(staging: Staging, identity: str) -> tuple[str, str | None]:
     """Lock the destination, create (or, with resume, take up) the staging directory and clear what no journal
     of this plan holds. Returns its path and what was restored at the destination, if anything."""
@@ -378,92 +334,3 @@ def _enter(staging: Staging, identity: str) -> tuple[str, str | None]:
         staging.release()  # the staging directory stays as it is: a resume refused it untouched
         raise
     return str(path), staging.restoration
-
-
-def finish_output(
-    staging: Staging, plan: Plan, files: tuple[OutputFile, ...], *, config: dict[str, object] | None,
-    model: ModelInfo | None, config_label: str | None, search: list[Path], dtype: str | None, audit: bool,
-    verify_forward: bool = False,
-) -> tuple[list[str], Report | None]:
-    """Once every weights file is written and checked: the index, config and tokenizer files, the audit of
-    what was written, then the rename into place. Returns the extra files written and the audit report."""
-    path = staging.path
-    write_index(plan, files, path)
-    dequantizing = any(t.dequant is not None for t in plan.targets)
-    dtype_written = config_dtype(config, plan, cast=dtype is not None)
-    written = write_extras(path, quantized_config(output_config(config, dequantizing), plan), search, dtype_written)
-    found = None
-    if audit:
-        fused = _fuse_findings(plan, files, path)
-        found = _audit_output(path, staging.dest, config is not None, config_label, model, fused)
-        written.append(AUDIT_FILE)
-    if verify_forward:
-        _verify_forward(path, staging.dest, config is not None)
-    staging.publish()
-    return written, found
-
-
-def _verify_forward(staging: Path, dest: Path, has_config: bool) -> None:
-    if not has_config:
-        raise ConfigError(f"'{dest}': the forward check needs the model's config.json, and this merge has none "
-                          f"(give config=)")
-    from ckpttool.verify.forward import check_output  # torch's model code and transformers only when asked
-
-    checked = check_output(staging)
-    if checked.problems:
-        raise ForwardError(checked.problems, str(dest))
-
-
-def config_dtype(config: dict[str, object] | None, plan: Plan, *, cast: bool) -> str | None:
-    """The dtype ``config.json`` must be given (a safetensors name), or None to leave it as the source's.
-
-    transformers loads the weights in the config's dtype, so it must name the floating-point dtype written:
-    after a cast, and whenever the source's config says another (DeepSpeed's module weights are bf16 under a
-    config saying float32). ``"auto"`` and non-string values (per-module dtypes) are left alone.
-    """
-    scales = scale_names([t.name for t in plan.targets])  # float32 scales of FP8 weights are no model dtype
-    written = prevailing_float(t.dtype for t in plan.targets if t.name not in scales)
-    if config is None or written is None:
-        return None
-    stated = [config[key] for key in ("dtype", "torch_dtype") if config.get(key) is not None]
-    if not stated:
-        return written if cast else None
-    return written if any(_names_another(value, written) for value in stated) else None
-
-
-def _names_another(value: object, dtype: str) -> bool:
-    if not isinstance(value, str) or value == "auto":
-        return False
-    try:
-        return dtype_name(value) != dtype
-    except SourceError:  # a spelling ckpttool does not know: replaced by one transformers does
-        return True
-
-
-def _fuse_findings(plan: Plan, files: tuple[OutputFile, ...], staging: Path) -> list[Finding]:
-    """The proof of a LoRA fuse (:mod:`ckpttool.lora.audit`) when the plan fuses adapters; none otherwise."""
-    if not any(t.lora for t in plan.targets):
-        return []
-    from ckpttool.lora.audit import fuse_findings
-
-    return fuse_findings(plan, staging, {t.name: f.name for f in files for t in f.targets})
-
-
-def _audit_output(staging: Path, dest: Path, has_config: bool, config_label: str | None, model: ModelInfo | None,
-                  extra: Sequence[Finding] = ()) -> Report:
-    """The shape audit (headers only) of what was written, with ``extra`` findings (a fuse's); its report goes beside
-    the weights."""
-    from ckpttool.audit import check  # imported when a merge writes (a dry run needs none of the audit)
-    from ckpttool.audit.causes import group_findings
-
-    config_path = staging / "config.json" if has_config else None
-    config = read_config(config_path) if config_path is not None else None
-    report = replace(check(staging, config_path=config_path, config=config, model=model, data=False),
-                     source=str(dest), config=config_label)
-    if extra:
-        findings = sort_findings((*report.findings, *extra))
-        report = replace(report, findings=findings, causes=group_findings(findings))
-    write_text(staging / AUDIT_FILE, json_text(report.to_json()) + "\n")  # json.dumps(indent=2)'s text, faster
-    if report.errors:
-        raise AuditError(report, str(dest))
-    return report

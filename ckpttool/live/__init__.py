@@ -44,7 +44,7 @@ from ckpttool.io.dtypes import cast_dtype
 from ckpttool.plan.plan import Plan
 from ckpttool.errors import ConfigError
 from ckpttool.findings import Report
-from ckpttool.commands.merge import finish_output
+from ckpttool.commands.finish import finish_output
 from ckpttool.io.sidecar import PieceSpec
 from ckpttool.writers.staging import Staging
 from ckpttool.writers.hf import OutputFile, assign_files

@@ -42,7 +42,7 @@ class Gather:
             by_writer.setdefault(rank, []).extend(out.targets)
         half = max(1, bucket_bytes // 2)
         self.rounds = _rounds({w: _buckets(ts, half) for w, ts in by_writer.items()})
-        self.arena_bytes = max((_bucket_bytes(b) for r in self.rounds for b in r.values()), default=0)
+        self.arena_bytes = max((bucket_nbytes(b) for r in self.rounds for b in r.values()), default=0)
         # each message of a round has its own tag: the writer's running count of copies before it
         self.tags: list[dict[int, int]] = []
         sent = Counter[int]()
@@ -57,7 +57,7 @@ class Gather:
         cond = threading.Condition()
         slots = threading.Semaphore(2)  # two buckets alive: one being written, one arriving
         failed: list[BaseException] = []
-        arenas: list[_Arena] = []
+        arenas: list[Arena] = []
         reader = _BucketReader(ready, cond, slots, {out.name: file_layout(out) for out in mine})
         writer = threading.Thread(target=self._write, args=(mine, directory, reader, failed), daemon=True)
         writer.start()
@@ -66,14 +66,14 @@ class Gather:
             for number, buckets in enumerate(self.rounds):
                 bucket = buckets.get(self.rank)
                 if bucket is None:
-                    self._exchange(number, buckets, None)
+                    self.exchange(number, buckets, None)
                     continue
                 _acquire(slots, writer, failed)  # the bucket before the last one is written: its arena is free
                 if len(arenas) < 2:
-                    arenas.append(_Arena(self.arena_bytes, self.device))
+                    arenas.append(Arena(self.arena_bytes, self.device))
                 arena = arenas[taken % 2].reset()
                 taken += 1
-                data = self._exchange(number, buckets, arena)
+                data = self.exchange(number, buckets, arena)
                 if not failed:  # a failed writer takes no more: the round was still served for the others
                     with cond:
                         ready.append(_Bucket(bucket, data, arena.event))
@@ -87,7 +87,7 @@ class Gather:
         if failed:
             raise failed[0]
 
-    def _exchange(self, number: int, buckets: Mapping[int, list[Target]], arena: _Arena | None) -> dict[Piece, list[tuple[Box, torch.Tensor]]]:
+    def exchange(self, number: int, buckets: Mapping[int, list[Target]], arena: Arena | None) -> dict[Piece, list[tuple[Box, torch.Tensor]]]:
         """One round: send what other writers need from this rank; receive (or take locally) this rank's bucket."""
         import torch.distributed as dist
 
@@ -186,7 +186,7 @@ class _BucketReader(Reader):
             self._slots.release()
 
 
-class _Arena:
+class Arena:
     """One bucket's memory, allocated once: received pieces and (on GPU) the pinned host copy of the bucket."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
@@ -196,7 +196,7 @@ class _Arena:
         self.used = 0
         self.event: Any = None
 
-    def reset(self) -> _Arena:
+    def reset(self) -> Arena:
         self.used = 0
         self.event = None
         return self
@@ -248,7 +248,8 @@ def _copies(targets: Sequence[Target]) -> Iterator[Copy]:
                 yield copy
 
 
-def _bucket_bytes(targets: Sequence[Target]) -> int:
+def bucket_nbytes(targets: Sequence[Target]) -> int:
+    """The bytes a bucket of ``targets`` takes in an :class:`Arena`: each region it needs once, 16-byte aligned."""
     return sum(-(-(c.src.numel * itemsize(c.piece.dtype)) // 16) * 16 for c in _copies(targets))
 
 
@@ -257,7 +258,7 @@ def _buckets(targets: Sequence[Target], limit: int) -> list[list[Target]]:
     out: list[list[Target]] = []
     size = 0
     for target in targets:
-        n = _bucket_bytes([target])
+        n = bucket_nbytes([target])
         if not out or size + n > limit:
             out.append([])
             size = 0
