@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ckpttool
-from conftest import assert_same_dcp, dcp_chunks, fixture_dir, load_output, tree_digest
+from conftest import FIXTURES, assert_same_dcp, dcp_chunks, fixture_dir, load_output, tree_digest
 from test_hybrid import assert_bit_exact, logits_of
 
 #: fixture -> the adapter that serves it (as the audit names it) and the class transformers builds
@@ -181,3 +181,26 @@ def test_a_tp_rank_piece_of_a_grouped_projection_missing_from_a_sharded_source_i
     assert causes[0]["cause"].startswith(f"'{fqn}': rows {rows} covered by no piece")
     assert f"found 1 piece in '{other}'" in causes[0]["cause"]
     assert tree_digest(src) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# Nemotron-H MoE from megatron-core 0.16.1 at TP=2 x PP=2 with expert TP 2 (the split: test_megatron_hybrid_more)
+# ------------------------------------------------------------------------------------------------
+def test_megatron_nemotron_h_moe_at_pp2_and_expert_tp2_merges_bit_for_bit_with_megatrons_logits(tmp_path):
+    from safetensors.torch import load_file
+
+    fixture = FIXTURES / "megatron_nemotron_h_moe_tp2_pp2_etp2"
+    before = tree_digest(fixture / "torch_dist")
+    result = ckpttool.merge(fixture / "torch_dist", tmp_path / "out", config=fixture / "config.json")
+    assert result.adapter == "nemotron_h (Megatron-Core convention)"
+    assert tree_digest(fixture / "torch_dist") == before
+    assert_bit_exact(load_output(tmp_path / "out"), load_output(fixture / "reference"))
+    summary = json.loads((tmp_path / "out" / "ckpttool-audit.json").read_text())["summary"]
+    assert (summary["verdict"], summary["errors"], summary["warnings"]) == ("pass", 0, 0), summary
+    megatron = load_file(fixture / "logits.safetensors")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(megatron["tokens"]).logits
+    torch.testing.assert_close(logits[0], megatron["logits"][0, :, :251], atol=1e-4, rtol=0)
