@@ -96,7 +96,8 @@ def _hf_distributed_chunks(checkpoint: Path) -> dict[str, tuple]:
     ("qwen3_5_hf_tp2", []),
     # transformers' Nemotron-H plan cuts the stacked experts (moe_tp_experts: up_proj rows, down_proj columns);
     # ckpttool keeps them whole on every TP rank (ep shards them), as for every MoE family
-    ("nemotron_h_moe_hf_tp2", [f"model.layers.{i}.mixer.experts.{p}" for i in (2, 5) for p in ("down_proj", "up_proj")]),
+    ("nemotron_h_moe_hf_tp2",
+     [f"model.layers.{i}.mixer.experts.{p}" for i in (2, 5) for p in ("down_proj", "up_proj")]),
 ])
 def test_split_tp2_writes_the_chunks_transformers_tp_plan_saved(name, differ, tmp_path):
     fixture = fixture_dir(name)
@@ -204,3 +205,27 @@ def test_megatron_nemotron_h_moe_at_pp2_and_expert_tp2_merges_bit_for_bit_with_m
     with torch.no_grad():
         logits = model(megatron["tokens"]).logits
     torch.testing.assert_close(logits[0], megatron["logits"][0, :, :251], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case, layout", [
+    ("megatron_nemotron_h_tp2_pp2", dict(tp=2, pp=2)),
+    ("megatron_nemotron_h_moe_tp2_pp2_etp2", dict(tp=2, pp=2, etp=2)),
+])
+def test_split_to_megatron_writes_the_vocab_chunks_from_the_stage_megatron_core_does(case, layout, tmp_path):
+    """At pp > 1 the word embedding's TP chunks are written by the first stage's ranks and the output layer's by
+    the last's (megatron-core builds each only there), into the same rank files as megatron-core's own save."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    fixture = FIXTURES / case
+    ckpttool.split(fixture / "reference", tmp_path / "split", to="megatron", iteration=10,
+                   config=fixture / "config.json", make_vocab_size_divisible_by=64, **layout)
+
+    def files(directory: Path) -> dict:
+        storage = FileSystemReader(str(directory / "iter_0000010")).read_metadata().storage_data
+        return {(i.fqn, tuple(i.offset)): info.relative_path for i, info in storage.items()
+                if i.fqn in ("embedding.word_embeddings.weight", "output_layer.weight")}
+
+    assert files(tmp_path / "split") == files(fixture / "torch_dist") == {
+        ("embedding.word_embeddings.weight", (0, 0)): "__0_0.distcp",
+        ("embedding.word_embeddings.weight", (128, 0)): "__1_0.distcp",
+        ("output_layer.weight", (0, 0)): "__2_0.distcp", ("output_layer.weight", (128, 0)): "__3_0.distcp"}
