@@ -10,8 +10,10 @@ a fresh process with the page cache of its input dropped, medians of ``--runs``:
 - ``cp``: ``cp -r SRC`` and ``sync``, the same bytes through the same disk;
 - ``merge``: ``ckpttool merge`` of the split back into one safetensors file.
 
-Peak RSS is ``ru_maxrss`` of the command as the only child of a small probe, and also above ``split --dry-run``
-(imports and plan, no data): with several sizes it shows whether memory stays flat as the model grows.
+CPU seconds (user + sys, the command and its children) are given per GiB beside the wall time: a fast disk
+shows what a slow one hides. Peak RSS is ``ru_maxrss`` of the command as the only child of a small probe, and
+also above ``split --dry-run`` (imports and plan, no data): with several sizes it shows whether memory stays
+flat as the model grows.
 
     python benchmarks/split_bench.py --size-gib 1 2 --runs 3
 """
@@ -92,9 +94,11 @@ def main() -> None:
         baseline = measure([*split[:-3], "--dry-run"])[1]  # keeps --force: OUT holds the last split
         t = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
         m = {name: statistics.median(r[1] for r in runs) for name, runs in results.items()}
+        cpu = {name: statistics.median(r[2] for r in runs) for name, runs in results.items()}
         print(f"{nbytes / 2**30:.2f} GiB bf16, mesh {args.mesh}, {args.workers} workers:")
         for name in commands:
-            print(f"  {name:6s} {t[name]:7.2f} s  {nbytes / t[name] / 2**20:7.1f} MiB/s  peak RSS {m[name] / 2**20:6.0f} MiB")
+            print(f"  {name:6s} {t[name]:7.2f} s  {nbytes / t[name] / 2**20:7.1f} MiB/s  peak RSS {m[name] / 2**20:6.0f} MiB  "
+                  f"CPU {cpu[name]:6.2f} s ({cpu[name] / (nbytes / 2**30):.2f} s/GiB)")
         print(f"  split/cp = {t['split'] / t['cp']:.2f}; split peak above its --dry-run baseline "
               f"({baseline / 2**20:.0f} MiB): {(m['split'] - baseline) / 2**20:.0f} MiB")
         shutil.rmtree(work, ignore_errors=True)

@@ -29,6 +29,8 @@ EXPECTED = {
     "torchtitan_": "dcp", "lora_": "hf", "peft_": "dcp", "lightning_": "lightning",
     "qwen3_next_fsdp2_dcp": "dcp", "qwen3_next_hf_tp2": "hf-distributed", "nemotron_h_fsdp2_dcp": "dcp",
     "falcon_h1_fsdp2_dcp": "dcp",
+    "qwen3_5_fsdp2_dcp": "dcp", "qwen3_5_hf_tp2": "hf-distributed", "qwen3_5_moe_fsdp2_dcp": "dcp",
+    "nemotron_h_moe_fsdp2_dcp": "dcp", "nemotron_h_moe_hf_tp2": "hf-distributed",
 }
 
 

@@ -40,7 +40,9 @@ FIXTURE = FIXTURES / "megatron_nemotron_h_tp2_pp2"
 MOE = FIXTURES / "megatron_nemotron_h_moe_tp2_ep2"
 #: case -> the split options of the layout megatron-core saved it at
 LAYOUTS = {"nemotron_h_tp2_pp2": dict(tp=2, pp=2, make_vocab_size_divisible_by=64),
-           "nemotron_h_moe_tp2_ep2": dict(tp=2, ep=2, etp=1, make_vocab_size_divisible_by=64)}
+           "nemotron_h_moe_tp2_ep2": dict(tp=2, ep=2, etp=1, make_vocab_size_divisible_by=64),
+           # the MoE model at PP=2 with expert TP 2 (tests/test_hybrid_sharded.py merges it)
+           "nemotron_h_moe_tp2_pp2_etp2": dict(tp=2, pp=2, etp=2, make_vocab_size_divisible_by=64)}
 VOCAB = 251
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 

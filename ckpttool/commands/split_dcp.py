@@ -14,6 +14,7 @@ torchtitan's tensor-parallel plan, Q/K/V saved whole in 0.3).
 from __future__ import annotations
 
 import math
+import re
 
 from ckpttool.commands.meshes import REPLICATE, Mesh, Sharding, shard_tensors
 from ckpttool.errors import ConfigError, CoverageError
@@ -28,6 +29,11 @@ from ckpttool.plan.compose import compose
 from ckpttool.plan.plan import Target
 from ckpttool.families.source import Planned
 from ckpttool.writers import dcp
+
+#: in-memory tensors transformers registers as persistent buffers, not parameters (the MoE routers' expert bias of
+#: DeepSeek-V3 and Nemotron-H): FSDP2's ``fully_shard`` shards parameters only, so every rank holds such a tensor
+#: whole and DCP saves it as one chunk
+BUFFERS = re.compile(r"\.e_score_correction_bias$")
 
 #: the names ``split --to dcp`` writes: transformers' in-memory ones, or torchtitan's (newest release, or 0.2's)
 NAMES = ("hf", "torchtitan", "torchtitan-0.2")
@@ -90,7 +96,8 @@ def plan_dcp(prepared: Planned, mesh: Mesh, names: str = "hf",
     notes = _left_out(prepared, memory) if names == "hf" else []
     # stacked experts cut where transformers' own plan cuts them (its distributed save's chunks), for every family
     placement = expert_tp.with_plan_experts(adapter_for(model_of(prepared)).tp_placement, model_of(prepared).model_type)
-    whole, zeros = frozenset(), frozenset()
+    zeros = frozenset()
+    whole = frozenset(m.name for m in memory if BUFFERS.search(m.name))
     experts_on: Placement | None = None  # torchtitan's FSDP placement of stacked experts, where not ckpttool's
     if names != "hf":
         written = torchtitan_back.to_torchtitan(memory, model_of(prepared), torchtitan_back.release_of(names),

@@ -39,8 +39,8 @@ from ckpttool.plan.transforms import Transform, within_part
 from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.families.conventions import megatron_back
 from ckpttool.families.conventions import megatron_back_args, megatron_back_hybrid, megatron_back_mla
-from ckpttool.families.conventions.megatron_back import (EXPERT_TENSORS, EXTRA_STATE, expert_axis, hf_vocab,
-                                                         megatron_tensors, padded_vocab)
+from ckpttool.families.conventions.megatron_back import (EXPERT_TENSORS, EXTRA_STATE, VOCAB, expert_axis,
+                                                         hf_vocab, megatron_tensors, padded_vocab)
 from ckpttool.families import mtp
 from ckpttool.commands.meshes import REPLICATE, MegatronMesh, Sharding
 from ckpttool.layout.placements import Placement
@@ -62,6 +62,8 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
     _check_sizes(info.config, {name: shape for name, shape, *_ in tensors}, mesh, info.model_type)
     stages = layer_stages(int(info.config.get("num_hidden_layers") or 0), mesh)
     shardings = [_place(name, shape, mesh, info.model_type, stages) for name, shape, *_ in tensors]
+    if not mtp_layers:  # (an MTP stage builds the embedding too: any stage's ranks may write it, as before)
+        shardings = [_on_vocab_stage(s, mesh) for s in shardings]
     weight = {name: math.prod(shape) * next((itemsize(targets[s.source].dtype) for s in slices if s.source in targets), 1)
               for name, shape, slices, *_ in tensors}
     held = [[(s.name, box, weight[s.name]) for s in shardings for box in _chunks(s, rank, stages)]
@@ -216,6 +218,18 @@ def _place(name: str, shape: tuple[int, ...], mesh: MegatronMesh, model_type: st
     per_stage = mesh.ep * mesh.tp
     ranks = None if layer is None else (stages[layer] * per_stage, (stages[layer] + 1) * per_stage)
     return Sharding(name, shape, (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)), (pp, ep, tp), ranks)
+
+
+def _on_vocab_stage(sharding: Sharding, mesh: MegatronMesh) -> Sharding:
+    """The word embedding held by the first stage's ranks only, the output layer by the last's, as megatron-core
+    builds them (``pre_process`` / ``post_process``), so each chunk is written by a rank of the stage that saves it;
+    every other tensor as it is."""
+    per_stage = mesh.ep * mesh.tp
+    stage = {VOCAB[0]: 0, VOCAB[1]: mesh.pp - 1}.get(sharding.name)
+    if stage is None or mesh.pp == 1:
+        return sharding
+    return Sharding(sharding.name, sharding.shape, sharding.dims, sharding.placements,
+                    (stage * per_stage, (stage + 1) * per_stage))
 
 
 def _chunks(sharding: Sharding, rank: int, stages: list[int]) -> list[Box]:

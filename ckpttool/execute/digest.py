@@ -12,12 +12,12 @@ says are unchanged. A journal of another scheme is not trusted (see :class:`ckpt
 from __future__ import annotations
 
 import hashlib
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from ckpttool.execute.buffers import Chunk
+from ckpttool.fast.crc import crc32
 from ckpttool.execute.copies import Span, copied
 from ckpttool.execute.reads import Reader
 
@@ -38,9 +38,9 @@ def running(prefix: bytes) -> hashlib._Hash:
     return hashlib.sha256(DIGEST_SCHEME + hashlib.sha256(prefix).digest())
 
 
-def crc_token(data: bytes | memoryview) -> bytes:
-    """The token of a chunk built in a buffer: its CRC-32."""
-    return zlib.crc32(data).to_bytes(4, "big")
+def crc_token(crc: int) -> bytes:
+    """The token of a chunk built in a buffer, from its CRC-32 (taken once, as it is written)."""
+    return crc.to_bytes(4, "big")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +71,8 @@ def recheck(f: BinaryIO, check: int | FromSource, buffers: tuple[bytearray, byte
             got = f.readinto(mine[:min(left, len(mine))])
             if not got:  # a short file: its digest differs
                 break
-            crc, left = zlib.crc32(mine[:got], crc), left - got
-        return crc.to_bytes(4, "big")
+            crc, left = crc32(mine[:got], crc), left - got
+        return crc_token(crc)
     at = f.tell()
     same = True
     for piece, start, rel, nbytes in check.spans:

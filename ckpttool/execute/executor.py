@@ -40,6 +40,7 @@ from ckpttool.execute.copies import copied, copy_chunk, write_all
 from ckpttool.execute.digest import COPIED, FromSource, crc_token, recheck, running
 from ckpttool.execute.digest import WINDOW as DIGEST_WINDOW
 from ckpttool.execute.reads import Reader
+from ckpttool.fast.crc import crc32
 
 __all__ = ["CHUNK_BYTES", "Chunk", "Reader", "buffer_sizes", "build", "chunks", "direct_offset", "file_digest",
            "piece_uses", "predict_peak_bytes", "write_file"]
@@ -87,12 +88,13 @@ def write_file(
     reader: Reader,
     workers: int = 1,
     on_bytes: Callable[[int], None] = lambda n: None,
-    on_chunk: Callable[[Chunk, memoryview], None] | None = None,
+    on_chunk: Callable[[Chunk, int], None] | None = None,
 ) -> str:
     """Write one safetensors file (header ``prefix``, then every chunk at its offset) and return its digest.
 
     The file is allocated at its full size first, so a full disk shows before any tensor is read. ``on_chunk``
-    sees each chunk's bytes as they are written, on the thread that wrote them (a DCP item's CRC-32).
+    is given each chunk's CRC-32 as it is written, on the thread that wrote it (a DCP item's CRC-32): the one CRC
+    taken of the chunk, which its digest token reuses.
     ``path`` must not exist: the file is created new and never through a link (``O_EXCL | O_NOFOLLOW``), so a
     name in the staging directory linked to a file elsewhere can never make the write land there.
     """
@@ -143,12 +145,13 @@ def write_file(
                 if nbytes >= WRITEBACK_BYTES:
                     _start_writeback(fd, len(prefix) + batch[i].offset, nbytes)
                 for chunk, view in zip(batch[i:i + len(starts)], views):
-                    if on_chunk is not None:
-                        on_chunk(chunk, view)
                     # the token file_digest makes: a chunk that could be copied (here built for on_chunk) is checked
                     # against its source
                     copyable = reader.reads_files and chunk.nbytes >= file_copies.COPY_BYTES and copied(chunk) is not None
-                    yield COPIED if copyable else crc_token(view)
+                    crc = crc32(view) if on_chunk is not None or not copyable else 0
+                    if on_chunk is not None:
+                        on_chunk(chunk, crc)
+                    yield COPIED if copyable else crc_token(crc)
                 i += len(starts)
 
         digest = running(prefix)

@@ -21,16 +21,17 @@ from collections.abc import Mapping
 PATTERN_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 #: legacy layer kinds transformers renames (``remap_legacy_layer_types``)
 _LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
+#: the gated DeltaNet models (Qwen3-Next, Qwen3.5's language model, dense or MoE): the same layers and names
+_DELTANET_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 #: the module holding a layer's mixer, per model type (Nemotron-H names every layer's mixer ``mixer``)
 MIXER_MODULES: Mapping[str, Mapping[str, str]] = {
-    "qwen3_next": {"linear_attention": "linear_attn", "full_attention": "self_attn"},
-    "qwen3_5_text": {"linear_attention": "linear_attn", "full_attention": "self_attn"},
+    **dict.fromkeys(_DELTANET_TYPES, {"linear_attention": "linear_attn", "full_attention": "self_attn"}),
     "nemotron_h": {"linear_attention": "mixer", "full_attention": "mixer", "mlp": "mixer", "moe": "mixer"},
 }
 #: a layer kind in words, per model type
 _KIND_WORDS: Mapping[str, Mapping[str, str]] = {
-    "qwen3_next": {"linear_attention": "gated DeltaNet linear-attention", "full_attention": "gated full-attention"},
-    "qwen3_5_text": {"linear_attention": "gated DeltaNet linear-attention", "full_attention": "gated full-attention"},
+    **dict.fromkeys(_DELTANET_TYPES, {"linear_attention": "gated DeltaNet linear-attention",
+                                      "full_attention": "gated full-attention"}),
     "nemotron_h": {"linear_attention": "Mamba-2", "full_attention": "attention", "mlp": "MLP", "moe": "MoE"},
 }
 #: models whose every layer holds each of these mixers side by side (no layer kinds): module -> the mixer in words

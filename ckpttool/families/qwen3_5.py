@@ -8,6 +8,12 @@ query rows, then all key rows, then all value rows: not grouped per key head, un
 ``dt_bias``, the gated ``norm`` (plain ``w``) and ``out_proj``. A release's MTP module (``mtp.*``), which the class
 ignores on load, is carried unchecked.
 
+Qwen3.5-MoE's language model (``Qwen3_5MoeForCausalLM``, model type ``qwen3_5_moe_text``), which transformers
+converts as ``qwen3_5_text`` (so this adapter serves it), holds the same layers with MoE MLPs: a router
+``mlp.gate``, routed experts stacked in memory and per expert on disk as Qwen2-MoE's
+(:data:`ckpttool.families.qwen2_moe.RULES`; a dense model has no tensor they match), a shared expert and its
+``shared_expert_gate``.
+
 Tensor parallel (``split --to dcp --tp N``), as transformers' plan (``Qwen3_5TextConfig.base_model_tp_plan``) cuts it:
 the five projections are ``colwise_gather_output``, a plain ``Shard(0)`` of the weight whose output is gathered
 before q, k and v are split, so a rank's rows of ``in_proj_qkv`` may hold queries and keys: that is the producer's
@@ -18,6 +24,7 @@ this adapter's.
 
 from __future__ import annotations
 
+from ckpttool.families import qwen2_moe
 from ckpttool.families.adapter import HF_TP_RULES, REPLICATE, SHARD0, FamilyAdapter, PlacementRules
 from ckpttool.families.layers import alike
 
@@ -28,7 +35,8 @@ TP_RULES: PlacementRules = (
     *HF_TP_RULES,
 )
 
-ADAPTER = FamilyAdapter(NAME, tp_rules=TP_RULES, carried=(r"^mtp\.",))  # ignored on load, as Qwen3-Next's
+#: the release's MTP module (``mtp.*``) is ignored on load, as Qwen3-Next's: carried unchecked
+ADAPTER = FamilyAdapter(NAME, rules=qwen2_moe.RULES, tp_rules=TP_RULES, carried=(r"^mtp\.",))
 
 #: a layer's kind is its ``layer_types`` entry (linear or full attention)
 LAYERS = alike(NAME)

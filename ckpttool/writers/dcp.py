@@ -15,11 +15,12 @@ reads of the source: a DCP chunk is a plan target. torch's ``dcp.load`` reads th
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import pickle
+import sys
 import threading
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -144,6 +145,7 @@ def write_files(
     Raises:
         OutputError: a file cannot be written (a full disk); SourceError: a source file cannot be read.
     """
+    _import_metadata_classes()
     every_chunk = [c for f in files for item in f.items for c in item_chunks(item)]
     reader = Reader(root, piece_uses(every_chunk), buffer_sizes(every_chunk))
     lock = threading.Lock()
@@ -163,13 +165,29 @@ def write_files(
         reader.close()
 
 
+def _import_metadata_classes() -> None:
+    """Start importing the classes :func:`write_metadata` pickles, on a thread of its own, while the rank files are
+    written: ``torch.distributed.checkpoint`` imports DTensor and sympy, 2 CPU seconds and on a busy disk several
+    seconds more of reading modules, which the writes (waiting on the disk most of the time) hide. A failed import
+    is left for :func:`write_metadata` to raise."""
+    if "torch.distributed.checkpoint.filesystem" in sys.modules:
+        return
+
+    def run() -> None:
+        try:
+            importlib.import_module("torch.distributed.checkpoint.filesystem")
+        except Exception:  # raised again, where it matters, by write_metadata's own import
+            pass
+
+    threading.Thread(target=run, name="ckpttool-import-dcp", daemon=True).start()
+
+
 def _write_file(path: Path, out: DcpFile, reader: Reader, workers: int, on_bytes: Callable[[int], None]) -> None:
     per_item = [item_chunks(item) for item in out.items]
     crcs: dict[int, int] = {}
     lock = threading.Lock()
 
-    def take_crc(chunk: Chunk, view: memoryview) -> None:
-        crc = zlib.crc32(view)
+    def take_crc(chunk: Chunk, crc: int) -> None:
         with lock:
             crcs[id(chunk)] = crc
 
