@@ -142,7 +142,7 @@ def _as_raw(root: Path, piece: Piece, handles: dict[str, BinaryIO], within: Path
     handle = handles.get(piece.file)
     if handle is None:
         handle = handles[piece.file] = open_inside(root, piece.file, within=within)  # closed by the caller
-    found = locate(handle, piece.byte_offset, piece.byte_length, label=piece.file)
+    found = locate(handle, piece.byte_offset, piece.byte_length, label=piece.file, item=piece.key)
     if found is None or found.dtype != piece.dtype or found.shape != piece.box.sizes:
         return piece
     offset = found.byte_offset()
