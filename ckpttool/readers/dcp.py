@@ -148,7 +148,8 @@ def _as_raw(root: Path, piece: Piece, handles: dict[str, BinaryIO], within: Path
     offset = found.byte_offset()
     assert offset is not None  # locate returns only tensors whose bytes are in place
     nbytes = found.numel * itemsize(found.dtype)
-    return replace(piece, encoding=RAW, byte_offset=piece.byte_offset + offset, byte_length=nbytes)
+    # built directly: dataclasses.replace costs ~1 s at 90k items
+    return Piece(piece.file, piece.key, piece.box, piece.dtype, RAW, piece.byte_offset + offset, nbytes, piece.tags)
 
 
 READER = FormatReader(NAME, LOOKS_FOR, matches, read)
