@@ -14,9 +14,9 @@ import pickletools
 from dataclasses import dataclass
 from typing import Any
 
-from ckpttool.fast.deferred import torch
 from ckpttool.errors import PickleBombError, SourceError, UnsafePickleError
-from ckpttool.io.pickle_bounds import EnumStandIn, bound_graph, budget, charge, charged, enum_member, ints, text
+from ckpttool.io.pickle_bounds import (EnumStandIn, bound_graph, budget, charge, charged, enum_member, ints,
+                                      is_torch_dtype, text)
 
 
 class Record:
@@ -159,7 +159,7 @@ class _AllowListUnpickler(pickle.Unpickler):
             found = charged(_ALLOWED[(module, name)].stand_in)
             self.names[id(found)] = f"{module}.{name}"
             return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if is_torch_dtype(module, name):
             return name  # a dtype is data; whether safetensors can hold it is the reader's question
         raise UnsafePickleError(
             f"'{self.label}': refused to unpickle: it asks for '{module}.{name}', which is not on ckpttool's "

@@ -12,6 +12,7 @@ before it is built: nothing in a checkpoint can run code.
 from __future__ import annotations
 
 import io
+import logging
 import math
 import pickle
 import struct
@@ -25,6 +26,9 @@ from ckpttool.io.dtypes import dtype_name, itemsize
 from ckpttool.layout.layout import c_strides
 from ckpttool.errors import PickleBombError, SourceError, UnsafePickleError
 from ckpttool.io.pickle_bounds import bound_graph, budget, charge, charged, enum_member, ints
+from ckpttool.io.torch_zip import read_archive
+
+log = logging.getLogger(__name__)
 
 #: storage classes of torch.save pickles -> safetensors dtype names
 _STORAGES = {
@@ -122,13 +126,25 @@ def scan(f: BinaryIO, start: int = 0, length: int | None = None, *, label: str, 
     return _resolve(obj, offsets, {})
 
 
-def locate(f: BinaryIO, start: int, length: int, *, label: str = "item") -> StoredTensor | None:
+def locate(f: BinaryIO, start: int, length: int, *, label: str = "item", item: str = "") -> StoredTensor | None:
     """The one contiguous tensor saved in ``f[start:start+length]`` when its raw bytes can be located, else None
-    (the caller falls back to ``torch.load(weights_only=True)``). ``label`` names the file in errors.
+    (the caller falls back to ``torch.load(weights_only=True)``). ``label`` names the file in errors, ``item``
+    the item in the log.
+
+    An archive as torch writes it is located from its zip records (:mod:`ckpttool.io.torch_zip`: two positioned
+    reads) and its ``data.pkl`` through the same safe unpickler, once per distinct pickle: a checkpoint's
+    items of one shape and dtype pickle to the same bytes. Anything else (an extra record, a pickle that is
+    not one plain tensor, a data record of the wrong size) is read as before, through :func:`scan`, and logged
+    (debug) with the reason.
 
     Raises:
         PickleBombError: the item's pickle would take work without bound; ``torch.load`` must not read it either.
     """
+    fast = _locate_fast(f, start, length)
+    if isinstance(fast, StoredTensor):
+        return fast
+    log.debug("'%s': item %s at bytes %d..%d: %s; reading it through zipfile", label, repr(item) if item else "",
+              start, start + length, fast)
     try:
         found = scan(f, start, length, label=label)
     except PickleBombError:
@@ -137,6 +153,51 @@ def locate(f: BinaryIO, start: int, length: int, *, label: str = "item") -> Stor
         return None
     if not isinstance(found, StoredTensor) or found.byte_offset() is None:
         return None
+    return found
+
+
+def _locate_fast(f: BinaryIO, start: int, length: int) -> StoredTensor | str:
+    """:func:`locate`'s answer from the zip records alone, or why it cannot be given that way."""
+    archive = read_archive(f, start, length)
+    if isinstance(archive, str):
+        return archive
+    if archive.small.get("byteorder", b"little") != b"little":
+        return "it is not little-endian"
+    pending = _plain_tensor(archive.small["data.pkl"])
+    if pending is None:
+        return "its data.pkl is not one plain tensor"
+    stored = pending.storage
+    entry = archive.data.get(stored.key)
+    nbytes = stored.numel * itemsize(stored.dtype)
+    if list(archive.data) != [stored.key] or entry is None or entry.size != nbytes:
+        return f"its data records {sorted(archive.data)} are not one record 'data/{stored.key}' of {nbytes} bytes"
+    found = StoredTensor(stored.dtype, pending.shape, pending.stride, stored.key, pending.offset, entry.data_offset,
+                         stored.numel)
+    return found if found.byte_offset() is not None else "its tensor is not stored contiguously in place"
+
+
+#: ``data.pkl`` bytes -> the plain tensor they describe: a 90k-item checkpoint has a few hundred distinct pickles
+_PLAIN: dict[bytes, _Pending] = {}
+_PLAIN_MAX = 4096
+
+
+def _plain_tensor(data: bytes) -> _Pending | None:
+    """The tensor ``data`` (a ``data.pkl``) pickles, through the safe unpickler and its bounds, when it is one
+    tensor and nothing else; else None (:func:`scan` then says what it is)."""
+    found = _PLAIN.get(data)
+    if found is not None:
+        return found
+    unpickler = _Unpickler(io.BytesIO(data), "data.pkl", {})
+    try:
+        with budget("data.pkl", len(data)):
+            found = unpickler.load()
+    except (SourceError, pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, AttributeError,
+            KeyError, struct.error, RecursionError, OverflowError, ZeroDivisionError):
+        return None
+    if not isinstance(found, _Pending) or len(unpickler.storages) != 1:
+        return None
+    if len(_PLAIN) < _PLAIN_MAX:
+        _PLAIN[data] = found
     return found
 
 
