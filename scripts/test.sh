@@ -26,5 +26,8 @@ python3 -m venv .venv
 . .venv/bin/activate
 pip install -q torch==2.13.0
 pip install -q -c .ci/constraints.txt -e ".[test]"
+# Two workers (pytest-xdist), one per core of CI's machine: each test module is a unit of work, and the tests that
+# start several processes at once run on one worker one after another, first (tests/conftest.py,
+# pytest_xdist_make_scheduler). CKPTTOOL_TEST_WORKERS=0 runs everything in one process, as before.
 # The 25 slowest tests are listed at the end, so that a CI log shows where the suite's time goes.
-pytest -q --durations=25 "$@"
+pytest -q -n "${CKPTTOOL_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"

@@ -194,3 +194,47 @@ def interrupt_after(nbytes: int):
             raise KeyboardInterrupt
 
     return progress
+
+
+# ---- two workers (scripts/test.sh runs `pytest -n 2 --dist loadfile`) -------------------------------------------------
+
+#: test modules every test of which starts several processes at once (torchrun, gloo ranks, two torchrun "nodes")
+MULTI_PROCESS_MODULES = (
+    "test_distributed_merge.py", "test_live.py", "test_live_cuda.py", "test_live_fp8.py", "test_live_transforms.py",
+    "test_multinode.py", "test_producers.py", "test_quantized_dcp.py", "test_split_hsdp.py", "test_split_torch.py",
+)
+#: the tests of other modules that do: megatron-core consumers (4 ranks) and torchrun splits
+MULTI_PROCESS_TESTS = ("test_megatron_core_loads_", "test_negative_control_a_wrong_qkv_interleave", "_under_torchrun_")
+#: the one work unit that holds them all
+MULTI_PROCESS_UNIT = "multi-process tests"
+
+
+def runs_several_processes(nodeid: str) -> bool:
+    """Whether the test of ``nodeid`` starts several processes at once (see MULTI_PROCESS_MODULES and _TESTS)."""
+    path, _, name = nodeid.partition("::")
+    return path.rsplit("/", 1)[-1] in MULTI_PROCESS_MODULES or any(part in name for part in MULTI_PROCESS_TESTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With ``--dist loadfile``: each test module is a unit of work (its module fixtures built once), but the tests
+    that start several processes at once are one unit of their own, handed out first. So one worker runs them one
+    after another, the longest unit from the start, while the other runs the single-process modules: two multi-rank
+    jobs never share the two cores (their timeouts and the live tests' timing stay as on one worker), and their free
+    ports are taken one job at a time. Any other ``--dist`` keeps pytest-xdist's own scheduler."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class MultiProcessFirst(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return MULTI_PROCESS_UNIT if runs_several_processes(nodeid) else super()._split_scope(nodeid)
+
+        def schedule(self) -> None:
+            if self.collection is None and self.collection_is_completed and any(
+                    runs_several_processes(i) for i in next(iter(self.registered_collections.values()))):
+                # the work queue keeps a key's first place when the base class fills it in: this unit goes first
+                self.workqueue[MULTI_PROCESS_UNIT] = {}
+            super().schedule()
+
+    return MultiProcessFirst(config, log)
