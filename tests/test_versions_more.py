@@ -17,7 +17,7 @@ import torch
 from conftest import FIXTURES, assert_failed_cleanly, fixture_dir, load_output, tree_digest
 
 import ckpttool
-from ckpttool.io.torch_save import accepted_classes
+from ckpttool.io.torch_pickle import accepted_classes
 from ckpttool.io.torch_save import scan
 from ckpttool.readers import colossalai_classes
 from ckpttool.readers.lightning import classes as lightning_classes

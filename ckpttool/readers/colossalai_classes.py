@@ -24,7 +24,7 @@ from ckpttool.console.terminal import escaped
 from ckpttool.errors import SourceError, UnsafePickleError
 from ckpttool.io import jsonfile
 from ckpttool.io.paths import JSON_LIMIT, read_inside
-from ckpttool.io.torch_save import accepted_classes
+from ckpttool.io.torch_pickle import accepted_classes
 from ckpttool.fast.deferred import torch
 
 #: the ColossalAI releases whose checkpoints the fixtures hold (``colossalai_real_*``, ``colossalai_v0_4_*``)

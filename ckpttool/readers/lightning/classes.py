@@ -29,7 +29,7 @@ from ckpttool.console.terminal import escaped
 from ckpttool.errors import UnsafePickleError
 from ckpttool.fast.deferred import torch
 from ckpttool.io.pickle_bounds import text
-from ckpttool.io.torch_save import accepted_classes
+from ckpttool.io.torch_pickle import accepted_classes
 
 #: the Lightning releases whose checkpoints the fixtures hold (``lightning_*``)
 RELEASES = ("1.9.5", "2.4.0", "2.6.6")

@@ -29,7 +29,7 @@ from ckpttool.io import jsonfile
 from ckpttool.io.paths import JSON_LIMIT, read_inside
 from ckpttool.io.pickle_bounds import charge, ints, text
 from ckpttool.io.safe_pickle import record_class
-from ckpttool.io.torch_save import accepted_classes
+from ckpttool.io.torch_pickle import accepted_classes
 
 
 @dataclass(slots=True)
