@@ -25,6 +25,8 @@ class Record:
     kind = "Record"
     #: names for a state pickled as a plain tuple (TensorProperties does this)
     tuple_fields: tuple[str, ...] = ()
+    #: the positional arguments it was called with: none for an object the pickle made without calling it (NEWOBJ)
+    _args: tuple[Any, ...] = ()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Record:  # noqa: PYI034 (NEWOBJ calls only this)
         charge(*args, *kwargs.values())
@@ -37,13 +39,18 @@ class Record:
     def __setstate__(self, state: Any) -> None:
         charge(state, *(state if isinstance(state, tuple) else ()))
         if isinstance(state, tuple) and self.tuple_fields:
-            self.__dict__.update(zip(self.tuple_fields, state))
+            self._update(dict(zip(self.tuple_fields, state)))
         elif isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
             for part in state:
                 if isinstance(part, dict):
-                    self.__dict__.update(part)
+                    self._update(part)
         elif isinstance(state, dict):
-            self.__dict__.update(state)
+            self._update(state)
+
+    def _update(self, state: dict) -> None:
+        """Keep the pickle's attributes, except ``_args``: the stand-in's own record of its positional arguments
+        (a tuple), which a state naming it would replace with any value (found by tests/test_fuzz_readers.py)."""
+        self.__dict__.update((k, v) for k, v in state.items() if k != "_args")
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.__dict__.get(name, default)
