@@ -31,7 +31,7 @@ from ckpttool.fast.deferred import torch
 from ckpttool.io.dtypes import dtype_name, itemsize, torch_dtype
 from ckpttool.quant.decode import RowForRow, Scratch
 from ckpttool.quant.encode import RoundTrip, e2m1_codes, e2m1_scratch
-from ckpttool.quant.pack_encode import OneSourceRow, int_codes, pack_int32
+from ckpttool.quant.pack_encode import OneSourceRow, int_codes, measured, pack_int32
 from ckpttool.quant.packed import NVFP4_GROUP
 
 GRID_INT = "grid-int"
@@ -87,19 +87,15 @@ def _on_grid(name: str, source: torch.Tensor, decoded: torch.Tensor, start: int,
     from their codes' values than rounding (see :data:`_ULPS`). The float32 copies, the error and the comparison
     live on the thread's ``grid.*`` buffers (:func:`_on_grid_scratch`): fresh ones per chunk grow every thread's
     heap beyond the predicted peak."""
-    shape, n = tuple(source.shape), source.numel()
+    shape = tuple(source.shape)
     w = scratch("grid.source", shape, "F32").copy_(source)
     d = scratch("grid.decoded", shape, "F32").copy_(decoded)
     error = torch.sub(d, w, out=scratch("grid.error", shape, "F32")).abs_()
-    # |error| squared is error squared, bit for bit: the sums are round_trip's
-    flat_error, flat = error.view(-1), w.view(-1)
-    largest = float(torch.maximum(w.max(), w.min().neg())) if n else 0.0
-    measured = RoundTrip(float(error.max()) if n else 0.0, float(torch.dot(flat_error, flat_error)),
-                         float(torch.dot(flat, flat)), largest, n)
+    found = measured(error, w)  # |error| squared is error squared, bit for bit: round_trip's sums
     allowed = torch.maximum(w.abs_(), d.abs_(), out=d).mul_(_ULPS * 2.0 ** -7)
     bad = torch.gt(error, allowed, out=scratch("grid.bad", shape, "BOOL"))
     if not bool(bad.any()):
-        return measured
+        return found
     r, c = (int(i) for i in bad.nonzero()[0])
     g = c // group if group else 0
     lo, hi = (g * group, min((g + 1) * group, shape[1])) if group else (0, shape[1])

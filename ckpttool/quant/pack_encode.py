@@ -218,9 +218,17 @@ class WeightShape(OneSourceRow):
 
 def round_trip(decoded: torch.Tensor, source: torch.Tensor) -> RoundTrip:
     """How far ``decoded`` is from ``source`` (both bfloat16 rows; ``decoded`` is spent)."""
-    error, flat = decoded.float().sub_(source.float()).reshape(-1), source.float().reshape(-1)
-    return RoundTrip(float(error.abs().max()) if error.numel() else 0.0, float(torch.dot(error, error)),
-                     float(torch.dot(flat, flat)), float(flat.abs().max()) if flat.numel() else 0.0, flat.numel())
+    return measured(decoded.float().sub_(source.float()), source.float())
+
+
+def measured(error: torch.Tensor, source: torch.Tensor) -> RoundTrip:
+    """The round trip of float32 ``error`` (decoded - source, or its magnitude) against the float32 ``source``
+    values, allocating nothing of their size (the largest magnitude is max(max, -min))."""
+    error, flat = error.reshape(-1), source.reshape(-1)
+    if not flat.numel():
+        return RoundTrip(0.0, 0.0, 0.0, 0.0, 0)
+    return RoundTrip(float(torch.maximum(error.max(), error.min().neg())), float(torch.dot(error, error)),
+                     float(torch.dot(flat, flat)), float(torch.maximum(flat.max(), flat.min().neg())), flat.numel())
 
 
 def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
