@@ -29,7 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ckpttool.errors import ConfigError
-from ckpttool.model.architecture import ModelInfo, model_info
+from ckpttool.model.description import ModelInfo
+from ckpttool.model.architecture import model_info
 from ckpttool.model.config_file import find_config, read_config
 from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool.layout.layout import Layout
