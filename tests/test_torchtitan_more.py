@@ -122,7 +122,7 @@ def test_the_api_refuses_unknown_names_and_names_for_megatron_before_reading(tmp
 
 def test_a_tensor_with_no_torchtitan_name_is_refused_listing_it():
     from ckpttool.families import MemoryTensor
-    from ckpttool.model.architecture import ModelInfo
+    from ckpttool.model.description import ModelInfo
 
     info = ModelInfo("llama", {"model_type": "llama", "head_dim": 8}, {}, {})
     memory = [MemoryTensor("model.layers.0.self_attn.q_proj.bias", (32,), ())]
@@ -223,7 +223,7 @@ def test_a_torchtitan_step_reshards_straight_to_another_torchtitan_mesh(tmp_path
 
 def test_the_moe_names_before_0_3_are_cut_per_expert_too():
     from ckpttool.layout.layout import Box, Layout, Piece, TensorLayout
-    from ckpttool.model.architecture import ModelInfo
+    from ckpttool.model.description import ModelInfo
 
     shapes = {"tok_embeddings.weight": (8, 4), "layers.0.moe.experts.w1": (2, 6, 4), "layers.0.moe.experts.w2": (2, 4, 6),
               "layers.0.moe.router.gate.weight": (2, 4), "layers.0.moe.expert_bias": (2,)}
