@@ -314,19 +314,6 @@ def test_experts_fsdp_cut_along_dim_1_merge_and_split_back_in_torchtitans_chunks
     assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))
 
 
-def test_experts_along_dim_1_in_torchtitan_0_2s_names_are_refused(cli, titan_merged, tmp_path):
-    # since issue 29's fifth round 0.3's names are written on every such mesh (beside TP, over HSDP:
-    # tests/test_expert_layouts.py); 0.2 was never run so
-    hf = titan_merged("torchtitan_qwen3moe2_fsdp4")[0]
-    before = tree_digest(hf)
-    out = tmp_path / "out"
-    result = cli("split", hf, out, "--to", "dcp", "--names", "torchtitan-0.2", "--fsdp", "4")
-    assert_failed_cleanly(result, out, "torchtitan 0.2 shards its 2 experts along dim 1 when its expert FSDP size "
-                          "(fsdp = 4) exceeds them, a layout ckpttool writes only in torchtitan 0.3's names "
-                          "(names='torchtitan'); choose fsdp at most 2; nothing was written")
-    assert tree_digest(hf) == before
-
-
 def test_the_mtp_layer_splits_back_to_torchtitans_own_save_in_the_same_chunks(titan_merged, tmp_path):
     name = "torchtitan_dsv3mtp_fsdp2"
     hf = titan_merged(name)[0]
