@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from ckpttool.commands.source import plan_source
+from ckpttool.commands.source import plan_source, read_layout
 from ckpttool.errors import SourceError
 from ckpttool.execute.buffers import chunks, distinct_targets, predict_peak_bytes as stream_peak_bytes
 from ckpttool.io import sidecar
 from ckpttool.io.sidecar import SUFFIX, parse_sidecar, shard_name
+from ckpttool.layout.builder import LayoutBuilder
+from ckpttool.layout.layout import RAW, Box, Layout, Piece
 from ckpttool.writers.hf import predict_peak_bytes
 
 LABEL = f"rank-00000-of-00002{SUFFIX}"
@@ -115,3 +117,57 @@ def test_the_peak_of_tensors_cut_in_pieces_is_that_of_all_their_chunks(tmp_path:
     assert len(distinct_targets(plan.targets)) == 4  # 3 split shapes (8 rows thrice, 6 twice), one norm shape
     assert predict_peak_bytes(plan) == stream_peak_bytes(every_chunk)
     assert predict_peak_bytes(plan, 3) == stream_peak_bytes(every_chunk, 3)
+
+
+def built(add_each: bool, rows: list[tuple[str, tuple[int, ...], Piece]]) -> Layout | str:
+    """The layout of ``rows`` (fqn, global shape, piece) added one at a time or by add_pieces, or its error."""
+    builder = LayoutBuilder("root", "sidecar")
+    if add_each:
+        for fqn, shape, p in rows:
+            if builder.declare(fqn, shape, p.dtype, where="'r.json'"):
+                builder.add(fqn, p)
+    else:
+        builder.add_pieces([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], "'r.json'")
+    try:
+        return builder.build()
+    except SourceError as e:
+        return str(e)
+
+
+def stored(offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: str = "BF16", tp: int = 0) -> Piece:
+    return Piece("rank.safetensors", f"k{offsets}", Box(offsets, sizes), dtype, RAW, 8, 2, (("tp_rank", tp),))
+
+
+GOOD = [("w", (8, 4), stored((4, 0), (4, 4), tp=1)), ("w", (8, 4), stored((0, 0), (4, 4))),
+        ("n", (4,), stored((0,), (4,))), ("s", (), stored((), ()))]
+
+
+@pytest.mark.parametrize("rows", [
+    GOOD,
+    [*GOOD, ("w", (8, 4), stored((6, 0), (4, 4)))],  # outside its tensor
+    [*GOOD, ("w", (8, 5), stored((0, 0), (4, 5)))],  # another global shape
+    [*GOOD, ("w", (8, 4), stored((0, 0), (4, 4), "F32"))],  # another dtype
+    [*GOOD, ("e", (0, 4), stored((0, 0), (0, 4)))],  # an empty piece: not kept
+    [*GOOD, ("x", (2, -1), stored((0, 0), (2, 1)))],  # a negative global shape
+    [*GOOD, ("x", [2, 2], stored((0, 0), (2, 2)))],  # a shape given as a list
+], ids=["good", "outside", "shape", "dtype", "empty", "negative", "list"])
+def test_add_pieces_builds_what_declare_and_add_build(rows):
+    each, bulk = built(True, rows), built(False, rows)
+    assert bulk == each
+    if rows is GOOD:
+        assert [p.box.offsets for p in bulk.tensors["w"].pieces] == [(0, 0), (4, 0)]  # in order of offsets
+
+
+def test_a_rank_file_that_disagrees_with_its_sidecar_is_named(tmp_path: Path):
+    write_rank(tmp_path, 0, [piece("a", [8, 4], [0, 0], [4, 4]), piece("b", [4], [0], [4])])
+    write_rank(tmp_path, 1, [piece("a", [8, 4], [4, 0], [4, 4])])
+    side = tmp_path / f"{shard_name(1, 2)}{SUFFIX}"
+    doc_1 = json.loads(side.read_text())
+    doc_1["pieces"][0]["sizes"] = [4, 2]
+    side.write_text(json.dumps(doc_1))
+    before = {p.name: p.read_bytes()[:4096] for p in tmp_path.iterdir()}
+    with pytest.raises(SourceError) as excinfo:
+        read_layout(tmp_path, format="sidecar")
+    assert str(excinfo.value) == (f"'{shard_name(1, 2)}.safetensors': 'a' is BF16 [4, 4] but "
+                                  f"'{shard_name(1, 2)}{SUFFIX}' records BF16 [4, 2]")
+    assert {p.name: p.read_bytes()[:4096] for p in tmp_path.iterdir()} == before
