@@ -261,8 +261,11 @@ class LayoutBuilder:
 _INT = frozenset({int})
 _STR, _TUPLE = frozenset({str}), frozenset({tuple})
 _BOX, _SIZES, _OFFSETS, _DTYPE = attrgetter("box"), attrgetter("sizes"), attrgetter("offsets"), attrgetter("dtype")
+_OFFSETS_OF = attrgetter("box.offsets")
 
 
 def _in_order(pieces: list[Piece]) -> tuple[Piece, ...]:
-    """Pieces by their offsets (most tensors have one piece: nothing to sort)."""
-    return tuple(sorted(pieces, key=lambda p: p.box.offsets)) if len(pieces) > 1 else tuple(pieces)
+    """Pieces by their offsets (most tensors have one piece: nothing to sort; a TP pair is mostly in order)."""
+    if len(pieces) == 2 and pieces[0].box.offsets <= pieces[1].box.offsets:
+        return tuple(pieces)
+    return tuple(sorted(pieces, key=_OFFSETS_OF)) if len(pieces) > 1 else tuple(pieces)
