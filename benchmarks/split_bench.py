@@ -32,6 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge_bench import config, drop_cache, measure  # noqa: E402
 
 
+#: normal values drawn once for every tensor of the synthetic model (128 MiB of bf16)
+POOL = 2**26
+
+
 def build(src: Path, size_gib: float) -> int:
     """Write the HF checkpoint one layer at a time (never the whole model in memory); returns its bytes."""
     import torch
@@ -49,10 +53,23 @@ def build(src: Path, size_gib: float) -> int:
                        p + "post_attention_layernorm.weight": (h,)})
     src.mkdir(parents=True)
     weight_map, total = {}, 0
-    generator = torch.Generator().manual_seed(0)
+    # normal values drawn once; each tensor is a run of windows of them at offsets of its own, so building tens of
+    # GiB costs memory copies, not random draws, and no two tensors hold the same bytes
+    pool = torch.randn(POOL, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    start = 0
+
+    def values(shape: tuple) -> torch.Tensor:
+        nonlocal start
+        out = torch.empty(shape, dtype=torch.bfloat16).view(-1)
+        for at in range(0, out.numel(), POOL // 2):
+            n = min(POOL // 2, out.numel() - at)
+            start = (start + 7919) % (POOL // 2)
+            out[at:at + n] = pool[start:start + n]
+        return out.view(shape)
+
     for n, group in enumerate(groups, 1):
         name = f"model-{n:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {k: torch.randn(shape, generator=generator, dtype=torch.float32).to(torch.bfloat16) for k, shape in group.items()}
+        tensors = {k: values(shape) for k, shape in group.items()}
         save_file(tensors, str(src / name), {"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
         total += sum(t.numel() * 2 for t in tensors.values())
