@@ -74,37 +74,14 @@ def _files() -> tuple[dcp.DcpFile, ...]:
     return dcp.lay_out(per_rank, [[("layers.0._extra_state", extra)], []])
 
 
-def _torch_metadata(files: tuple[dcp.DcpFile, ...]):
-    """The ``Metadata`` torch's classes make of the same files (what ``write_metadata`` pickled before)."""
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta, TensorProperties,
-                                                       TensorStorageMetadata)
-
-    tensors, storage = {}, {}
-    for out in files:
-        for item in out.items:
-            md = tensors.setdefault(item.fqn, TensorStorageMetadata(
-                TensorProperties(dtype=torch_dtype(item.target.dtype)), torch.Size(item.global_shape), []))
-            md.chunks.append(ChunkStorageMetadata(torch.Size(item.box.offsets), torch.Size(item.box.sizes)))
-            storage[MetadataIndex(item.fqn, torch.Size(item.box.offsets), len(md.chunks) - 1)] = _StorageInfo(
-                out.name, item.offset, item.archive.length)
-    objects = {}
-    for out in files:
-        for obj in out.objects:
-            objects[obj.fqn] = BytesStorageMetadata()
-            storage[MetadataIndex(obj.fqn)] = _StorageInfo(out.name, obj.offset, len(obj.data))
-    save_id = pickle.loads(dcp.metadata_pickle(files)).storage_meta.save_id
-    return Metadata({**tensors, **objects}, planner_data={name: (name,) for name in tensors}, storage_data=storage,
-                    storage_meta=StorageMeta(checkpoint_id=None, save_id=save_id), version=CURRENT_DCP_VERSION)
-
-
-def test_the_metadata_is_the_pickle_of_torchs_classes_and_torch_reads_it(tmp_path):
+def test_the_metadata_is_the_pickle_of_torchs_classes_and_torch_reads_it(tmp_path, monkeypatch):
     files = _files()
-    want = _torch_metadata(files)
+    want = dcp.torch_metadata(files)
     data = dcp.metadata_pickle(files)
     assert len(data) > 64 * 1024  # two frames at least
     assert data == pickle.dumps(want)
+    monkeypatch.setattr(dcp, "HAND_PICKLED_CHUNKS", 10)  # a large checkpoint's: torch's classes, the same bytes
+    assert dcp.metadata_pickle(files) == data
     dcp.write_metadata(files, tmp_path)
     got = FileSystemReader(str(tmp_path)).read_metadata()
     got.storage_meta.load_id = None  # the reader's own, drawn as it reads

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import threading
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ckpttool.io.dtypes import torch_dtype_name
+from ckpttool.io.dtypes import torch_dtype, torch_dtype_name
 from ckpttool.execute.executor import Chunk, Reader, buffer_sizes, chunks, piece_uses
 from ckpttool.execute.executor import write_file as stream_file
 from ckpttool.layout.layout import Box, Shape
@@ -224,10 +226,19 @@ def _size(values: tuple[int, ...]) -> Call:
     return Call(_SIZE, (tuple(list(values)),))
 
 
+#: the most chunks whose ``.metadata`` is pickled by hand (:mod:`.torch_globals`: the standard library's Python
+#: pickler, ~0.5 ms a chunk); above it, torch's classes are imported and pickled by the C pickler (~2 s to import,
+#: then ~20 us a chunk), the same bytes
+HAND_PICKLED_CHUNKS = 4000
+
+
 def metadata_pickle(files: Sequence[DcpFile]) -> bytes:
-    """``.metadata``: the pickle of torch's ``Metadata`` as ``FileSystemWriter.finish`` writes it, byte for byte,
-    built without importing torch: chunks listed per tensor in rank order, ``planner_data`` mapping each name to
-    itself (a flat state dict), a save id derived from the layout."""
+    """``.metadata``: the pickle of torch's ``Metadata`` as ``FileSystemWriter.finish`` writes it, byte for byte:
+    chunks listed per tensor in rank order, ``planner_data`` mapping each name to itself (a flat state dict), a
+    save id derived from the layout. Written without importing torch up to :data:`HAND_PICKLED_CHUNKS` chunks
+    (what keeps a split's start-up short), else from :func:`torch_metadata`."""
+    if sum(len(out.items) + len(out.objects) for out in files) > HAND_PICKLED_CHUNKS:
+        return pickle.dumps(torch_metadata(files))
     dtypes: dict[str, Global] = {}
     tensors: dict[str, New] = {}
     storage: dict[New, New] = {}
@@ -251,12 +262,44 @@ def metadata_pickle(files: Sequence[DcpFile]) -> bytes:
             objects[obj.fqn] = New(_CLASS["BytesStorageMetadata"])
             storage[New(_CLASS["MetadataIndex"], {"fqn": obj.fqn, "index": None})] = _storage_info(
                 out.name, obj.offset, len(obj.data))
-    digest = hashlib.sha256(repr([(f.name, [(i.fqn, i.box.offsets, i.offset) for i in f.items]) for f in files]).encode())
-    save_id = str(uuid.UUID(bytes=digest.digest()[:16], version=4))
-    meta = New(_CLASS["StorageMeta"], {"checkpoint_id": None, "save_id": save_id, "load_id": None, "modules": []})
+    meta = New(_CLASS["StorageMeta"], {"checkpoint_id": None, "save_id": _save_id(files), "load_id": None,
+                                       "modules": []})
     return dumps(New(_CLASS["Metadata"], {
         "state_dict_metadata": {**tensors, **objects}, "planner_data": {name: (name,) for name in tensors},
         "storage_data": storage, "storage_meta": meta, "version": DCP_VERSION}))
+
+
+def torch_metadata(files: Sequence[DcpFile]) -> Any:
+    """torch's own ``Metadata`` of ``files`` (imports ``torch.distributed.checkpoint``): what
+    :func:`metadata_pickle` pickles."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    tensors: dict[str, Any] = {}
+    storage = {}
+    for out in files:
+        for item in out.items:
+            md = tensors.setdefault(item.fqn, TensorStorageMetadata(
+                TensorProperties(dtype=torch_dtype(item.target.dtype)), torch.Size(item.global_shape), []))
+            md.chunks.append(ChunkStorageMetadata(torch.Size(item.box.offsets), torch.Size(item.box.sizes)))
+            storage[MetadataIndex(item.fqn, torch.Size(item.box.offsets), len(md.chunks) - 1)] = _StorageInfo(
+                out.name, item.offset, item.archive.length)
+    objects = {}
+    for out in files:
+        for obj in out.objects:
+            objects[obj.fqn] = BytesStorageMetadata()
+            storage[MetadataIndex(obj.fqn)] = _StorageInfo(out.name, obj.offset, len(obj.data))
+    return Metadata({**tensors, **objects}, planner_data={name: (name,) for name in tensors}, storage_data=storage,
+                    storage_meta=StorageMeta(checkpoint_id=None, save_id=_save_id(files)), version=CURRENT_DCP_VERSION)
+
+
+def _save_id(files: Sequence[DcpFile]) -> str:
+    """A save id derived from the layout, so a split writes the same bytes every time."""
+    digest = hashlib.sha256(repr([(f.name, [(i.fqn, i.box.offsets, i.offset) for i in f.items]) for f in files]).encode())
+    return str(uuid.UUID(bytes=digest.digest()[:16], version=4))
 
 
 def _storage_info(relative_path: str, offset: int, length: int) -> New:

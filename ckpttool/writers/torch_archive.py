@@ -16,6 +16,7 @@ shape and dtype alone. :func:`crc32_combine` joins the CRC-32 of chunks written 
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import math
 import struct
@@ -48,6 +49,7 @@ class _Storage:
     """Stands for the tensor's storage in the pickle: the pickler writes its persistent id instead."""
 
 
+@functools.lru_cache(maxsize=4096)  # a model's tensors share a few shapes; a split lays out one archive per chunk
 def tensor_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
     """``archive/data.pkl`` of ``torch.save`` of a contiguous tensor (safetensors ``dtype`` name), byte for byte,
     without importing torch (:mod:`.torch_globals`): a typed storage class and ``_rebuild_tensor_v2`` where torch
