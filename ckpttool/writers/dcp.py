@@ -217,7 +217,8 @@ _DTYPE_MODULE = "".join(("tor", "ch"))
 #: once and referred to after, as torch's one ``torch.strided``), contiguous memory
 _STRIDED = Call(Global("torch.serialization", "_get_layout"), ("torch.strided",))
 _CONTIGUOUS = Call(Global(_METADATA, "_MEM_FORMAT_ENCODING"), (0,))
-#: the format version torch's ``FileSystemWriter`` records (``CURRENT_DCP_VERSION`` of torch 2.4 to 2.13)
+#: the format version torch's ``FileSystemWriter`` records (``CURRENT_DCP_VERSION`` of torch 2.13, the release this was
+#: checked against: the only one installed here)
 DCP_VERSION = "1.0.0"
 
 
