@@ -112,7 +112,7 @@ def codec_cpu(repeats: int = 8) -> float:
 
     import torch
 
-    from ckpttool.execute.executor import CHUNK_BYTES
+    from ckpttool.execute.buffers import CHUNK_BYTES
     from ckpttool.quant.decode import Fp8Blocks
 
     torch.set_num_threads(1)

@@ -72,7 +72,8 @@ if TYPE_CHECKING:
     from ckpttool.audit import audit
     from ckpttool.commands.diff import DiffResult, diff
     from ckpttool.layout.layout import Box, Fusion, Layout, Padding, Piece, TensorLayout
-    from ckpttool.plan.plan import Copy, Plan, Slice, Target, TargetSpec, plan_merge
+    from ckpttool.plan.tiling import Copy, Slice
+    from ckpttool.plan.plan import Plan, Target, TargetSpec, plan_merge
     from ckpttool.errors import (
         ArgumentError,
         AuditError,
@@ -88,12 +89,14 @@ if TYPE_CHECKING:
         UnsafePickleError,
     )
     from ckpttool.findings import Finding, Report
-    from ckpttool.commands.merge import MergeResult, merge, prepare
+    from ckpttool.commands.merge_result import MergeResult
+    from ckpttool.commands.merge import merge, prepare
     from ckpttool.commands.adapter_only import AdapterExport, export_adapter
     from ckpttool.commands.source import read_layout
     from ckpttool.readers import READERS, detect_format
     from ckpttool.io.sidecar import PieceSpec, save_shard
-    from ckpttool.commands.split import SplitResult, split
+    from ckpttool.commands.split_result import SplitResult
+    from ckpttool.commands.split import split
     from ckpttool.commands.verify import verify
     from ckpttool.verify import Tolerance, VerifyResult
 

@@ -144,7 +144,9 @@ def describe_inline():
 def build_in_row_chunks(plan, targets, rows: int):
     """Build ``targets`` of ``plan`` chunk by chunk, ``rows`` rows each, as the executor does: (each target's chunks
     in order, the buffer sizes ``buffer_sizes`` predicts, the size of each predicted buffer actually allocated)."""
-    from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+    from ckpttool.execute.reads import Reader
+    from ckpttool.execute.buffers import buffer_sizes, chunks, piece_uses
+    from ckpttool.execute.assembly import build
 
     small = [c for t in targets for c in chunks(t, 0, rows=rows)]
     sizes = buffer_sizes(small)

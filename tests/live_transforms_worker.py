@@ -133,7 +133,8 @@ def megatron_held(checkpoint: Path, rank: int, vocab: int) -> tuple[dict[str, to
     PieceSpec placing it (the padded vocab's true size included)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ckpttool.io.sidecar import Padding, PieceSpec
+    from ckpttool.layout.layout import Padding
+    from ckpttool.io.sidecar import PieceSpec
 
     whole = model_entries(checkpoint)
     metadata = FileSystemReader(str(checkpoint)).read_metadata()

@@ -29,7 +29,8 @@ from ckpttool.families.adapter import HF_TP_RULES, REPLICATE, SHARD0, SHARD1
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core
 from ckpttool.families.rules import Rename
 from ckpttool.layout.layout import Layout, TensorLayout
-from ckpttool.model.architecture import ModelInfo, model_info
+from ckpttool.model.description import ModelInfo
+from ckpttool.model.architecture import model_info
 from ckpttool.model.config_file import read_config
 from ckpttool import read_layout  # the readers told what the conventions know
 from conftest import FIXTURES, assert_failed_cleanly

@@ -14,7 +14,9 @@ from safetensors.torch import save_file
 
 from ckpttool.audit.quantized import ScaleCheck
 from ckpttool.audit.stats import BLOCK_ELEMENTS, Fingerprint, Statistics, _as_tensor, _read_direct, blocks, fold
-from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.buffers import buffer_sizes, chunks, piece_uses
+from ckpttool.execute.assembly import build
 from ckpttool.plan.plan import Target
 from ckpttool.commands.merge import prepare
 

@@ -7,8 +7,7 @@ from conftest import FIXTURE_NAMES, fixture_dir
 from test_quantized import DEEPSEEK, GPT_OSS, checkpoint
 
 import ckpttool
-from ckpttool.execute.buffers import _signature, buffer_sizes
-from ckpttool.execute.executor import chunks
+from ckpttool.execute.buffers import _signature, buffer_sizes, chunks
 
 
 def _varied_chunks() -> list:
@@ -47,7 +46,8 @@ def test_targets_alike_but_for_their_pieces_are_sized_apart():
     """Two targets with the same boxes, one read from a wider piece (a longer strided read) and one from a piece in
     another dtype: the signature tells them apart, so the cache gives what each chunk needs."""
     from ckpttool.layout.layout import Box, Piece
-    from ckpttool.plan.plan import Copy, Target
+    from ckpttool.plan.tiling import Copy
+    from ckpttool.plan.plan import Target
 
     box = Box((0, 0), (4, 8))
 

@@ -21,7 +21,7 @@ import torch
 import ckpttool
 import ckpttool.execute.executor
 from ckpttool.errors import OutputError
-from ckpttool.writers.hf import journal_name
+from ckpttool.writers.destination import journal_name
 from conftest import fixture_dir, interrupt_after, load_output
 
 FIXTURE = "llama_tp2_dcp"

@@ -16,7 +16,9 @@ from ckpttool.execute.reference import PieceLoader, assemble
 from ckpttool.layout.layout import RAW, TORCH_SAVE, Box, Piece
 from ckpttool.plan.plan import Plan
 from ckpttool.io.safetensors_format import encode_header
-from ckpttool.execute.executor import Reader, chunks, file_digest, piece_uses, write_file
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.buffers import chunks, piece_uses
+from ckpttool.execute.executor import file_digest, write_file
 from conftest import FIXTURE_NAMES, fixture_dir
 
 

@@ -11,7 +11,7 @@ from test_quantized import DEEPSEEK, GPT_OSS, checkpoint
 import ckpttool
 from ckpttool.execute.buffers import distinct_targets
 from ckpttool.execute.buffers import predict_peak_bytes as stream_peak_bytes
-from ckpttool.execute.executor import chunks
+from ckpttool.execute.buffers import chunks
 from ckpttool.layout.layout import Box, Piece
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.plan.plan import target_sizes
@@ -39,7 +39,8 @@ def test_the_peak_predicted_from_distinct_targets_is_the_one_from_every_target()
 
 def test_targets_of_one_signature_count_once_and_others_each():
     box, other = Box((0, 0), (4, 8)), Box((0, 0), (4, 8))
-    from ckpttool.plan.plan import Copy, Target
+    from ckpttool.plan.tiling import Copy
+    from ckpttool.plan.plan import Target
 
     def whole(name: str, dtype: str = "F32", b: Box = box) -> Target:
         piece = Piece(f"{name}.safetensors", name, b, dtype)

@@ -18,12 +18,15 @@ from safetensors.torch import load_file
 import ckpttool
 import ckpttool.execute.copies as copies
 from ckpttool.execute.digest import FromSource, checks
-from ckpttool.execute.executor import Reader, buffer_sizes, chunks, file_digest, piece_uses, write_file
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.buffers import buffer_sizes, chunks, piece_uses
+from ckpttool.execute.executor import file_digest, write_file
 from ckpttool.plan.plan import Plan
 from ckpttool.execute.reference import PieceLoader, assemble
 from ckpttool.errors import OutputError, SourceError
 from ckpttool.io.safetensors_format import encode_header
-from ckpttool.writers.hf import JOURNAL_VERSION, journal_name
+from ckpttool.writers.journal import JOURNAL_VERSION
+from ckpttool.writers.destination import journal_name
 from conftest import FIXTURE_NAMES, fixture_dir, load_output
 
 FIXTURE = "llama_tp2_dcp"  # tensors split on dim 0 (copied file to file) and on dim 1 (built)

@@ -16,7 +16,9 @@ from safetensors.torch import load_file, save_file
 import ckpttool
 import ckpttool.execute.assembly as assembly
 import ckpttool.execute.executor as executor
-from ckpttool.execute.executor import Reader, buffer_sizes, chunks, file_digest, piece_uses, write_file
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.buffers import CHUNK_BYTES, Chunk, buffer_sizes, chunks, piece_uses
+from ckpttool.execute.executor import file_digest, write_file
 from ckpttool.plan.plan import Plan
 from ckpttool.errors import OutputError, SourceError
 from ckpttool.io.safetensors_format import encode_header
@@ -45,7 +47,7 @@ def many_small_tensors(root: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def stream(plan: Plan, path: Path, workers: int, chunk_bytes: int = executor.CHUNK_BYTES) -> str:
+def stream(plan: Plan, path: Path, workers: int, chunk_bytes: int = CHUNK_BYTES) -> str:
     prefix, offsets = encode_header({t.name: (t.dtype, t.shape) for t in plan.targets}, {"format": "pt"})
     chunk_list = [c for t in plan.targets for c in chunks(t, offsets[t.name][0], chunk_bytes)]
     reader = Reader(plan.root, piece_uses(chunk_list), buffer_sizes(chunk_list))
@@ -102,7 +104,7 @@ def test_a_truncated_source_is_named_on_the_direct_path(tmp_path):
     plan = ckpttool.prepare(tmp_path / "src").plan
     target = next(t for t in plan.targets if t.name == "layers.9.w")
     piece = target.copies[0].piece
-    assert executor.direct_offset(chunks(target, 0)[0]) == piece.byte_offset
+    assert assembly.direct_offset(chunks(target, 0)[0]) == piece.byte_offset
     os.truncate(tmp_path / "src" / piece.file, piece.byte_offset + 4)
     with pytest.raises(SourceError) as excinfo:
         stream(plan, tmp_path / "out.safetensors", 1)
@@ -119,15 +121,15 @@ def test_only_a_target_copied_whole_in_its_own_dtype_is_direct():
     split = [n for n, t in same.items() if len(t.copies) > 1]
     whole = [n for n, t in same.items() if len(t.copies) == 1 and t.copies[0].dst.sizes == t.shape]
     assert split and whole
-    assert all(executor.direct_offset(chunks(same[n], 0)[0]) is None for n in split)
-    assert all(executor.direct_offset(chunks(same[n], 0)[0]) is not None for n in whole)
-    assert all(executor.direct_offset(chunks(cast[n], 0)[0]) is None for n in whole)
+    assert all(assembly.direct_offset(chunks(same[n], 0)[0]) is None for n in split)
+    assert all(assembly.direct_offset(chunks(same[n], 0)[0]) is not None for n in whole)
+    assert all(assembly.direct_offset(chunks(cast[n], 0)[0]) is None for n in whole)
 
 
 def test_a_small_tensor_is_one_chunk_and_a_larger_one_is_cut_as_before():
     target = ckpttool.prepare(fixture_dir("llama_tp2_dcp") / "checkpoint").plan.targets[0]
     row = target.nbytes // target.shape[0]
-    assert chunks(target, 100, target.nbytes) == [executor.Chunk(target, 0, target.shape[0], 100, target.nbytes)]
+    assert chunks(target, 100, target.nbytes) == [Chunk(target, 0, target.shape[0], 100, target.nbytes)]
     cut = chunks(target, 100, target.nbytes - 1)
     per = (target.nbytes - 1) // row
     assert [(c.start, c.stop, c.offset) for c in cut] == [

@@ -10,7 +10,9 @@ from test_quantized import DEEPSEEK, GPT_OSS, QWEN3, checkpoint
 
 import ckpttool
 import ckpttool.execute.assembly as executor  # where the chunk builder and its _read_rows live
-from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.buffers import buffer_sizes, chunks, piece_uses
+from ckpttool.execute.assembly import build
 from ckpttool.commands.source import plan_source
 from ckpttool.families.source import dequantized_targets, plan_layout
 from ckpttool.quant import decode

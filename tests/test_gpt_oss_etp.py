@@ -163,7 +163,7 @@ def test_the_dry_run_names_the_part_taken_and_counts_its_buffers(cli):
     """Each fc1 chunk reads the rank's whole columns (gate and up interleaved) and takes its part: the dry run
     names it, and its peak counts the columns read, the transposed copy and the chunk."""
     from ckpttool.commands.split import split
-    from ckpttool.execute.executor import buffer_sizes
+    from ckpttool.execute.buffers import buffer_sizes
     from ckpttool.writers.dcp import item_chunks
 
     result = cli("split", CASE / "reference", "--to", "megatron", "--tp", "2", "--etp", "2", "--dry-run", "--json",
@@ -229,7 +229,8 @@ def test_take_is_one_part_of_an_interleave():
 def test_a_merge_plan_refuses_a_target_made_through_a_take():
     """A merge reads every stored element: a family cut whose transform drops some (a split's Take) is refused."""
     from ckpttool.layout.layout import Layout, TensorLayout
-    from ckpttool.plan.plan import Slice, TargetSpec, plan_merge
+    from ckpttool.plan.tiling import Slice
+    from ckpttool.plan.plan import TargetSpec, plan_merge
 
     layout = Layout("", "dcp", {"s": TensorLayout("s", (8, 3), "F32", ())})
     spec = TargetSpec("t", (4, 3), (Slice("s", Box((0, 0), (8, 3)), Box((0, 0), (8, 3))),), transform=Take(0, 2, 0))

@@ -208,7 +208,9 @@ def test_quantizing_after_a_transform_streams_expert_by_expert_within_the_predic
     allocated once at the size buffer_sizes predicts (what --dry-run's peak sums); the bytes are the reference
     executor's (whole tensors)."""
     from ckpttool.commands.merge import prepare
-    from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+    from ckpttool.execute.reads import Reader
+    from ckpttool.execute.buffers import buffer_sizes, chunks, piece_uses
+    from ckpttool.execute.assembly import build
     from ckpttool.execute.reference import PieceLoader, assemble
 
     plan = prepare(MEGATRON / "torch_dist", config=MEGATRON / "config.json", dtype="bfloat16", quantize="mxfp4").plan

@@ -24,7 +24,8 @@ from conftest import fixture_dir, load_output, tree_digest
 from ckpttool.families import nemotron_h, qwen3_next
 from ckpttool.families.hybrid import grouped_rows_note, layer_kinds, missing_mixer_cause
 from ckpttool.families.registry import adapter_for
-from ckpttool.model.architecture import ModelInfo, special_floats
+from ckpttool.model.description import ModelInfo
+from ckpttool.model.architecture import special_floats
 
 SOURCES = ("qwen3_next_fsdp2_dcp", "qwen3_next_hf_tp2", "nemotron_h_fsdp2_dcp")
 TOKENS = [[5, 17, 199, 3, 250, 42, 7, 100, 11, 128, 64, 2]]

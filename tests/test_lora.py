@@ -14,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpttool.execute.executor import Reader, build, chunks, piece_uses
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.assembly import build
+from ckpttool.execute.buffers import chunks, piece_uses
 from ckpttool.lora.adapter import read_adapter
 from ckpttool.plan.lora import AdapterTensor, LoraDelta, fuse_rows
 from conftest import assert_failed_cleanly, fixture_dir, load_output, tree_digest

@@ -159,7 +159,7 @@ def _gpt_oss_plan(adapter=GPT_OSS / "adapter"):
 def test_a_stacked_target_is_fused_expert_by_expert_as_peft_s_whole_einsum():
     """Chunks of one expert (what a real gpt-oss's 2880 x 5760 experts take) give the reference's bytes, and the
     executor cuts such a target by experts, not by 256 rows."""
-    from ckpttool.execute.executor import chunks
+    from ckpttool.execute.buffers import chunks
 
     plan = _gpt_oss_plan()
     targets = [t for t in plan.targets if t.name in (GATE_UP.format(1), DOWN.format(1))]

@@ -17,7 +17,7 @@ import ckpttool
 from ckpttool.errors import SourceError
 from ckpttool.layout.layout import Layout, TensorLayout
 from ckpttool.layout.builder import LayoutBuilder
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.families.conventions import megatron_core
 from ckpttool.readers.deepspeed import reader as deepspeed
 from ckpttool.io.torch_save import scan

@@ -156,7 +156,8 @@ def test_a_whole_piece_copied_as_it_is_is_planned_as_the_general_path_plans_it(s
 
 def test_a_target_of_a_piece_not_at_the_origin_is_left_to_the_general_path():
     from ckpttool.layout.layout import Layout, TensorLayout
-    from ckpttool.plan.plan import Slice, TargetSpec
+    from ckpttool.plan.tiling import Slice
+    from ckpttool.plan.plan import TargetSpec
 
     piece = _piece("x", "w", (2, 4), offsets=(2, 0))
     layout = Layout("root", "hf", {"w": TensorLayout("w", (4, 4), "BF16", (piece,))})

@@ -295,7 +295,7 @@ def test_qkv_and_gate_up_cut_follow_megatrons_views():
     from hypothesis import strategies as st
 
     from ckpttool.layout.layout import Layout, TensorLayout
-    from ckpttool.model.architecture import ModelInfo
+    from ckpttool.model.description import ModelInfo
     from ckpttool.families.conventions import megatron_core as megatron
 
     @settings(max_examples=40, deadline=None)

@@ -21,7 +21,9 @@ from ckpttool.errors import CoverageError, SourceError
 from ckpttool.execute.reference import PieceLoader, assemble
 from ckpttool.layout.layout import RAW, Box, Fusion, Layout, Padding, Piece
 from ckpttool.layout.builder import LayoutBuilder
-from ckpttool.plan.plan import Copy, Slice, TargetSpec, check_tiling, plan_merge, uncovered
+from ckpttool.plan.tiling import Copy, Slice, check_tiling
+from ckpttool.plan.plan import TargetSpec, plan_merge
+from ckpttool.layout.regions import uncovered
 from ckpttool.io.safetensors_format import read_header
 from conftest import HYPOTHESIS_EXAMPLES
 

@@ -17,9 +17,9 @@ import pytest
 
 from ckpttool.errors import UnsafePickleError
 from ckpttool.readers import colossalai
-from ckpttool.readers.deepspeed import reader as deepspeed
+from ckpttool.readers.deepspeed import classes as deepspeed
 from ckpttool.readers.megatron import common as megatron
-from ckpttool.readers.verl import reader as verl
+from ckpttool.readers.verl import classes as verl
 from ckpttool.io.safe_pickle import load_metadata_pickle
 from ckpttool.io.torch_save import scan
 from conftest import FIXTURES, load_output

@@ -16,7 +16,9 @@ from test_quantized import QWEN3, checkpoint
 from test_quantized_merge import assert_bitwise
 
 import ckpttool
-from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.buffers import buffer_sizes, chunks, piece_uses
+from ckpttool.execute.assembly import build
 from ckpttool.execute.reference import PieceLoader, assemble
 from ckpttool.errors import ArgumentError, ConfigError
 from ckpttool.families.quantize import not_converted, quantizes

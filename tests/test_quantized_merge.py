@@ -15,7 +15,9 @@ from safetensors.torch import save_file
 from test_quantized import DEEPSEEK, GPT_OSS, QWEN3, checkpoint
 
 import ckpttool
-from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.buffers import buffer_sizes, chunks, piece_uses
+from ckpttool.execute.assembly import build
 from ckpttool.execute.reference import PieceLoader, assemble
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}

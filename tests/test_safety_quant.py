@@ -14,7 +14,9 @@ from test_quantized import DEEPSEEK, GPT_OSS, QWEN3, checkpoint, rewrite
 
 import ckpttool
 from ckpttool.errors import ArgumentError, ConfigError, SourceError
-from ckpttool.execute.executor import Reader, buffer_sizes, build, chunks, piece_uses
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.buffers import buffer_sizes, chunks, piece_uses
+from ckpttool.execute.assembly import build
 from ckpttool.quant.decode import Fp8Blocks
 from ckpttool.quant.formats import MAX_FP8_BLOCK, read_quantization
 

@@ -19,7 +19,8 @@ import ckpttool
 import ckpttool.cli
 from ckpttool.errors import Interrupted
 from ckpttool.execute.executor import write_file
-from ckpttool.writers.hf import journal_name, write_text
+from ckpttool.writers.destination import journal_name
+from ckpttool.writers.journal import write_text
 from conftest import fixture_dir, interrupt_after, load_output, tree_digest
 
 SRC = fixture_dir("llama_tp2_dcp") / "checkpoint"

@@ -87,7 +87,7 @@ def test_shared_expert_cut_follows_megatrons_glu_chunk():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from ckpttool.model.architecture import ModelInfo
+    from ckpttool.model.description import ModelInfo
     from ckpttool.families.conventions import megatron_core
     from ckpttool.layout.layout import Layout, TensorLayout
 

@@ -19,7 +19,8 @@ import torch
 
 from ckpttool.fast import crc
 from ckpttool.layout.layout import Box, Piece
-from ckpttool.plan.plan import Copy, Target
+from ckpttool.plan.tiling import Copy
+from ckpttool.plan.plan import Target
 from ckpttool.writers import dcp
 from conftest import dcp_model_tensors
 

@@ -27,8 +27,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import ckpttool
 from ckpttool.errors import SourceError
-from ckpttool.execute.assembly import direct_rows
-from ckpttool.execute.executor import Reader, chunks, direct_offset
+from ckpttool.execute.assembly import direct_offset, direct_rows
+from ckpttool.execute.buffers import chunks
+from ckpttool.execute.reads import Reader
 from ckpttool.io.dtypes import SAFETENSORS_DTYPES, torch_dtype
 from ckpttool.layout.layout import Box, Piece
 from ckpttool.plan.plan import Copy, Target

@@ -20,7 +20,7 @@ import ckpttool
 from ckpttool.families.conventions import torchtitan
 from ckpttool.families.registry import convention_for
 from ckpttool.layout.layout import Box, Layout, Piece, TensorLayout
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.plan.transforms import transform_tensor
 
 NAMES = ("torchtitan_llama3_fsdp2", "torchtitan_llama3_tp2", "torchtitan_qwen3_fsdp2")

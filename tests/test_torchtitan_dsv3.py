@@ -134,17 +134,19 @@ def test_a_name_torchtitans_deepseek_v3_has_not_and_its_mtp_layers_are_refused_b
          "trained with? One with num_nextn_predict_layers 1 carries them to model.layers.3")]
 
 
-def test_a_mesh_where_torchtitan_shards_experts_along_dim_1_is_refused_in_0_2s_names(cli, merged, tmp_path):
-    # 4 experts: torchtitan's FSDP over 8 ranks cuts dim 1 of each expert, not dim 0; since issue 29's fifth round
-    # split writes that in 0.3's names on every mesh (FSDP, with EP, over HSDP, beside TP: test_expert_layouts.py),
-    # never run in 0.2's
+def test_without_ep_torchtitan_0_2s_experts_stay_along_dim_0_beside_tp_and_over_hsdp(cli, merged):
+    # 4 experts over 8 expert FSDP ranks: 0.3 cuts dim 1 there (test_expert_layouts.py); 0.2.2's apply_fsdp passes
+    # its dim-1 placement only to the experts' EP-mesh fully_shard, so without EP they stay Shard(0) on FSDP after
+    # TP's cut (its own save on FSDP alone: tests/test_torchtitan_0_2.py). These meshes were refused before
     hf = merged["torchtitan_dsv3_fsdp2"][0]
-    for args, what in ((("--fsdp", "8", "--tp", "2"), "fsdp = 8"), (("--dp", "2", "--fsdp", "4"), "dp x fsdp = 8")):
-        out = tmp_path / f"out{len(args)}"
-        result = cli("split", hf, out, "--to", "dcp", "--names", "torchtitan-0.2", *args)
-        assert_failed_cleanly(result, out, "'layers.1.moe.experts.w1': torchtitan 0.2 "
-                              f"shards its 4 experts along dim 1 when its expert FSDP size ({what}) exceeds them",
-                              "nothing was written")
+    for args, line in (
+            (("--fsdp", "8", "--tp", "2"),
+             "layers.1.moe.experts.w2  [4x32x16]  (Shard(0), Shard(2)) over fsdp=8 x tp=2  local 1x32x8 x8, 0x32x8 x8"),
+            (("--dp", "2", "--fsdp", "4"),
+             "layers.1.moe.experts.w2  [4x32x16]  (Replicate(), Shard(0)) over dp=2 x fsdp=4  local 1x32x16 x8")):
+        result = cli("split", hf, "--to", "dcp", "--names", "torchtitan-0.2", *args, "--dry-run")
+        assert result.exit_code == 0, result.output
+        assert line in result.stdout
 
 
 def test_torchtitan_0_2s_experts_over_tp_within_ep_are_refused(cli, merged, tmp_path):

@@ -122,7 +122,7 @@ def test_the_api_refuses_unknown_names_and_names_for_megatron_before_reading(tmp
 
 def test_a_tensor_with_no_torchtitan_name_is_refused_listing_it():
     from ckpttool.families import MemoryTensor
-    from ckpttool.model.architecture import ModelInfo
+    from ckpttool.model.description import ModelInfo
 
     info = ModelInfo("llama", {"model_type": "llama", "head_dim": 8}, {}, {})
     memory = [MemoryTensor("model.layers.0.self_attn.q_proj.bias", (32,), ())]
@@ -223,7 +223,7 @@ def test_a_torchtitan_step_reshards_straight_to_another_torchtitan_mesh(tmp_path
 
 def test_the_moe_names_before_0_3_are_cut_per_expert_too():
     from ckpttool.layout.layout import Box, Layout, Piece, TensorLayout
-    from ckpttool.model.architecture import ModelInfo
+    from ckpttool.model.description import ModelInfo
 
     shapes = {"tok_embeddings.weight": (8, 4), "layers.0.moe.experts.w1": (2, 6, 4), "layers.0.moe.experts.w2": (2, 4, 6),
               "layers.0.moe.router.gate.weight": (2, 4), "layers.0.moe.expert_bias": (2,)}
@@ -312,19 +312,6 @@ def test_experts_fsdp_cut_along_dim_1_merge_and_split_back_in_torchtitans_chunks
     assert sorted(got) == sorted(want)
     ckpttool.split(hf, tmp_path / "back", names="torchtitan", fsdp=4)
     assert_same_dcp(tmp_path / "back", src, tmp_path, unequal=("expert_bias_E",))
-
-
-def test_experts_along_dim_1_in_torchtitan_0_2s_names_are_refused(cli, titan_merged, tmp_path):
-    # since issue 29's fifth round 0.3's names are written on every such mesh (beside TP, over HSDP:
-    # tests/test_expert_layouts.py); 0.2 was never run so
-    hf = titan_merged("torchtitan_qwen3moe2_fsdp4")[0]
-    before = tree_digest(hf)
-    out = tmp_path / "out"
-    result = cli("split", hf, out, "--to", "dcp", "--names", "torchtitan-0.2", "--fsdp", "4")
-    assert_failed_cleanly(result, out, "torchtitan 0.2 shards its 2 experts along dim 1 when its expert FSDP size "
-                          "(fsdp = 4) exceeds them, a layout ckpttool writes only in torchtitan 0.3's names "
-                          "(names='torchtitan'); choose fsdp at most 2; nothing was written")
-    assert tree_digest(hf) == before
 
 
 def test_the_mtp_layer_splits_back_to_torchtitans_own_save_in_the_same_chunks(titan_merged, tmp_path):

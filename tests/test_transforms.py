@@ -12,14 +12,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckpttool import read_layout
-from ckpttool.execute.buffers import buffer_sizes
+from ckpttool.execute.buffers import buffer_sizes, chunks, piece_uses
 from ckpttool.execute.digest import checks
-from ckpttool.execute.executor import Reader, chunks, file_digest, piece_uses, write_file
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.executor import file_digest, write_file
 from ckpttool.execute.reference import PieceLoader, assemble
 from ckpttool.io.safetensors_format import encode_header
 from ckpttool.errors import ConfigError, CoverageError
 from ckpttool.layout.layout import Box
-from ckpttool.plan.plan import Dequantize, Slice, TargetSpec, identity_specs, plan_merge
+from ckpttool.plan.plan import Dequantize, TargetSpec, identity_specs, plan_merge
+from ckpttool.plan.tiling import Slice
 from ckpttool.plan.transforms import Chain, Permute, Transpose, interleave, rope_halves, transform_tensor
 from conftest import fixture_dir
 
@@ -280,8 +282,9 @@ import torch
 from ckpttool import read_layout
 from ckpttool.plan.plan import TargetSpec, identity_specs, plan_merge
 from ckpttool.plan.transforms import Transpose, rope_halves
-from ckpttool.execute.buffers import buffer_sizes, predict_peak_bytes
-from ckpttool.execute.executor import Reader, chunks, piece_uses, write_file
+from ckpttool.execute.buffers import buffer_sizes, chunks, piece_uses, predict_peak_bytes
+from ckpttool.execute.executor import write_file
+from ckpttool.execute.reads import Reader
 src, out, kind = sys.argv[1], sys.argv[2], sys.argv[3]
 layout = read_layout(src)
 t = rope_halves(128) if kind == "rope" else Transpose(0, 1)
@@ -403,7 +406,7 @@ def replace_transform(memory, transform):
 
 def test_a_dry_run_lists_each_transformed_target_with_its_map(capsys):
     from ckpttool.cli.show import print_result
-    from ckpttool.commands.merge import MergeResult
+    from ckpttool.commands.merge_result import MergeResult
 
     layout = read_layout(fixture_dir(LLAMA) / "checkpoint")
     plan = plan_merge(layout, transformed_specs(layout, {Q: rope_halves(HEAD_DIM), DOWN: Transpose(0, 1)}))
@@ -443,7 +446,7 @@ def test_a_large_transformed_chunk_is_built_and_hashed_never_copied_file_to_file
     """A chunk of a one-piece tensor would be copied file to file or read in place; transformed, its bytes are not
     the source's, so it is built, its CRC-32 is its digest token, and the journal's plan identity tells it apart."""
     from ckpttool.execute.copies import COPY_BYTES, copied
-    from ckpttool.execute.executor import direct_offset
+    from ckpttool.execute.assembly import direct_offset
     from ckpttool.writers.hf import assign_files
     from ckpttool.writers.journal import plan_id
 
@@ -464,7 +467,8 @@ def test_a_large_transformed_chunk_is_built_and_hashed_never_copied_file_to_file
 
 def test_a_transformed_target_of_no_rows_has_no_chunk():
     from ckpttool.layout.layout import Piece
-    from ckpttool.plan.plan import Copy, Target
+    from ckpttool.plan.tiling import Copy
+    from ckpttool.plan.plan import Target
 
     piece = Piece("f.safetensors", "w", Box((0, 0), (0, 4)), "F32")
     for t in (rope_halves(2, dim=1), Transpose(0, 1)):

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_failed_cleanly
 
-from ckpttool.execute.buffers import OVERHEAD_BYTES
-from ckpttool.execute.executor import CHUNK_BYTES
+from ckpttool.execute.buffers import OVERHEAD_BYTES, CHUNK_BYTES
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

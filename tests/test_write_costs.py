@@ -12,9 +12,10 @@ from dataclasses import replace
 import pytest
 
 import ckpttool
-from ckpttool.execute.executor import chunks, piece_uses
+from ckpttool.execute.buffers import chunks, piece_uses
 from ckpttool.io.safetensors_format import encode_header
-from ckpttool.writers.hf import assign_files, plan_id
+from ckpttool.writers.hf import assign_files
+from ckpttool.writers.journal import plan_id
 from conftest import fixture_dir
 
 ALPHABET = 'ab.\"\\\x00\x1f\x7f é中😀/ '

@@ -29,7 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ckpttool.errors import ConfigError
-from ckpttool.model.architecture import ModelInfo, model_info
+from ckpttool.model.description import ModelInfo
+from ckpttool.model.architecture import model_info
 from ckpttool.model.config_file import find_config, read_config
 from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool.layout.layout import Layout
@@ -47,21 +48,17 @@ from ckpttool.audit.config import (
     dtype_findings,
     tie_findings,
     tokenizer_findings,
-    tokenizer_size,
     unloadable_findings,
 )
-from ckpttool.audit.data import OUTLIER_FACTOR, data_findings, replica_findings
+from ckpttool.audit.data import data_findings, replica_findings
 from ckpttool.audit.mtp import mtp_findings
 from ckpttool.audit.norms import norm_findings
 from ckpttool.audit.quantized import data_plan, quantization_findings, scale_findings
-from ckpttool.audit.shapes import EXPERT_NAME, LAYER_NAME, shape_findings
+from ckpttool.audit.shapes import shape_findings
 from ckpttool.audit.stats import Statistics, fold
 from ckpttool.audit.vocab_rows import copied_row_findings
 
-__all__ = [
-    "EXPERT_NAME", "LAYER_NAME", "OUTLIER_FACTOR", "audit", "check", "config_findings", "data_findings",
-    "shape_findings", "tokenizer_size",
-]
+__all__ = ["audit", "check", "config_findings", "data_findings", "shape_findings"]
 
 
 def audit(

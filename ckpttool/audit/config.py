@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ckpttool.io import jsonfile
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.io.dtypes import FLOAT_DTYPES, dtype_name
 from ckpttool.plan.plan import Target, TargetSpec
 from ckpttool.errors import ConfigError, SourceError

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ckpttool.model.architecture import ModelInfo, config_value
+from ckpttool.model.description import ModelInfo
+from ckpttool.model.architecture import config_value
 from ckpttool.families import mtp
 from ckpttool.findings import Finding, TensorStats, finding
 from ckpttool.audit.shapes import LAYER_NAME

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 from ckpttool.console.words import counted
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.families import Mismatch
 from ckpttool.families.hybrid import grouped_rows_note, layer_kinds_in_words, missing_mixer_cause
 from ckpttool.findings import Finding, finding

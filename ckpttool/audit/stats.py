@@ -16,7 +16,9 @@ from typing import Protocol, TypeVar
 
 from ckpttool.fast.deferred import torch
 from ckpttool.io.dtypes import torch_dtype
-from ckpttool.execute.executor import Chunk, Reader, direct_offset, buffer_sizes, build, chunks, piece_uses
+from ckpttool.execute.buffers import Chunk, buffer_sizes, chunks, piece_uses
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.assembly import direct_offset, build
 from ckpttool.plan.plan import Plan, Target
 from ckpttool.findings import TensorStats
 
@@ -63,8 +65,8 @@ def fold(plan: Plan, start: Callable[[Target], Accumulator[R]], on_bytes: Callab
 
 def _read_direct(chunk: Chunk, reader: Reader) -> memoryview | None:
     """The bytes of a chunk that lies in its file as it is (the executor's direct chunks,
-    :func:`~ckpttool.execute.executor.direct_offset`), read with one ``pread`` into the reader's buffer (valid until its
-    next read), without the region arithmetic of :func:`~ckpttool.execute.executor.build`: most of the cost of a
+    :func:`~ckpttool.execute.assembly.direct_offset`), read with one ``pread`` into the reader's buffer (valid until its
+    next read), without the region arithmetic of :func:`~ckpttool.execute.assembly.build`: most of the cost of a
     small tensor. None for a chunk that must be built."""
     at = direct_offset(chunk) if 0 < chunk.nbytes <= reader.run_bytes else None
     if at is None:
@@ -75,7 +77,7 @@ def _read_direct(chunk: Chunk, reader: Reader) -> memoryview | None:
 
 
 def _as_tensor(view: memoryview, chunk: Chunk) -> torch.Tensor:
-    """The chunk's bytes ``view`` as :func:`~ckpttool.execute.executor.build` gives the chunk: its dtype, its rows."""
+    """The chunk's bytes ``view`` as :func:`~ckpttool.execute.assembly.build` gives the chunk: its dtype, its rows."""
     target = chunk.target
     values = torch.frombuffer(view, dtype=torch.uint8).view(torch_dtype(target.dtype))
     return values.reshape((chunk.stop - chunk.start, *target.shape[1:]) if target.shape else ())

@@ -23,7 +23,7 @@ from ckpttool.version import __version__
 
 if TYPE_CHECKING:  # the commands import the API when they run: --help stays torch-free (tests/test_startup.py)
     from ckpttool.findings import Report
-    from ckpttool.commands.merge import MergeResult
+    from ckpttool.commands.merge_result import MergeResult
 
 FORMATS = click.Choice(list(FORMAT_NAMES))
 #: what --dtype casts floating-point tensors to (ckpttool.io.dtypes.CAST_DTYPES); integer tensors are never cast

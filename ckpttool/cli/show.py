@@ -15,7 +15,7 @@ from ckpttool.console.terminal import size_text as _size
 
 if TYPE_CHECKING:
     from ckpttool.findings import Report
-    from ckpttool.commands.merge import MergeResult
+    from ckpttool.commands.merge_result import MergeResult
 
 
 def print_result(result: MergeResult, verbose: int) -> None:

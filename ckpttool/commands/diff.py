@@ -29,14 +29,9 @@ import torch
 from ckpttool.audit.stats import Fingerprint, blocks, fold
 from ckpttool.console.words import counted
 from ckpttool.io.dtypes import itemsize
-from ckpttool.execute.executor import (
-    CHUNK_BYTES,
-    Reader,
-    buffer_sizes,
-    build,
-    chunks,
-    piece_uses,
-)
+from ckpttool.execute.buffers import CHUNK_BYTES, buffer_sizes, chunks, piece_uses
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.assembly import build
 from ckpttool.plan.plan import Plan, Target
 from ckpttool.errors import ConfigError
 from ckpttool.families.quantized import ASKS_TO_DEQUANTIZE, OR_KEEP_QUANTIZED

@@ -14,11 +14,13 @@ from ckpttool.families.quantized import output_config, scale_names
 from ckpttool.fast.jsontext import dumps as json_text
 from ckpttool.findings import Finding, Report, sort_findings
 from ckpttool.io.dtypes import dtype_name, prevailing_float
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.model.config_file import read_config
 from ckpttool.plan.plan import Plan
 from ckpttool.writers.destination import AUDIT_FILE
-from ckpttool.writers.hf import OutputFile, write_extras, write_index, write_text
+from ckpttool.writers.files import OutputFile
+from ckpttool.writers.hf import write_extras, write_index
+from ckpttool.writers.journal import write_text
 from ckpttool.writers.staging import Staging
 
 __all__ = ["config_dtype", "finish_output"]

@@ -35,9 +35,11 @@ from ckpttool.lora.embedded import Embedded, source_adapter
 from ckpttool.families.registry import adapter_for
 from ckpttool.writers.destination import check_destination
 from ckpttool.writers.staging import Staging
-from ckpttool.writers.hf import OutputFile, assign_files, clean_staging, find_extras, plan_id, write_weights
+from ckpttool.writers.files import OutputFile
+from ckpttool.writers.hf import assign_files, find_extras, write_weights
+from ckpttool.writers.journal import clean_staging, plan_id
 
-__all__ = ["MergeResult", "extras_search", "merge", "prepare", "prepare_and_adapter"]
+__all__ = ["extras_search", "merge", "prepare", "prepare_and_adapter"]
 
 log = logging.getLogger(__name__)
 

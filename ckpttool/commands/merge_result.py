@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from ckpttool.findings import Report
 from ckpttool.plan.plan import Plan
 from ckpttool.quant.encode import RoundTrip
-from ckpttool.writers.hf import OutputFile, predict_peak_bytes
+from ckpttool.writers.files import OutputFile
+from ckpttool.writers.hf import predict_peak_bytes
 
 __all__ = ["MergeResult"]
 

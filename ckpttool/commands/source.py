@@ -19,7 +19,8 @@ from ckpttool.layout.layout import Layout, TensorLayout
 from ckpttool.lora import megatron
 from ckpttool.lora.embedded import Embedded, split_embedded
 from ckpttool.lora.megatron import bridge_targets
-from ckpttool.model.architecture import ModelInfo, model_info
+from ckpttool.model.description import ModelInfo
+from ckpttool.model.architecture import model_info
 from ckpttool.model.config_file import find_config, read_config
 from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool.plan.plan import Target

@@ -39,7 +39,7 @@ from ckpttool.writers.manifest import write_manifest
 from ckpttool.writers.hf import write_extras
 from ckpttool.quant.formats import read_quantization
 
-__all__ = ["MANIFEST", "SplitResult", "TARGETS", "check_output", "split"]
+__all__ = ["MANIFEST", "TARGETS", "check_output", "split"]
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from ckpttool.families.mtp import expected as mtp_expected
 from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import Box
 from ckpttool.layout.placements import Placement
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.plan.compose import compose
 from ckpttool.plan.plan import Target
 from ckpttool.families.source import Planned

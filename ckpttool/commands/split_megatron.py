@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.io.dtypes import itemsize
 from ckpttool.plan.compose import compose
 from ckpttool.layout.layout import Box

@@ -28,7 +28,7 @@ from ckpttool.quant.codecs import codec
 from ckpttool.quant.decode import BadScale
 from ckpttool.execute.buffers import Chunk, chunk_rows, row_box, transformed_rows
 from ckpttool.layout.layout import RAW, Box, Piece, Shape
-from ckpttool.plan.plan import Copy
+from ckpttool.plan.tiling import Copy
 from ckpttool.execute.reads import Reader
 from ckpttool.layout.regions import dim_map, map_region
 from ckpttool.plan.lora import fuse_rows

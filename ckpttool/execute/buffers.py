@@ -17,7 +17,8 @@ from ckpttool.io.dtypes import itemsize
 from ckpttool.quant.codecs import codec
 from ckpttool.layout.layout import RAW, Box, Piece, c_strides
 from ckpttool.plan.lora import ROW_ALIGN
-from ckpttool.plan.plan import Copy, Target
+from ckpttool.plan.tiling import Copy
+from ckpttool.plan.plan import Target
 from ckpttool.execute.reference import CACHE_BYTES
 from ckpttool.layout.regions import map_region
 

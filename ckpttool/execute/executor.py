@@ -18,8 +18,9 @@ is as predicted). A large chunk whose bytes lie in its pieces' files as the outp
 output's dtype: each piece gives whole rows, one run of bytes) is copied file to file inside the kernel, as ``cp``
 does (:mod:`ckpttool.execute.copies`). A large write has its write-back started at once (:func:`_start_writeback`).
 
-The names the writers, the audit and the tests use are importable from here: :func:`write_file` and
-:func:`file_digest`, and the chunks, buffers and assembly they run on.
+Its public names are :func:`write_file` and :func:`file_digest`; the chunks and buffers it runs on are
+:mod:`ckpttool.execute.buffers`'s, the assembly :mod:`ckpttool.execute.assembly`'s, the reads
+:mod:`ckpttool.execute.reads`'s.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from ckpttool.fast.deferred import torch
 from ckpttool.execute.assembly import build, direct_offset, direct_rows
-from ckpttool.execute.buffers import CHUNK_BYTES, Chunk, buffer_sizes, chunks, piece_uses, predict_peak_bytes
+from ckpttool.execute.buffers import Chunk
 from ckpttool.execute import copies as file_copies
 from ckpttool.execute.copies import copied, copy_chunk, write_all
 from ckpttool.execute.digest import COPIED, FromSource, crc_token, recheck, running
@@ -42,8 +43,7 @@ from ckpttool.execute.digest import WINDOW as DIGEST_WINDOW
 from ckpttool.execute.reads import Reader
 from ckpttool.fast.crc import crc32
 
-__all__ = ["CHUNK_BYTES", "Chunk", "Reader", "buffer_sizes", "build", "chunks", "direct_offset", "file_digest",
-           "piece_uses", "predict_peak_bytes", "write_file"]
+__all__ = ["file_digest", "write_file"]
 
 #: a thread's task: consecutive chunks up to this many bytes, or up to BATCH_CHUNKS chunks
 BATCH_BYTES = 4 * 2**20

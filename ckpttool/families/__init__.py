@@ -25,10 +25,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.plan.diagnose import refusal_advice
 from ckpttool.layout.layout import Layout, Shape
-from ckpttool.plan.plan import Slice, TargetSpec
+from ckpttool.plan.tiling import Slice
+from ckpttool.plan.plan import TargetSpec
 from ckpttool.plan.transforms import Transform
 from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import Convention, FamilyAdapter

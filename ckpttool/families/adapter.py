@@ -24,7 +24,7 @@ from typing import Any
 from ckpttool.families.rules import Rules
 from ckpttool.layout.layout import Layout
 from ckpttool.layout.placements import Placement
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.plan.plan import TargetSpec
 
 #: what a cut into HuggingFace names gives: the targets, notes for the user, and ``(source tensor, message)`` for

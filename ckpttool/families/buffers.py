@@ -7,7 +7,7 @@ One table (:data:`HISTORICAL`) for every reader and for both merge and audit, so
 - an audit reports each as a ``tensor-unexpected`` warning in the same words (:func:`message`): the checkpoint as it
   stands holds a tensor the architecture lacks (``from_pretrained`` lists it among its unexpected keys), and the
   merge is what removes it. A buffer the model itself still declares non-persistent (``model.rotary_emb.inv_freq``,
-  :attr:`~ckpttool.model.architecture.ModelInfo.buffers`) is known to the model: that one is a note in both.
+  :attr:`~ckpttool.model.description.ModelInfo.buffers`) is known to the model: that one is a note in both.
 
 An unknown extra tensor is none of these: a merge refuses it by name (``--drop`` to go on deliberately).
 """

@@ -10,7 +10,7 @@ from itertools import filterfalse
 from dataclasses import dataclass
 
 from ckpttool.console.terminal import quoted
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.plan.diagnose import Diagnosis, diagnose
 from ckpttool.layout.layout import Shape
 from ckpttool.families import mtp

@@ -23,7 +23,7 @@ from typing import Any
 
 from ckpttool.families.conventions.megatron_args import Pair, arg, disagreements, has, rope
 from ckpttool.families.layers import LayerRule, layer_count
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 
 #: model types whose router scores experts with a sigmoid (transformers' ``DeepseekV3TopkRouter``) and scores a group
 #: by the sum of its top 2 (a config may say so itself: DeepSeek's releases write ``scoring_func``)

@@ -35,8 +35,9 @@ from ckpttool.families.adapter import HF_TP_RULES, REPLICATE, SHARD0, CutResult,
 from ckpttool.families.conventions import megatron_core
 from ckpttool.families.layers import alike
 from ckpttool.layout.layout import Box, Layout, Shape
-from ckpttool.model.architecture import ModelInfo
-from ckpttool.plan.plan import Slice, TargetSpec
+from ckpttool.model.description import ModelInfo
+from ckpttool.plan.tiling import Slice
+from ckpttool.plan.plan import TargetSpec
 from ckpttool.plan.transforms import Chain, Transform, Transpose, interleave
 
 NAME = "gpt_oss"

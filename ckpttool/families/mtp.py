@@ -1,7 +1,7 @@
 """Multi-token prediction (MTP) layers, where DeepSeek-V3 and GLM-4.5 releases store them.
 
 transformers builds MTP layers apart from the causal LM (``MtpModel``, for ``generate(use_mtp=True)``;
-``from_pretrained`` of the causal LM ignores them), and :class:`~ckpttool.model.architecture.ModelInfo` keeps what it
+``from_pretrained`` of the causal LM ignores them), and :class:`~ckpttool.model.description.ModelInfo` keeps what it
 builds (``mtp_shapes``). A release stores MTP layer ``k`` after the main layers, at index
 ``n = num_hidden_layers + k``: its decoder block under the names of a main layer (``model.layers.{n}.self_attn.*``,
 ``mlp.*`` with the experts, router and shared experts, the two layer norms), beside ``enorm``, ``hnorm`` ``(H)``,
@@ -21,7 +21,8 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-from ckpttool.model.architecture import ModelInfo, config_value
+from ckpttool.model.description import ModelInfo
+from ckpttool.model.architecture import config_value
 from ckpttool.layout.layout import Shape
 
 #: model types whose releases store MTP layers as above (checked against vLLM's loaders of both)

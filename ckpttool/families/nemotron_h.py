@@ -40,8 +40,9 @@ from ckpttool.families.conventions import megatron_core, megatron_mamba
 from ckpttool.families.layers import LayerRule
 from ckpttool.families.rules import Rename, Rules, Unstack
 from ckpttool.layout.layout import Box, Layout
-from ckpttool.model.architecture import ModelInfo
-from ckpttool.plan.plan import Slice, TargetSpec
+from ckpttool.model.description import ModelInfo
+from ckpttool.plan.tiling import Slice
+from ckpttool.plan.plan import TargetSpec
 
 NAME = "nemotron_h"
 RULES: Rules = (

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from operator import attrgetter
 
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.layout.layout import Layout, Shape, TensorLayout
 from ckpttool.plan.plan import Dequantize, TargetSpec
 from ckpttool.errors import ConfigError

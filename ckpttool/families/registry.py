@@ -20,7 +20,7 @@ from ckpttool.families import (
 from ckpttool.families.adapter import Convention, FamilyAdapter
 from ckpttool.families.conventions import deepspeed_moe, hf, megatron_core, megatron_tp, torchtitan
 from ckpttool.layout.layout import Layout
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.model.reduced import LayerReduction
 
 #: every model family with an adapter of its own; a model type none serves is cut as transformers names it

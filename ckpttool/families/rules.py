@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 
 from ckpttool.layout.layout import Box, Shape, TensorLayout
-from ckpttool.plan.plan import Slice, TargetSpec, tensor_specs
+from ckpttool.plan.tiling import Slice
+from ckpttool.plan.plan import TargetSpec, tensor_specs
 from ckpttool.errors import ConfigError
 
 

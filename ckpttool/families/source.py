@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import Plan, Target, TargetSpec, identity_specs, plan_covered
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError

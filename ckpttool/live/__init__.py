@@ -48,7 +48,8 @@ from ckpttool.findings import Report
 from ckpttool.commands.finish import finish_output
 from ckpttool.io.sidecar import PieceSpec
 from ckpttool.writers.staging import Staging
-from ckpttool.writers.hf import OutputFile, assign_files
+from ckpttool.writers.files import OutputFile
+from ckpttool.writers.hf import assign_files
 from ckpttool.live.gather import Gather
 from ckpttool.live.pieces import describe_held, Held, plan_gather
 from ckpttool.live.watch import WATCH_SECONDS, LiveGatherError, collect, Watch

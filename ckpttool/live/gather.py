@@ -20,10 +20,14 @@ import torch
 
 from ckpttool.execute.distributed import Group
 from ckpttool.io.dtypes import dtype_name, itemsize, torch_dtype
-from ckpttool.execute.executor import Reader, buffer_sizes, write_file
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.buffers import buffer_sizes
+from ckpttool.execute.executor import write_file
 from ckpttool.layout.layout import Box, Piece
-from ckpttool.plan.plan import Copy, Plan, Target
-from ckpttool.writers.hf import OutputFile, check_written, file_layout
+from ckpttool.plan.tiling import Copy
+from ckpttool.plan.plan import Plan, Target
+from ckpttool.writers.files import OutputFile
+from ckpttool.writers.hf import check_written, file_layout
 from ckpttool.live.pieces import rank_of
 from ckpttool.live.watch import LiveGatherError
 

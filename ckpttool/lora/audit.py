@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from ckpttool.execute.buffers import Chunk
-from ckpttool.execute.executor import Reader, build, piece_uses
+from ckpttool.execute.buffers import Chunk, piece_uses
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.assembly import build
 from ckpttool.fast.deferred import torch
 from ckpttool.findings import Finding, finding
 from ckpttool.io.dtypes import torch_dtype

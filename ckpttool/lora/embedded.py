@@ -29,8 +29,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckpttool.errors import ArgumentError, SourceError
-from ckpttool.execute.buffers import Chunk
-from ckpttool.execute.executor import Reader, build, piece_uses
+from ckpttool.execute.buffers import Chunk, piece_uses
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.assembly import build
 from ckpttool.fast.deferred import torch
 from ckpttool.layout.layout import Layout, TensorLayout
 from ckpttool.lora import megatron

@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from ckpttool.layout.layout import Box, Shape
-from ckpttool.plan.plan import Copy, Slice, Target, check_tiling
+from ckpttool.plan.tiling import Copy, Slice, check_tiling
+from ckpttool.plan.plan import Target
 from ckpttool.plan.transforms import Transform
 from ckpttool.layout.regions import map_region
 from ckpttool.quant.decode import FP8_BLOCKS

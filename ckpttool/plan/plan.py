@@ -19,16 +19,15 @@ from ckpttool.io.dtypes import FLOAT_DTYPES, ITEMSIZES
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError
 from ckpttool.fast.frozen import quick_init
 from ckpttool.layout.layout import Box, Layout, Piece, Shape, TensorLayout
-from ckpttool.layout.regions import uncovered
 from ckpttool.plan.tiling import Copy, Slice, check_tiling, slab_copies
 from ckpttool.plan.transforms import Transform
 
 if TYPE_CHECKING:  # a fused target's deltas (.lora), only named here: the plan does not compute them
     from ckpttool.plan.lora import LoraDelta
 
-__all__ = [  # Copy, Slice, check_tiling and uncovered live in .tiling and .regions; offered here from the start
-    "Copy", "Dequantize", "Plan", "Slice", "Target", "TargetSpec", "Transform", "check_tiling", "identity_specs",
-    "plan_covered", "plan_merge", "target_sizes", "tensor_specs", "uncovered",
+__all__ = [
+    "Dequantize", "Plan", "Target", "TargetSpec", "identity_specs", "plan_covered", "plan_merge", "target_sizes",
+    "tensor_specs",
 ]
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.model.config_sizes import Census
 from ckpttool.layout.layout import Layout
 from ckpttool.errors import CkptError, FormatNotDetectedError, SourceError, SourceNotFoundError

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool.io import jsonfile
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.io.dtypes import itemsize
 from ckpttool.layout.layout import RAW, Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO
 
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.io.dtypes import dtype_name, itemsize
 from ckpttool.layout.layout import RAW, TORCH_SAVE, Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder

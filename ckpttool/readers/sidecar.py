@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.layout.layout import RAW, Box, Layout, Piece
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError, SourceNotFoundError

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.io.dtypes import torch_dtype, torch_dtype_name
-from ckpttool.execute.executor import Chunk, Reader, buffer_sizes, chunks, piece_uses
+from ckpttool.execute.buffers import Chunk, buffer_sizes, chunks, piece_uses
+from ckpttool.execute.reads import Reader
 from ckpttool.execute.executor import write_file as stream_file
 from ckpttool.layout.layout import Box, Shape
 from ckpttool.plan.plan import Target

@@ -17,32 +17,25 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from ckpttool.execute.buffers import distinct_targets
-from ckpttool.execute.executor import (
-    Chunk,
-    Reader,
-    buffer_sizes,
-    chunks,
-    file_digest,
-    piece_uses,
-)
+from ckpttool.execute.buffers import distinct_targets, Chunk, buffer_sizes, chunks, piece_uses
+from ckpttool.execute.reads import Reader
+from ckpttool.execute.executor import file_digest
 from ckpttool.execute.digest import checks
-from ckpttool.execute.executor import predict_peak_bytes as stream_peak_bytes
+from ckpttool.execute.buffers import predict_peak_bytes as stream_peak_bytes
 from ckpttool.execute.executor import write_file as stream_file
 from ckpttool.plan.plan import Plan, target_sizes
 from ckpttool.errors import ArgumentError, OutputError, SourceError
 from ckpttool.io.paths import link_escapes
 from ckpttool.quant.encode import RoundTrip
 from ckpttool.io.safetensors_format import encode_header, read_header
-from ckpttool.writers.destination import EXTRA_FILES, INDEX, journal_name
+from ckpttool.writers.destination import EXTRA_FILES, INDEX
 from ckpttool.writers.files import OutputFile
-from ckpttool.writers.journal import JOURNAL_VERSION, Journal, clean_staging, plan_id, recorded, write_text
+from ckpttool.writers.journal import Journal, write_text
 from ckpttool.writers.trust import create_file
 
-__all__ = [  # the journal's names (ckpttool.writers.journal) are offered here too
-    "JOURNAL_VERSION", "SIZE_HELP", "SIZE_UNITS", "Journal", "OutputFile", "assign_files", "check_written", "clean_staging",
-    "file_layout", "find_extras", "journal_name", "parse_size", "plan_id", "predict_peak_bytes", "recorded",
-    "write_extras", "write_index", "write_text", "write_weights",
+__all__ = [
+    "SIZE_HELP", "SIZE_UNITS", "assign_files", "check_written", "file_layout", "find_extras", "parse_size",
+    "predict_peak_bytes", "write_extras", "write_index", "write_weights",
 ]
 
 log = logging.getLogger(__name__)
@@ -166,7 +159,7 @@ def file_layout(out: OutputFile) -> tuple[bytes, list[Chunk]]:
 
 
 def predict_peak_bytes(plan: Plan, workers: int = 1) -> int:
-    """The most memory the writer holds at once (see :func:`ckpttool.execute.executor.predict_peak_bytes`)."""
+    """The most memory the writer holds at once (see :func:`ckpttool.execute.buffers.predict_peak_bytes`)."""
     chunk_list = [c for t in distinct_targets(plan.targets) for c in chunks(t, 0)]  # the targets that can change it
     return stream_peak_bytes(chunk_list, workers)
 

@@ -11,7 +11,7 @@ import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from ckpttool.execute.executor import CHUNK_BYTES
+from ckpttool.execute.buffers import CHUNK_BYTES
 from ckpttool.plan.plan import Plan
 from ckpttool.errors import DestinationError, OutputError, SourceError
 from ckpttool.version import __version__

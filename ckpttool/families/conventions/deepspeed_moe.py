@@ -19,7 +19,7 @@ import re
 from collections.abc import Collection
 
 from ckpttool.families.adapter import Convention, CutResult, FamilyAdapter
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.layout.layout import Layout
 from ckpttool.plan.plan import TargetSpec
 from ckpttool.families.rules import Rename, Rules, cut

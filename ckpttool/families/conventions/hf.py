@@ -15,7 +15,7 @@ from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import Convention, CutResult, FamilyAdapter
 from ckpttool.families.rules import cut
 from ckpttool.layout.layout import Layout
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.plan.plan import TargetSpec
 
 NAME = "HuggingFace"

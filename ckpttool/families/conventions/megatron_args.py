@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckpttool.errors import ConfigError
-from ckpttool.model.architecture import ModelInfo, config_value
+from ckpttool.model.description import ModelInfo
+from ckpttool.model.architecture import config_value
 
 #: one comparison: (argument, its value, config field, the config's value); None on either side is not compared
 Pair = tuple[str, Any, str, Any]

@@ -26,9 +26,9 @@ from collections.abc import Mapping
 from typing import NamedTuple
 from dataclasses import replace
 
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.layout.layout import Layout, Padding, Shape, TensorLayout
-from ckpttool.plan.plan import Slice
+from ckpttool.plan.tiling import Slice
 from ckpttool.plan.transforms import Chain, Permute, Transform, Transpose
 from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import REPLICATE, SHARD0, PlacementRules, placement_of

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from ckpttool.families.conventions import megatron_back_hybrid, megatron_back_mla
 from ckpttool.families.conventions.megatron_back import EXPERT_TENSORS
 from ckpttool.layout.layout import Shape
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 
 __all__ = ["training_args"]
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping
 
-from ckpttool.model.architecture import ModelInfo, config_value
+from ckpttool.model.description import ModelInfo
+from ckpttool.model.architecture import config_value
 from ckpttool.layout.layout import Box, Layout
-from ckpttool.plan.plan import Slice, TargetSpec
+from ckpttool.plan.tiling import Slice
+from ckpttool.plan.plan import TargetSpec
 from ckpttool.errors import ConfigError
 from ckpttool.families.adapter import Convention, CutResult, FamilyAdapter
 from ckpttool.families.conventions import megatron_mla as mla

@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from ckpttool.errors import ConfigError
 from ckpttool.layout.layout import Box, Shape
 from ckpttool.model.architecture import config_value
-from ckpttool.plan.plan import Slice, TargetSpec
+from ckpttool.plan.tiling import Slice
+from ckpttool.plan.plan import TargetSpec
 
 #: a Mamba layer tensor (after ``decoder.layers.{L}.``): group ``part`` names what it is
 MIXER = re.compile(r"^(?:mixer\.(?P<part>in_proj\.weight\.(?:z|x|B|C|dt)|conv1d\.(?:weight|bias)\.(?:x|B|C)"

@@ -21,7 +21,7 @@ from typing import Any
 
 from ckpttool.families.adapter import FamilyAdapter
 from ckpttool.families.conventions import megatron_args
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 
 #: split on dim 0 (the output rows of a ``ColumnParallelLinear``, the vocab rows of the embedding and output layer,
 #: MLA's up projections, MTP's ``eh_proj``); ``core_attention.softmax_offset`` (``softmax_type="learnable"``,

@@ -49,7 +49,7 @@ from ckpttool.families.conventions import torchtitan_mla as mla
 from ckpttool.families.rules import Unstack
 from ckpttool.families.rules import cut as cut_by_rules
 from ckpttool.layout.layout import Layout, TensorLayout
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.plan.plan import TargetSpec, tensor_specs
 from ckpttool.plan.transforms import rope_halves
 

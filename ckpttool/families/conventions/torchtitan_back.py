@@ -21,7 +21,7 @@ from ckpttool.errors import ArgumentError, ConfigError
 from ckpttool.families.conventions import torchtitan_mla as mla
 from ckpttool.families.conventions.torchtitan import EXPERT_BIAS, HALVES, LAYER, NAME, head_dim_of
 from ckpttool.layout.placements import Placement
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.plan.transforms import rope_halves
 
 if TYPE_CHECKING:  # the families package imports this module: its MemoryTensor only annotates here
@@ -202,29 +202,28 @@ def check_mesh(written: TorchtitanNames, release: str, *, fsdp: int, tp: int, ep
     dim 1 instead of padding dim 0); None otherwise. That size is ``efsdp x ep`` (= ``fsdp x tp``) with EP, else
     the whole FSDP mesh's, ``dp x fsdp`` (HSDP's replicas count: torchtitan takes ``mesh.size()`` of its
     ``(dp_replicate, fsdp)`` mesh), without TP. The caller makes it ``_StridedShard(1, tp)`` where tensor parallel
-    cuts the same dim (torchtitan's ``w1``/``w3`` beside TP without EP), as FSDP2 does.
+    cuts the same dim (torchtitan's ``w1``/``w3`` beside TP without EP), as FSDP2 does. 0.2's ``apply_fsdp`` cuts
+    along dim 1 under EP only (``efsdp x ep`` above the experts), as 0.3 does there; without EP it leaves the experts
+    to the block's FSDP, whose default ``Shard(0)`` holds even over more ranks than experts (empty shards): None.
 
     Raises:
-        ConfigError: a mesh ckpttool does not write so (experts cut along dim 1 in 0.2's names; 0.2's experts over
-            TP within EP), naming the tensor, the mesh and what to choose instead.
+        ConfigError: a mesh ckpttool does not write so (0.2's experts over TP within EP), naming the tensor, the
+            mesh and what to choose instead.
     """
     stacked = next((t for t in written.tensors if t.stacked), None)
     if stacked is None:
         return None
     experts, size = stacked.shape[0], fsdp * tp if ep > 1 else dp * fsdp
-    what = "fsdp x tp" if ep > 1 else "dp x fsdp" if dp > 1 else "fsdp"
     if release == "0.2" and ep > 1 and tp > 1:
         raise ConfigError(f"'{stacked.name}': torchtitan 0.2 shards experts over TP within EP (its ETP), a layout "
                           "ckpttool does not write; write 0.3's names, or choose tp=1 or ep=1; nothing was written")
-    if size <= experts:
+    # 0.2.2's apply_fsdp passes a dim-1 shard_placement_fn only to the experts' own EP-mesh fully_shard; without EP
+    # they stay Shard(0) (proven on its own save: fixtures/torchtitan_02_qwen3moe2_fsdp4, fsdp 4 over 2 experts)
+    if size <= experts or (release == "0.2" and ep == 1):
         return None
     # proven on torchtitan 0.3's own saves: FSDP alone (fsdp 4, 2 experts), with EP (fsdp 4, ep 2), over HSDP
-    # (dp 2 x fsdp 2, 2 experts) and beside TP without EP (fsdp 2 x tp 2, 1 expert); 0.2 was never run so
-    if release != RELEASES[0]:
-        raise ConfigError(
-            f"'{stacked.name}': torchtitan {release} shards its {experts} experts along dim 1 when its expert FSDP "
-            f"size ({what} = {size}) exceeds them, a layout ckpttool writes only in torchtitan {RELEASES[0]}'s names "
-            f"(names='torchtitan'); choose {what} at most {experts}; nothing was written")
+    # (dp 2 x fsdp 2, 2 experts) and beside TP without EP (fsdp 2 x tp 2, 1 expert); on 0.2.2's with EP (fsdp 4,
+    # ep 2, 2 experts: fixtures/torchtitan_02_qwen3moe2_fsdp4ep2)
     return _SHARD1
 
 

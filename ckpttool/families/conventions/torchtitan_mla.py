@@ -54,8 +54,10 @@ from typing import TYPE_CHECKING
 from ckpttool.families import mtp
 from ckpttool.families.conventions import megatron_mla
 from ckpttool.layout.layout import Box, Layout
-from ckpttool.model.architecture import ModelInfo, config_value
-from ckpttool.plan.plan import Slice, TargetSpec, tensor_specs
+from ckpttool.model.description import ModelInfo
+from ckpttool.model.architecture import config_value
+from ckpttool.plan.tiling import Slice
+from ckpttool.plan.plan import TargetSpec, tensor_specs
 
 if TYPE_CHECKING:  # the families package imports this module: its MemoryTensor only annotates here
     from ckpttool.families import MemoryTensor

@@ -36,7 +36,7 @@ checkpoint converted from the step and lying beside it is read instead, with a n
 
 ``weights="module"`` takes the module's own weights (the bf16 ones under bf16) from the model states
 instead; ZeRO-3 saves placeholders there, so it is refused. Pickles are read with stand-ins for the few
-DeepSpeed classes they name (:data:`ALLOW`); DeepSpeed is never imported.
+DeepSpeed classes they name (:data:`~ckpttool.readers.deepspeed.classes.ALLOW`); DeepSpeed is never imported.
 
 The reader is split by what each part knows: this module holds the reader's entry points (:func:`matches`,
 :func:`read`) and picks the variant; :mod:`.files` finds and loads the files of a step;
@@ -49,23 +49,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.layout.layout import Layout
 from ckpttool.errors import SourceError, SourceNotFoundError
 from ckpttool.readers.base import FormatReader
 from ckpttool.readers.deepspeed.autotp import is_autotp, read_autotp, recorded_tp
 from ckpttool.readers.deepspeed.files import (
-    ALLOW,
-    LAYER_STATES,
-    LAYER_TP_STATES,
-    MODEL_STATES,
-    OPTIM_STATES,
-    ZERO3_MODEL_STATES,
-    dp_from_optim,
-    first_model_states,
-    has_states,
-    step_dir,
-    step_rel,
+    LAYER_STATES, LAYER_TP_STATES, MODEL_STATES, OPTIM_STATES, ZERO3_MODEL_STATES, dp_from_optim, first_model_states, has_states, step_dir, step_rel,
 )
 # the two hooks every read of this reader goes through, bound here so one replacement reaches them all
 from ckpttool.readers.deepspeed.files import param_shapes as _shapes
@@ -76,7 +66,7 @@ from ckpttool.readers.deepspeed.universal import choose, way_out
 from ckpttool.readers.deepspeed.whole import read_layers, read_universal
 from ckpttool.readers.deepspeed.zero import read_zero3, read_zero12
 
-__all__ = ["ALLOW", "LOOKS_FOR", "NAME", "OPTIONS", "matches", "read"]
+__all__ = ["LOOKS_FOR", "NAME", "OPTIONS", "matches", "read"]
 
 NAME = "deepspeed"
 LOOKS_FOR = "'latest' or global_step*/ with *_model_states.pt and *_optim_states.pt (DeepSpeed)"

@@ -32,7 +32,7 @@ from ckpttool.io.paths import contained, open_inside
 from ckpttool.io.torch_save import StoredTensor, scan
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.layout.layout import RAW, Box, Layout, Piece
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.readers import dcp
 from ckpttool.readers.base import FormatReader
 from ckpttool.readers.lightning.classes import CkptAllow, recorded_version

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from ckpttool.io import torch_save
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.layout.layout import Layout, Padding, TensorLayout
 from ckpttool.errors import LinkOutError, SourceError
 from ckpttool.io.paths import inside, read_tag

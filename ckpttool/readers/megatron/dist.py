@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ckpttool.io import jsonfile
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.layout.layout import Layout
 from ckpttool.errors import SourceError
 from ckpttool.io.paths import JSON_LIMIT, open_inside, read_inside

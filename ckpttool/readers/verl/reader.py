@@ -35,7 +35,7 @@ import re
 from pathlib import Path
 
 from ckpttool.io import jsonfile
-from ckpttool.model.architecture import ModelInfo
+from ckpttool.model.description import ModelInfo
 from ckpttool.layout.layout import Layout
 from ckpttool.layout.builder import LayoutBuilder
 from ckpttool.errors import SourceError, SourceNotFoundError
@@ -48,10 +48,10 @@ from ckpttool.readers.verl.entries import (
     Entry,
     read_entry,
 )
-from ckpttool.readers.verl.classes import ALLOW, RankAllow
+from ckpttool.readers.verl.classes import RankAllow
 from ckpttool.readers.verl.pieces import add_pieces
 
-__all__ = ["ALLOW", "FSDP_CONFIG", "LOOKS_FOR", "NAME", "RANK_FILE", "READER", "matches", "rank_files", "read"]
+__all__ = ["FSDP_CONFIG", "LOOKS_FOR", "NAME", "RANK_FILE", "READER", "matches", "rank_files", "read"]
 
 NAME = "verl"
 LOOKS_FOR = "model_world_size_W_rank_R.pt files (FSDP/verl per-rank DTensor state dicts)"
