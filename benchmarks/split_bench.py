@@ -8,7 +8,10 @@ a fresh process with the page cache of its input dropped, medians of ``--runs``:
 - ``split``: ``ckpttool split SRC OUT --to dcp`` for ``--mesh`` (default ``--fsdp 4 --tp 2``: FSDP2 over TP,
   ``_StridedShard`` rows, an uneven vocab);
 - ``cp``: ``cp -r SRC`` and ``sync``, the same bytes through the same disk;
-- ``merge``: ``ckpttool merge`` of the split back into one safetensors file.
+- ``merge``: ``ckpttool merge`` of the split back into one safetensors file (left out with ``--no-merge``, which
+  also keeps the work directory at two copies of the model: the source and one output at a time);
+- ``base``: with ``--base TREE``, the split of the ckpttool package in ``TREE`` (a ``git archive`` of another
+  commit), run alternately with this one's, so before and after share the machine's load.
 
 CPU seconds (user + sys, the command and its children) are given per GiB beside the wall time: a fast disk
 shows what a slow one hides. Peak RSS is ``ru_maxrss`` of the command as the only child of a small probe, and
@@ -16,6 +19,7 @@ also above ``split --dry-run`` (imports and plan, no data): with several sizes i
 flat as the model grows.
 
     python benchmarks/split_bench.py --size-gib 1 2 --runs 3
+    python benchmarks/split_bench.py --size-gib 2 --runs 2 --no-merge --base /tmp/base-tree
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge_bench import config, drop_cache, measure  # noqa: E402
+from merge_bench import config, drop_cache, measure, tool  # noqa: E402
 
 
 #: normal values drawn once for every tensor of the synthetic model (128 MiB of bf16)
@@ -86,28 +90,38 @@ def main() -> None:
     parser.add_argument("--mesh", default="--fsdp 4 --tp 2", help="split's mesh options")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-split-bench"))
+    parser.add_argument("--no-merge", action="store_true", help="time no merge back (less disk)")
+    parser.add_argument("--base", type=Path, help="also time the split of the ckpttool package in this tree")
     args = parser.parse_args()
     for size in args.size_gib:
         work = args.workdir
         shutil.rmtree(work, ignore_errors=True)
         src, out, copy, back = work / "src", work / "dcp", work / "copy", work / "back"
         nbytes = build(src, size)
-        split = [sys.executable, "-m", "ckpttool", "split", str(src), str(out), "--to", "dcp", *args.mesh.split(),
-                 "--force", "-q", "--workers", str(args.workers)]
+        options = ["split", str(src), str(out), "--to", "dcp", *args.mesh.split(), "--force", "-q", "--workers",
+                   str(args.workers)]
+        split = [*tool(None), *options]
         commands = {
             "split": split,
             "cp": ["sh", "-c", f"cp -r '{src}' '{copy}' && sync"],
-            "merge": [sys.executable, "-m", "ckpttool", "merge", str(out), str(back), "--force", "-q", "--no-audit",
+            "merge": [*tool(None), "merge", str(out), str(back), "--force", "-q", "--no-audit",
                       "--max-shard-size", "1000GB", "--workers", str(args.workers)],
         }
+        if args.no_merge:
+            del commands["merge"]
+        if args.base is not None:
+            commands["base"] = [*tool(args.base), *options]
         results: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
         for _ in range(args.runs):
             for name, cmd in commands.items():
-                for leftover in ([copy] if name == "cp" else [back] if name == "merge" else [out, back]):
+                for leftover in ([copy, *([out] if args.no_merge else [])] if name == "cp" else [back] if name == "merge"
+                                 else [out, back, copy]):
                     shutil.rmtree(leftover, ignore_errors=True)
                 os.sync()
                 drop_cache(src, out)
                 results[name].append(measure(cmd))
+                if name == "cp":
+                    shutil.rmtree(copy, ignore_errors=True)
         baseline = measure([*split[:-3], "--dry-run"])[1]  # keeps --force: OUT holds the last split
         t = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
         m = {name: statistics.median(r[1] for r in runs) for name, runs in results.items()}
@@ -118,6 +132,8 @@ def main() -> None:
                   f"CPU {cpu[name]:6.2f} s ({cpu[name] / (nbytes / 2**30):.2f} s/GiB)")
         print(f"  split/cp = {t['split'] / t['cp']:.2f}; split peak above its --dry-run baseline "
               f"({baseline / 2**20:.0f} MiB): {(m['split'] - baseline) / 2**20:.0f} MiB")
+        if "base" in t:
+            print(f"  base/cp = {t['base'] / t['cp']:.2f}; CPU split/base = {cpu['split'] / cpu['base']:.2f}")
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -4,8 +4,6 @@ their precondition fails.
 - :mod:`ckpttool.fast.crc`: libdeflate's CRC-32 where the system has it (for large writable buffers), zlib's
   otherwise: equal values on every kind of buffer, and a DCP written with either is the same, byte for byte, and
   reads back in torch.
-- ``torch.distributed.checkpoint`` imported on a thread while the rank files are written; a failure there is left
-  to ``write_metadata``.
 """
 
 from __future__ import annotations
@@ -145,19 +143,3 @@ def test_a_dcp_is_the_same_bytes_with_either_crc(source, tmp_path, monkeypatch):
     assert files(tmp_path / "fast") == files(tmp_path / "zlib")
     assert_reads_back(tmp_path / "fast", tensors, tmp_path)
 
-
-def test_the_metadata_classes_are_imported_while_the_files_are_written(monkeypatch):
-    """A failed import on the writer's thread is left for ``write_metadata`` (which imports them again) to raise."""
-    import sys
-    import threading
-
-    started = threading.Event()
-
-    def fail(name):
-        started.set()
-        raise ImportError(f"no {name} here")
-
-    monkeypatch.delitem(sys.modules, "torch.distributed.checkpoint.filesystem", raising=False)
-    monkeypatch.setattr(dcp.importlib, "import_module", fail)
-    dcp._import_metadata_classes()  # returns at once, raises nothing
-    assert started.wait(10)

@@ -33,7 +33,7 @@ from ckpttool.execute.reads import Reader
 from ckpttool.layout.regions import dim_map, map_region
 from ckpttool.plan.lora import fuse_rows
 
-__all__ = ["build", "direct_offset"]
+__all__ = ["build", "direct_offset", "direct_rows"]
 
 
 def build(chunk: Chunk, reader: Reader, *, check_scales: bool = True) -> torch.Tensor:
@@ -172,10 +172,50 @@ def direct_offset(chunk: Chunk) -> int | None:
     whole = (target.dequant is None and target.transform is None and target.dtype == target.source_dtype
              and not target.lora)
     piece = _whole_piece(target.copies, target.shape, target.dtype) if whole else None
+    first = 0
+    if piece is None and whole:
+        piece, first = _row_range(target.copies, target.shape, target.dtype)
     if piece is None:
         return None
     rows = chunk.stop - chunk.start
-    return piece.byte_offset + (chunk.start * (chunk.nbytes // rows) if rows else 0)
+    return piece.byte_offset + ((first + chunk.start) * (chunk.nbytes // rows) if rows else 0)
+
+
+def direct_rows(chunk: Chunk) -> tuple[Piece, int, int, int] | None:
+    """Where a chunk's rows lie in its piece's file when each is one run of bytes there, a fixed stride apart, as
+    the output holds them (a column shard: dim 1 of the piece cut, the dims after it whole, in its own dtype):
+    ``(piece, offset of the first run, bytes per run, stride)``, for :meth:`Reader.read_rows`. None when the chunk
+    must be built, or is one run (:func:`direct_offset`)."""
+    target = chunk.target
+    if (target.dequant is not None or target.transform is not None or target.dtype != target.source_dtype
+            or target.lora or len(target.copies) != 1 or len(target.shape) < 2 or chunk.stop == chunk.start):
+        return None
+    copy, shape = target.copies[0], target.shape
+    piece = copy.piece
+    if (piece.encoding != RAW or piece.dtype != target.dtype or copy.dst.sizes != shape or any(copy.dst.offsets)
+            or copy.src.sizes != shape or len(piece.box.sizes) != len(shape) or any(copy.src.offsets[2:])
+            or copy.src.sizes[2:] != piece.box.sizes[2:]):
+        return None
+    inner = math.prod(shape[2:]) * itemsize(target.dtype)
+    run, stride = shape[1] * inner, piece.box.sizes[1] * inner
+    if not run:
+        return None
+    return piece, piece.byte_offset + (copy.src.offsets[0] + chunk.start) * stride + copy.src.offsets[1] * inner, run, stride
+
+
+def _row_range(copies: Sequence[Copy], shape: Shape, dtype: str) -> tuple[Piece | None, int]:
+    """The raw piece in ``dtype`` of which ``copies`` copy whole rows (a run of dim 0, every other dim whole) into
+    all of a tensor of ``shape``, and the first of those rows: bytes that lie in the file as the output holds
+    them (a split's row shard of a tensor, a padded vocab's real rows). ``(None, 0)`` for anything else."""
+    if len(copies) != 1 or not shape:
+        return None, 0
+    copy = copies[0]
+    piece = copy.piece
+    if (piece.encoding != RAW or piece.dtype != dtype or copy.dst.sizes != shape or any(copy.dst.offsets)
+            or copy.src.sizes != shape or len(piece.box.sizes) != len(shape) or any(copy.src.offsets[1:])
+            or copy.src.sizes[1:] != piece.box.sizes[1:]):
+        return None, 0
+    return piece, copy.src.offsets[0]
 
 
 def _whole_piece(copies: Sequence[Copy], shape: Shape, dtype: str) -> Piece | None:

@@ -261,20 +261,24 @@ def _read_copies(target: Target) -> tuple[tuple[Copy, ...], ...]:
 
 
 def distinct_targets(targets: Iterable[Target]) -> list[Target]:
-    """``targets`` less those that change no prediction: of the targets that are one whole raw piece copied whole
-    (most of a checkpoint's), one per shape and dtypes; every other target. Their chunks give
-    :func:`predict_peak_bytes` the same figure as all the targets' chunks: a chunk's sizes depend only on its rows
-    and its target's signature (:func:`_signature`), and the chunks of such a target on its shape and dtypes."""
+    """``targets`` less those that change no prediction: of the targets that are plain copies of raw pieces (no
+    codec, scale, transform or LoRA: most of a checkpoint's), one per signature (:func:`_signature`); every other
+    target. Their chunks give :func:`predict_peak_bytes` the same figure as all the targets' chunks: a chunk's sizes
+    depend only on its rows and its target's signature, and the chunks of such a target on its shape and dtype."""
     seen: set[tuple] = set()
     found: list[Target] = []
     for target in targets:
         copies = target.copies
-        if (len(copies) == 1 and target.dequant is None and target.scale is None and target.transform is None
-                and not target.lora):
-            copy = copies[0]
-            box, piece = copy.src, copy.piece
-            if box is copy.dst and box is piece.box and piece.encoding == RAW:  # the boxes of a whole copy are one
-                key = (target.shape, target.dtype, target.source_dtype, box.offsets, box.sizes, piece.dtype)
+        if target.dequant is None and target.scale is None and target.transform is None and not target.lora:
+            key = None
+            if len(copies) == 1:
+                copy = copies[0]
+                box, piece = copy.src, copy.piece
+                if box is copy.dst and box is piece.box and piece.encoding == RAW:  # the boxes of a whole copy are one
+                    key = (target.shape, target.dtype, target.source_dtype, box.offsets, box.sizes, piece.dtype)
+            elif all(c.piece.encoding == RAW for c in copies):  # a tensor cut in pieces (TP shards): by its copies
+                key = (target.shape, target.dtype, target.source_dtype, tuple(map(_copy_signature, copies)))
+            if key is not None:
                 if key in seen:
                     continue
                 seen.add(key)

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckpttool.fast.deferred import torch
-from ckpttool.execute.assembly import build, direct_offset
+from ckpttool.execute.assembly import build, direct_offset, direct_rows
 from ckpttool.execute.buffers import Chunk
 from ckpttool.execute import copies as file_copies
 from ckpttool.execute.copies import copied, copy_chunk, write_all
@@ -132,7 +132,13 @@ def write_file(
                         break
                     starts.append(start)
                     nbytes += after.nbytes
-                if starts[0] is None:
+                strided = (direct_rows(batch[i]) if starts[0] is None and nbytes <= reader.run_bytes and reader.reads_files
+                           else None)
+                if strided is not None:  # a column shard: its rows read straight into place
+                    views = [reader.run_buffer(nbytes)]
+                    reader.read_rows(views[0], *strided)
+                    write_all(fd, views[0], len(prefix) + batch[i].offset)
+                elif starts[0] is None:
                     views = [memoryview(build(batch[i], reader).reshape(-1).view(torch.uint8).numpy())]
                     write_all(fd, views[0], len(prefix) + batch[i].offset)
                 else:

@@ -28,6 +28,9 @@ __all__ = ["Reader"]
 
 #: the most scratch tensors a thread keeps for reuse (see :meth:`Reader.scratch`)
 SCRATCH_VIEWS = 64
+#: rows one ``preadv`` of :meth:`Reader.read_rows` reads: two buffers per row (the run, the gap after it) within
+#: the system's limit on buffers per call
+_ROWS_PER_READ = max(1, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16, 1024) // 2)
 
 
 class Reader:
@@ -102,6 +105,32 @@ class Reader:
                 f"'{piece.file}': '{piece.key}' needs {len(view)} bytes at offset {offset} but only {got} are there; "
                 "the file is truncated"
             )
+
+    def read_rows(self, view: memoryview, piece: Piece, offset: int, run: int, stride: int) -> None:
+        """Fill ``view`` with runs of ``run`` bytes, one every ``stride`` bytes from ``offset`` of ``piece``'s file
+        (the rows of a column shard, see :func:`~ckpttool.execute.assembly.direct_rows`): each ``preadv`` reads a
+        span of the file, its runs into place and the bytes between them into a scratch buffer, so nothing is
+        copied after it is read (nor is torch needed to pick the columns)."""
+        gap = memoryview(self._buffer("gap", stride - run))[:stride - run]
+        rows = len(view) // run
+        fd = self._fd(piece.file)
+        for first in range(0, rows, _ROWS_PER_READ):
+            last = min(rows, first + _ROWS_PER_READ)
+            vectors = []
+            for row in range(first, last):
+                vectors.append(view[row * run:(row + 1) * run])
+                if row + 1 < last and stride > run:
+                    vectors.append(gap)
+            want, at = (last - first) * stride - (stride - run), offset + first * stride
+            try:
+                got = os.preadv(fd, vectors, at)
+            except OSError as e:
+                raise source_os_error(piece.file, e) from None
+            if got != want:
+                raise SourceError(
+                    f"'{piece.file}': '{piece.key}' needs {want} bytes at offset {at} but only {got} are there; "
+                    "the file is truncated"
+                )
 
     def copy_out(self, piece: Piece, offset: int, out: int, at: int, nbytes: int) -> int:
         """Copy ``nbytes`` at ``offset`` of ``piece``'s file to offset ``at`` of the file ``out`` inside the kernel

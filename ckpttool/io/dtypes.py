@@ -125,6 +125,12 @@ def itemsize(name: str) -> int:
     return ITEMSIZES[name]
 
 
+def torch_dtype_name(name: str) -> str:
+    """The name of the torch dtype of this safetensors name (``"BF16"`` -> ``"bfloat16"``: ``torch.bfloat16``),
+    without importing torch (what a pickle naming the dtype needs)."""
+    return _TORCH_NAMES[name][0]
+
+
 @functools.cache
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of this safetensors name (imports torch)."""

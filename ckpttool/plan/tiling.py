@@ -105,7 +105,8 @@ def slab_copies(shape: Shape, pieces: Sequence[Piece]) -> tuple[Copy, ...] | Non
         end += size
     if end != shape[dim]:
         return None
-    return tuple(Copy(piece, Box.whole(piece.box.sizes), piece.box) for piece in pieces)
+    whole = {sizes: Box.whole(sizes) for sizes in {piece.box.sizes for piece in pieces}}  # equal slabs share one
+    return tuple(Copy(piece, whole[piece.box.sizes], piece.box) for piece in pieces)
 
 
 def _overlaps(name: str, shape: Shape, copies: Sequence[Copy]) -> list[str]:

@@ -15,18 +15,17 @@ reads of the source: a DCP chunk is a plan target. torch's ``dcp.load`` reads th
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
 import pickle
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ckpttool.io.dtypes import torch_dtype
+from ckpttool.io.dtypes import torch_dtype, torch_dtype_name
 from ckpttool.execute.buffers import Chunk, buffer_sizes, chunks, piece_uses
 from ckpttool.execute.reads import Reader
 from ckpttool.execute.executor import write_file as stream_file
@@ -34,6 +33,7 @@ from ckpttool.layout.layout import Box, Shape
 from ckpttool.plan.plan import Target
 from ckpttool.errors import OutputError
 from ckpttool.writers.torch_archive import TensorArchive, crc32_combine
+from ckpttool.writers.torch_globals import Call, Global, New, dumps
 from ckpttool.writers.trust import create_file
 
 METADATA = ".metadata"
@@ -146,7 +146,6 @@ def write_files(
     Raises:
         OutputError: a file cannot be written (a full disk); SourceError: a source file cannot be read.
     """
-    _import_metadata_classes()
     every_chunk = [c for f in files for item in f.items for c in item_chunks(item)]
     reader = Reader(root, piece_uses(every_chunk), buffer_sizes(every_chunk))
     lock = threading.Lock()
@@ -164,23 +163,6 @@ def write_files(
                 _write_file(directory / out.name, out, reader, workers, on_bytes)
     finally:
         reader.close()
-
-
-def _import_metadata_classes() -> None:
-    """Start importing the classes :func:`write_metadata` pickles, on a thread of its own, while the rank files are
-    written: ``torch.distributed.checkpoint`` imports DTensor and sympy, 2 CPU seconds and on a busy disk several
-    seconds more of reading modules, which the writes (waiting on the disk most of the time) hide. A failed import
-    is left for :func:`write_metadata` to raise."""
-    if "torch.distributed.checkpoint.filesystem" in sys.modules:
-        return
-
-    def run() -> None:
-        try:
-            importlib.import_module("torch.distributed.checkpoint.filesystem")
-        except Exception:  # raised again, where it matters, by write_metadata's own import
-            pass
-
-    threading.Thread(target=run, name="ckpttool-import-dcp", daemon=True).start()
 
 
 def _write_file(path: Path, out: DcpFile, reader: Reader, workers: int, on_bytes: Callable[[int], None]) -> None:
@@ -221,44 +203,121 @@ def _write_at(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def write_metadata(files: Sequence[DcpFile], directory: Path) -> None:
-    """``.metadata`` as torch's ``FileSystemWriter.finish`` pickles it: chunks listed per tensor in rank order,
-    ``planner_data`` mapping each name to itself (a flat state dict), a save id derived from the layout."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import (
-        CURRENT_DCP_VERSION,
-        _StorageInfo,
-    )
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+_METADATA = "torch.distributed.checkpoint.metadata"
+_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+#: torch's classes and functions ``.metadata`` names (:mod:`.torch_globals`: written without importing torch)
+_CLASS = {name: Global(_METADATA, name) for name in (
+    "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
+    "MetadataIndex", "StorageMeta")}
+_STORAGE_INFO = Global(_FILESYSTEM, "_StorageInfo")
+_SIZE = Global("torch", "Size")
+#: the module of every dtype: one string, and another object than ``torch.Size``'s ``"torch"``, as in torch's
+#: pickle (the pickler writes a string once and refers back to the same object after)
+_DTYPE_MODULE = "".join(("tor", "ch"))
+#: ``TensorProperties``' defaults as its ``__getstate__`` records them: a strided layout (one object, so pickled
+#: once and referred to after, as torch's one ``torch.strided``), contiguous memory
+_STRIDED = Call(Global("torch.serialization", "_get_layout"), ("torch.strided",))
+_CONTIGUOUS = Call(Global(_METADATA, "_MEM_FORMAT_ENCODING"), (0,))
+#: the format version torch's ``FileSystemWriter`` records (``CURRENT_DCP_VERSION`` of torch 2.13, the release this was
+#: checked against: the only one installed here)
+DCP_VERSION = "1.0.0"
 
-    tensors: dict[str, TensorStorageMetadata] = {}
+
+def _size(values: tuple[int, ...]) -> Call:
+    """A ``torch.Size``: each one a tuple of its own, as ``Size.__reduce__`` makes one per call."""
+    return Call(_SIZE, (tuple(list(values)),))
+
+
+#: the most chunks whose ``.metadata`` is pickled by hand (:mod:`.torch_globals`: the standard library's Python
+#: pickler, ~0.5 ms a chunk); above it, torch's classes are imported and pickled by the C pickler (~2 s to import,
+#: then ~20 us a chunk), the same bytes
+HAND_PICKLED_CHUNKS = 4000
+
+
+def metadata_pickle(files: Sequence[DcpFile]) -> bytes:
+    """``.metadata``: the pickle of torch's ``Metadata`` as ``FileSystemWriter.finish`` writes it, byte for byte:
+    chunks listed per tensor in rank order, ``planner_data`` mapping each name to itself (a flat state dict), a
+    save id derived from the layout. Written without importing torch up to :data:`HAND_PICKLED_CHUNKS` chunks
+    (what keeps a split's start-up short), else from :func:`torch_metadata`."""
+    if sum(len(out.items) + len(out.objects) for out in files) > HAND_PICKLED_CHUNKS:
+        return pickle.dumps(torch_metadata(files))
+    dtypes: dict[str, Global] = {}
+    tensors: dict[str, New] = {}
+    storage: dict[New, New] = {}
+    for out in files:
+        for item in out.items:
+            md = tensors.get(item.fqn)
+            if md is None:
+                dtype = dtypes.setdefault(item.target.dtype, Global(_DTYPE_MODULE, torch_dtype_name(item.target.dtype)))
+                properties = New(_CLASS["TensorProperties"], (dtype, _STRIDED, False, _CONTIGUOUS, False))
+                md = tensors[item.fqn] = New(_CLASS["TensorStorageMetadata"], {
+                    "properties": properties, "size": _size(item.global_shape), "chunks": []})
+            chunks_of = md.state["chunks"]
+            chunks_of.append(New(_CLASS["ChunkStorageMetadata"], {
+                "offsets": _size(item.box.offsets), "sizes": _size(item.box.sizes)}))
+            index = New(_CLASS["MetadataIndex"], {"fqn": item.fqn, "index": len(chunks_of) - 1,
+                                                  "offset": _size(item.box.offsets)})
+            storage[index] = _storage_info(out.name, item.offset, item.archive.length)
+    objects: dict[str, New] = {}
+    for out in files:
+        for obj in out.objects:
+            objects[obj.fqn] = New(_CLASS["BytesStorageMetadata"])
+            storage[New(_CLASS["MetadataIndex"], {"fqn": obj.fqn, "index": None})] = _storage_info(
+                out.name, obj.offset, len(obj.data))
+    meta = New(_CLASS["StorageMeta"], {"checkpoint_id": None, "save_id": _save_id(files), "load_id": None,
+                                       "modules": []})
+    return dumps(New(_CLASS["Metadata"], {
+        "state_dict_metadata": {**tensors, **objects}, "planner_data": {name: (name,) for name in tensors},
+        "storage_data": storage, "storage_meta": meta, "version": DCP_VERSION}))
+
+
+def torch_metadata(files: Sequence[DcpFile]) -> Any:
+    """torch's own ``Metadata`` of ``files`` (imports ``torch.distributed.checkpoint``): what
+    :func:`metadata_pickle` pickles."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    tensors: dict[str, Any] = {}
     storage = {}
     for out in files:
         for item in out.items:
             md = tensors.setdefault(item.fqn, TensorStorageMetadata(
                 TensorProperties(dtype=torch_dtype(item.target.dtype)), torch.Size(item.global_shape), []))
             md.chunks.append(ChunkStorageMetadata(torch.Size(item.box.offsets), torch.Size(item.box.sizes)))
-            index = MetadataIndex(item.fqn, torch.Size(item.box.offsets), len(md.chunks) - 1)
-            storage[index] = _StorageInfo(out.name, item.offset, item.archive.length)
-    objects: dict[str, BytesStorageMetadata] = {}
+            storage[MetadataIndex(item.fqn, torch.Size(item.box.offsets), len(md.chunks) - 1)] = _StorageInfo(
+                out.name, item.offset, item.archive.length)
+    objects = {}
     for out in files:
         for obj in out.objects:
             objects[obj.fqn] = BytesStorageMetadata()
             storage[MetadataIndex(obj.fqn)] = _StorageInfo(out.name, obj.offset, len(obj.data))
+    return Metadata({**tensors, **objects}, planner_data={name: (name,) for name in tensors}, storage_data=storage,
+                    storage_meta=StorageMeta(checkpoint_id=None, save_id=_save_id(files)), version=CURRENT_DCP_VERSION)
+
+
+def _save_id(files: Sequence[DcpFile]) -> str:
+    """A save id derived from the layout, so a split writes the same bytes every time."""
     digest = hashlib.sha256(repr([(f.name, [(i.fqn, i.box.offsets, i.offset) for i in f.items]) for f in files]).encode())
-    save_id = str(uuid.UUID(bytes=digest.digest()[:16], version=4))
-    metadata = Metadata({**tensors, **objects}, planner_data={name: (name,) for name in tensors}, storage_data=storage,
-                        storage_meta=StorageMeta(checkpoint_id=None, save_id=save_id), version=CURRENT_DCP_VERSION)
+    return str(uuid.UUID(bytes=digest.digest()[:16], version=4))
+
+
+def _storage_info(relative_path: str, offset: int, length: int) -> New:
+    """torch's ``_StorageInfo``, as its ``__getstate__`` records it (no ``transform_descriptors``)."""
+    return New(_STORAGE_INFO, {"relative_path": relative_path, "offset": offset, "length": length})
+
+
+def write_metadata(files: Sequence[DcpFile], directory: Path) -> None:
+    """Write ``.metadata`` (:func:`metadata_pickle`) into ``directory``.
+
+    Raises:
+        OutputError: it cannot be written.
+    """
+    data = metadata_pickle(files)
     try:
         with os.fdopen(create_file(directory / METADATA), "wb") as f:
-            pickle.dump(metadata, f)
+            f.write(data)
     except OSError as e:
         raise OutputError(f"'{METADATA}': cannot write: {e.strerror or e}; nothing was published") from None

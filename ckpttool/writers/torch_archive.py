@@ -16,15 +16,15 @@ shape and dtype alone. :func:`crc32_combine` joins the CRC-32 of chunks written 
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import math
-import pickle
 import struct
 from dataclasses import dataclass, field
 
-from ckpttool.fast.deferred import torch
-from ckpttool.io.dtypes import itemsize, torch_dtype
+from ckpttool.io.dtypes import itemsize, torch_dtype_name
 from ckpttool.layout.layout import c_strides
+from ckpttool.writers.torch_globals import Call, Global, dumps
 
 ALIGNMENT = 64
 _MAX32 = 0xFFFFFFFF
@@ -33,50 +33,39 @@ _LOCAL, _DESCRIPTOR, _CENTRAL = 0x04034B50, 0x08074B50, 0x02014B50
 _ZIP64_END, _ZIP64_LOCATOR, _END = 0x06064B50, 0x07064B50, 0x06054B50
 
 
+#: the typed storage class ``torch.save`` names for a dtype (torch's ``_dtype_to_storage_type_map``); a dtype
+#: without one (float8) is saved as an ``UntypedStorage`` with ``_rebuild_tensor_v3``
+TYPED_STORAGES = {
+    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage",
+    "uint8": "ByteStorage", "bool": "BoolStorage",
+}
+_REBUILD_V2 = Global("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_V3 = Global("torch._utils", "_rebuild_tensor_v3")
+_UNTYPED = Global("torch.storage", "UntypedStorage")
+
+
 class _Storage:
     """Stands for the tensor's storage in the pickle: the pickler writes its persistent id instead."""
 
 
-class _Tensor:
-    """Pickles as the call torch's ``Tensor.__reduce_ex__`` records for a plain, contiguous CPU tensor."""
-
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], legacy: bool) -> None:
-        self.dtype, self.shape, self.legacy = dtype, shape, legacy
-        self.storage = _Storage()
-
-    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        args = (self.storage, 0, self.shape, c_strides(self.shape), False, collections.OrderedDict())
-        if self.legacy:
-            return torch._utils._rebuild_tensor_v2, args
-        return torch._utils._rebuild_tensor_v3, (*args, self.dtype)
-
-
-class _Pickler(pickle.Pickler):
-    def __init__(self, file: object, storage_id: tuple[object, ...]) -> None:
-        super().__init__(file, protocol=2)
-        self.storage_id = storage_id
-
-    def persistent_id(self, obj: object) -> tuple[object, ...] | None:
-        return self.storage_id if isinstance(obj, _Storage) else None
-
-
+@functools.lru_cache(maxsize=4096)  # a model's tensors share a few shapes; a split lays out one archive per chunk
 def tensor_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
-    """``archive/data.pkl`` of ``torch.save`` of a contiguous tensor (safetensors ``dtype`` name), byte for byte:
-    a typed storage class and ``_rebuild_tensor_v2`` where torch has one (float32, bfloat16, ...), else an
-    ``UntypedStorage`` and ``_rebuild_tensor_v3`` with the dtype (float8)."""
-    import io
-
-    torch_type = torch_dtype(dtype)
-    legacy = getattr(torch.storage, "_dtype_to_storage_type_map", dict)  # what torch.save consults, while it has it
-    typed = legacy().get(torch_type)
+    """``archive/data.pkl`` of ``torch.save`` of a contiguous tensor (safetensors ``dtype`` name), byte for byte,
+    without importing torch (:mod:`.torch_globals`): a typed storage class and ``_rebuild_tensor_v2`` where torch
+    has one (float32, bfloat16, ...), else an ``UntypedStorage`` and ``_rebuild_tensor_v3`` with the dtype
+    (float8), as ``Tensor.__reduce_ex__`` records a plain CPU tensor."""
+    torch_name = torch_dtype_name(dtype)
+    typed = TYPED_STORAGES.get(torch_name)
     numel = math.prod(shape)
     if typed is not None:
-        storage_id = ("storage", getattr(torch, typed), "0", "cpu", numel)
+        storage_id = ("storage", Global("torch", typed), "0", "cpu", numel)
     else:
-        storage_id = ("storage", torch.storage.UntypedStorage, "0", "cpu", numel * itemsize(dtype))
-    out = io.BytesIO()
-    _Pickler(out, storage_id).dump(_Tensor(torch_type, tuple(shape), typed is not None))
-    return out.getvalue()
+        storage_id = ("storage", _UNTYPED, "0", "cpu", numel * itemsize(dtype))
+    storage = _Storage()
+    args = (storage, 0, tuple(shape), c_strides(tuple(shape)), False, collections.OrderedDict())
+    tensor = Call(_REBUILD_V2, args) if typed is not None else Call(_REBUILD_V3, (*args, Global("torch", torch_name)))
+    return dumps(tensor, protocol=2, persistent_id=lambda obj: storage_id if obj is storage else None)
 
 
 @dataclass(frozen=True, slots=True)
