@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,6 +184,116 @@ def cli():
         return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
 
     return invoke
+
+
+# ---- jobs forked from a server that imported their heavy modules once (tests/fork_server.py) ------------------------
+
+#: the venv with megatron-core 0.16.1 that the consumer tests run in
+MEGATRON_VENV = Path(os.environ.get("CKPTTOOL_MEGATRON_VENV", "/work/venv-megatron"))
+#: what every megatron-core consumer imports (not the Mamba modules: the hybrid consumer puts its einops stand-in
+#: in place before it imports them)
+MEGATRON_PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "megatron.core", "megatron.core.parallel_state",
+                    "megatron.core.dist_checkpointing", "megatron.core.models.gpt",
+                    "megatron.core.transformer.moe.moe_utils", "megatron.core.tensor_parallel.random")
+#: set to 1 to run every job as its own process again (``torchrun --standalone``, ``python -c``): slower, the same
+#: scripts and environment variables, to tell a fault of the fork server from one of the job
+FRESH_PROCESSES_ENV = "CKPTTOOL_TEST_FRESH_PROCESSES"
+
+
+class ForkServer:
+    """Short Python jobs forked from one long-lived ``tests/fork_server.py`` that has imported ``modules`` once (each
+    job still gets new processes). A job's result is a ``subprocess.CompletedProcess``; a server that dies or hangs
+    gives the job a non-zero code and the server's own output, and the next job starts a new server."""
+
+    def __init__(self, python: Path, modules: tuple[str, ...], scratch: Path) -> None:
+        self.python, self.modules, self.scratch = python, modules, scratch
+        self.jobs = 0
+        self.proc: subprocess.Popen | None = None
+        self.errors = None
+
+    def _read_line(self, timeout: float) -> str:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return self.proc.stdout.readline() if ready else ""
+
+    def _start(self) -> str:
+        """Start the server; '' once it is ready, else what went wrong."""
+        self.errors = open(self.scratch / f"server-{self.jobs}.err", "w+")
+        self.proc = subprocess.Popen(
+            [str(self.python), str(Path(__file__).with_name("fork_server.py")), *self.modules], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.errors, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        line = self._read_line(600)
+        return "" if line.strip() == '{"ready": true}' else self._lost(f"did not start ({line.strip()!r})")
+
+    def _lost(self, what: str) -> str:
+        """Stop a server that failed; what it wrote on stderr, for the job's report."""
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+        self.errors.seek(0)
+        text = self.errors.read()
+        self.errors.close()
+        return f"fork_server ({self.python}) {what}:\n{text[-6000:]}"
+
+    def run(self, command: list[str], request: dict, timeout: float) -> subprocess.CompletedProcess:
+        """Run ``request`` (see tests/fork_server.py), or ``command`` as its own process when FRESH_PROCESSES_ENV
+        is 1."""
+        self.jobs += 1
+        if os.environ.get(FRESH_PROCESSES_ENV) == "1":
+            return subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                                  timeout=timeout, check=False)
+        failure = "" if self.proc is not None and self.proc.poll() is None else self._start()
+        if not failure:
+            request = {**request, "timeout": timeout, "logs": str(self.scratch / f"job-{self.jobs}")}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self._read_line(timeout + 60)
+            if line:
+                answer = json.loads(line)
+                return subprocess.CompletedProcess(command, answer["returncode"], answer["stdout"], answer["stderr"])
+            failure = self._lost("gave no answer" if self.proc.poll() is None else
+                                 f"died with {self.proc.returncode} during the job")
+        return subprocess.CompletedProcess(command, -1, "", failure)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.errors.close()
+
+
+@pytest.fixture(scope="session")
+def megatron_torchrun(tmp_path_factory):
+    """``megatron_torchrun(SCRIPT, *ARGS, nproc=N)``: ``torchrun --standalone --nproc_per_node N SCRIPT ARGS`` in the
+    Megatron venv, its ranks forked from one server that imported megatron-core once for the session (instead of
+    once per rank); a ``subprocess.CompletedProcess`` whose stdout and stderr hold every rank's, rank by rank."""
+    server = ForkServer(MEGATRON_VENV / "bin" / "python", MEGATRON_PRELOAD, tmp_path_factory.mktemp("megatron-jobs"))
+
+    def run(script: Path, *args, nproc: int, timeout: float = 600) -> subprocess.CompletedProcess:
+        command = [str(server.python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   str(script), *map(str, args)]
+        return server.run(command, {"script": str(script), "args": [str(a) for a in args], "nproc": nproc}, timeout)
+
+    yield run
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def forked_python(tmp_path_factory):
+    """``forked_python(SOURCE, *ARGS)``: ``python -c SOURCE ARGS`` in this venv, forked from one server that imported
+    torch and ckpttool once for the session; a ``subprocess.CompletedProcess`` (killed by a signal: ``-signal``)."""
+    server = ForkServer(Path(sys.executable), ("torch", "safetensors.torch", "ckpttool", "ckpttool.commands.merge"),
+                        tmp_path_factory.mktemp("python-jobs"))
+
+    def run(code: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+        return server.run([sys.executable, "-c", code, *map(str, args)], {"code": code, "args": [str(a) for a in args]},
+                          timeout)
+
+    yield run
+    server.close()
 
 
 def interrupt_after(nbytes: int):
