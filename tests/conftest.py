@@ -9,6 +9,7 @@ import select
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -234,25 +235,51 @@ class ForkServer:
         self.errors.close()
         return f"fork_server ({self.python}) {what}:\n{text[-6000:]}"
 
+    def _ask(self, request: dict, timeout: float) -> tuple[dict | None, str]:
+        """Send one job (with this process's environment and directory); its answer, or what went wrong."""
+        self.jobs += 1
+        failure = "" if self.proc is not None and self.proc.poll() is None else self._start()
+        if failure:
+            return None, failure
+        request = {**request, "timeout": timeout, "logs": str(self.scratch / f"job-{self.jobs}"),
+                   "env": {**os.environ, "OMP_NUM_THREADS": "1"}, "cwd": os.getcwd()}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self._read_line(timeout + 60)
+        if line:
+            return json.loads(line), ""
+        return None, self._lost("gave no answer" if self.proc.poll() is None else
+                                f"died with {self.proc.returncode} during the job")
+
     def run(self, command: list[str], request: dict, timeout: float) -> subprocess.CompletedProcess:
         """Run ``request`` (see tests/fork_server.py), or ``command`` as its own process when FRESH_PROCESSES_ENV
         is 1."""
-        self.jobs += 1
         if os.environ.get(FRESH_PROCESSES_ENV) == "1":
             return subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                                   timeout=timeout, check=False)
-        failure = "" if self.proc is not None and self.proc.poll() is None else self._start()
-        if not failure:
-            request = {**request, "timeout": timeout, "logs": str(self.scratch / f"job-{self.jobs}")}
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            line = self._read_line(timeout + 60)
-            if line:
-                answer = json.loads(line)
-                return subprocess.CompletedProcess(command, answer["returncode"], answer["stdout"], answer["stderr"])
-            failure = self._lost("gave no answer" if self.proc.poll() is None else
-                                 f"died with {self.proc.returncode} during the job")
-        return subprocess.CompletedProcess(command, -1, "", failure)
+        answer, failure = self._ask(request, timeout)
+        if answer is None:
+            return subprocess.CompletedProcess(command, -1, "", failure)
+        return subprocess.CompletedProcess(command, answer["returncode"], answer["stdout"], answer["stderr"])
+
+    def run_ranks(self, commands: list[list[str]], request: dict, timeout: float) -> tuple[list[int], list[str]]:
+        """Run a ``ranks`` request (``commands``, one a rank, all at once, as their own processes when
+        FRESH_PROCESSES_ENV is 1): each rank's exit code and output (stdout and stderr together)."""
+        if os.environ.get(FRESH_PROCESSES_ENV) == "1":
+            procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}) for c in commands]
+            start, outputs = time.monotonic(), []
+            try:
+                for p in procs:
+                    outputs.append(p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))[0])
+            finally:
+                for p in procs:
+                    p.kill()
+            return [p.returncode for p in procs], outputs
+        answer, failure = self._ask(request, timeout)
+        if answer is None:
+            return [-1] * len(commands), [failure] * len(commands)
+        return answer["returncodes"], answer["outputs"]
 
     def close(self) -> None:
         if self.proc is not None:
@@ -265,35 +292,72 @@ class ForkServer:
             self.errors.close()
 
 
+_SERVERS: dict[tuple[str, tuple[str, ...]], ForkServer] = {}
+_SCRATCH: list[Path] = []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def fork_servers(tmp_path_factory):
+    """The session's fork servers (:func:`fork_server`) keep their jobs' files under the session's temporary
+    directory, and stop at its end."""
+    _SCRATCH.append(tmp_path_factory.mktemp("forks"))
+    yield
+    for server in _SERVERS.values():
+        server.close()
+
+
+def fork_server(python: Path, modules: tuple[str, ...]) -> ForkServer:
+    """The session's server of ``python`` that imports ``modules`` (started at its first job)."""
+    key = (str(python), modules)
+    if key not in _SERVERS:
+        _SERVERS[key] = ForkServer(python, modules, _SCRATCH[-1] / f"server-{len(_SERVERS)}")
+        _SERVERS[key].scratch.mkdir()
+    return _SERVERS[key]
+
+
+#: what a merge imports anyway (ckpttool checks sys.modules for torch, torch.distributed and transformers: a server
+#: must import no more than the job itself would, or the job takes another path)
+MERGE_PRELOAD = ("torch", "torch.distributed", "ckpttool", "ckpttool.commands.merge")
+#: what every gloo worker (tests/gloo_worker.py) imports at its top
+GLOO_PRELOAD = ("torch", "torch.distributed")
+
+
+def launch_ranks(worker: Path, ranks: list[list[str]], timeout: float) -> tuple[list[int], list[str]]:
+    """``python WORKER ARGS`` for each rank's ``ARGS`` (its rendezvous among them), all at once, forked from the
+    session's server that imported torch once (instead of once a rank); each rank's exit code and output (stdout
+    and stderr together). A rank past ``timeout`` is killed (-9)."""
+    ranks = [[str(a) for a in args] for args in ranks]
+    return fork_server(Path(sys.executable), GLOO_PRELOAD).run_ranks(
+        [[sys.executable, str(worker), *args] for args in ranks], {"script": str(worker), "ranks": ranks}, timeout)
+
+
 @pytest.fixture(scope="session")
-def megatron_torchrun(tmp_path_factory):
+def megatron_torchrun():
     """``megatron_torchrun(SCRIPT, *ARGS, nproc=N)``: ``torchrun --standalone --nproc_per_node N SCRIPT ARGS`` in the
     Megatron venv, its ranks forked from one server that imported megatron-core once for the session (instead of
     once per rank); a ``subprocess.CompletedProcess`` whose stdout and stderr hold every rank's, rank by rank."""
-    server = ForkServer(MEGATRON_VENV / "bin" / "python", MEGATRON_PRELOAD, tmp_path_factory.mktemp("megatron-jobs"))
+    server = fork_server(MEGATRON_VENV / "bin" / "python", MEGATRON_PRELOAD)
 
     def run(script: Path, *args, nproc: int, timeout: float = 600) -> subprocess.CompletedProcess:
         command = [str(server.python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    str(script), *map(str, args)]
         return server.run(command, {"script": str(script), "args": [str(a) for a in args], "nproc": nproc}, timeout)
 
-    yield run
-    server.close()
+    return run
 
 
 @pytest.fixture(scope="session")
-def forked_python(tmp_path_factory):
+def forked_python():
     """``forked_python(SOURCE, *ARGS)``: ``python -c SOURCE ARGS`` in this venv, forked from one server that imported
-    torch and ckpttool once for the session; a ``subprocess.CompletedProcess`` (killed by a signal: ``-signal``)."""
-    server = ForkServer(Path(sys.executable), ("torch", "safetensors.torch", "ckpttool", "ckpttool.commands.merge"),
-                        tmp_path_factory.mktemp("python-jobs"))
+    what a merge imports (MERGE_PRELOAD) once for the session; a ``subprocess.CompletedProcess`` (killed by a signal:
+    ``-signal``)."""
+    server = fork_server(Path(sys.executable), MERGE_PRELOAD)
 
     def run(code: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:
         return server.run([sys.executable, "-c", code, *map(str, args)], {"code": code, "args": [str(a) for a in args]},
                           timeout)
 
-    yield run
-    server.close()
+    return run
 
 
 def interrupt_after(nbytes: int):

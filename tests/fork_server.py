@@ -11,9 +11,13 @@ imported and with nothing of an earlier job (every job gets new processes):
   environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ...) for its ``dist.init_process_group``;
   as torchrun does, the first rank that fails ends the others and the job's exit code is that rank's.
 - ``{"code": SOURCE, "args": [...]}``: as ``python -c SOURCE ARGS`` (one process, no torchrun environment).
+- ``{"script": PATH, "ranks": [[...], ...]}``: one process a list of arguments, as ``python PATH ARGS`` each (their
+  own rendezvous in their arguments), all at once; each runs to its end (a test may kill one rank to see what the
+  others do) and has its stdout and stderr in one text. The answer: ``{"returncodes", "outputs"}``, one a rank.
 
 Protocol: ``python tests/fork_server.py MODULE...`` imports the modules and prints ``{"ready": true}``; then one JSON
-object a line on stdin (also ``"timeout"``, seconds, and ``"logs"``, a directory for the ranks' output files), one
+object a line on stdin (also ``"timeout"``, seconds, ``"logs"``, a directory for the ranks' output files, and the
+job's ``"env"`` and ``"cwd"``), one
 JSON object a line on stdout: ``{"returncode", "stdout", "stderr"}`` (several ranks: rank by rank). A job killed by
 a signal has ``-signal`` as its code, as ``subprocess`` reports it. Only imports are done before a fork: no thread,
 no process group, no CUDA.
@@ -43,12 +47,18 @@ def _child(request: dict, rank: int, port: int | None, logs: Path) -> None:
     """In the forked process: output to ``logs``, torchrun's environment for ``rank`` (when ``port``), the job."""
     code = 1
     try:
-        for fd, name in ((1, f"rank{rank}.out"), (2, f"rank{rank}.err")):
-            out = os.open(logs / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        ranks = request.get("ranks")
+        for fd, name in ((1, f"rank{rank}.out"), (2, f"rank{rank}.out" if ranks else f"rank{rank}.err")):
+            out = os.open(logs / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(out, fd)
             os.close(out)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the server's requests are not the job's input
-        args = [str(a) for a in request.get("args", ())]
+        if "env" in request:  # the test's environment now, not the one the server started with
+            os.environ.clear()
+            os.environ.update(request["env"])
+        if "cwd" in request:
+            os.chdir(request["cwd"])
+        args = [str(a) for a in (ranks[rank] if ranks else request.get("args", ()))]
         if port is not None:
             nproc = str(request["nproc"])
             os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
@@ -79,9 +89,10 @@ def _child(request: dict, rank: int, port: int | None, logs: Path) -> None:
             os._exit(code)
 
 
-def _wait(pids: dict[int, int], timeout: float) -> tuple[int, str]:
-    """Wait for every rank (``pid -> rank``); the first that fails, or the timeout, ends the others (as torchrun
-    does). Returns the job's exit code and a note on what ended it."""
+def _wait(pids: dict[int, int], timeout: float, codes: dict[int, int], independent: bool = False) -> tuple[int, str]:
+    """Wait for every rank (``pid -> rank``, each one's exit code put in ``codes``); the timeout, or the first that
+    fails unless ``independent``, ends the others (as torchrun does). Returns the job's exit code and a note on what
+    ended it."""
     deadline, code, note = time.monotonic() + timeout, 0, ""
     while pids:
         pid, status = os.waitpid(-1, os.WNOHANG)
@@ -94,8 +105,8 @@ def _wait(pids: dict[int, int], timeout: float) -> tuple[int, str]:
             time.sleep(0.02)
             continue
         rank = pids.pop(pid)
-        exit_code = os.waitstatus_to_exitcode(status)
-        if exit_code != 0 and code == 0:
+        exit_code = codes[rank] = os.waitstatus_to_exitcode(status)
+        if exit_code != 0 and code == 0 and not independent:
             code = exit_code
             if pids:
                 note = f"\nfork_server: rank {rank} exited with {exit_code}; the other ranks were ended"
@@ -108,7 +119,7 @@ def _job(request: dict) -> dict:
     """Run one job (see the module's docstring); its answer."""
     logs = Path(request["logs"])
     logs.mkdir(parents=True, exist_ok=True)
-    nproc = int(request.get("nproc", 1))
+    nproc = len(request["ranks"]) if "ranks" in request else int(request.get("nproc", 1))
     port = _free_port() if "nproc" in request else None
     sys.stdout.flush()
     sys.stderr.flush()
@@ -118,7 +129,11 @@ def _job(request: dict) -> dict:
         if pid == 0:
             _child(request, rank, port, logs)
         pids[pid] = rank
-    code, note = _wait(pids, float(request.get("timeout", 600)))
+    codes: dict[int, int] = {}
+    code, note = _wait(pids, float(request.get("timeout", 600)), codes, independent="ranks" in request)
+    if "ranks" in request:
+        outputs = [(logs / f"rank{r}.out").read_text(errors="replace") for r in range(nproc)]
+        return {"returncodes": [codes[r] for r in range(nproc)], "outputs": [o + note for o in outputs]}
 
     def output(kind: str) -> str:
         texts = [(logs / f"rank{r}.{kind}").read_text(errors="replace") for r in range(nproc)]
