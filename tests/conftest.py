@@ -213,8 +213,16 @@ class ForkServer:
         self.errors = None
 
     def _read_line(self, timeout: float) -> str:
+        """The server's next answer; '' if it gave none in ``timeout`` seconds or closed its output (then it has
+        ended: waited for, for its exit code)."""
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        return self.proc.stdout.readline() if ready else ""
+        line = self.proc.stdout.readline() if ready else ""
+        if ready and not line:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        return line
 
     def _start(self) -> str:
         """Start the server; '' once it is ready, else what went wrong."""

@@ -35,6 +35,9 @@ import time
 import traceback
 from pathlib import Path
 
+#: the file descriptor the answers go to
+_ANSWERS = -1
+
 
 def _free_port() -> int:
     # torchrun --standalone's workers get a port found the same way (bind to 0); rank 0 binds it for its store
@@ -47,6 +50,7 @@ def _child(request: dict, rank: int, port: int | None, logs: Path) -> None:
     """In the forked process: output to ``logs``, torchrun's environment for ``rank`` (when ``port``), the job."""
     code = 1
     try:
+        os.close(_ANSWERS)  # the server's answers: a job that outlives it must not hold the pipe open
         ranks = request.get("ranks")
         for fd, name in ((1, f"rank{rank}.out"), (2, f"rank{rank}.out" if ranks else f"rank{rank}.err")):
             out = os.open(logs / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -146,9 +150,11 @@ def main(modules: list[str]) -> None:
     """Import ``modules``, say ``ready``, then run the jobs read from stdin until it closes."""
     import importlib
 
+    global _ANSWERS
     for name in modules:
         importlib.import_module(name)
-    respond = os.fdopen(os.dup(1), "w")
+    _ANSWERS = os.dup(1)
+    respond = os.fdopen(_ANSWERS, "w")
     os.dup2(2, 1)  # a stray print goes to stderr, never into the answers
     respond.write(json.dumps({"ready": True}) + "\n")
     respond.flush()

@@ -45,8 +45,14 @@ def test_every_job_gets_a_fresh_process(server):
 def test_ranks_get_torchruns_environment_and_the_first_failure_ends_the_others(server, tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import os, sys, time\n"
-                      "print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'] != '', sys.argv[1], flush=True)\n"
-                      "if os.environ['RANK'] == '1':\n    sys.exit(5)\n"
+                      "from pathlib import Path\n"
+                      "rank = os.environ['RANK']\n"
+                      "print(rank, os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'] != '', sys.argv[1], flush=True)\n"
+                      f"Path('{tmp_path}', 'printed' + rank).touch()\n"
+                      "if rank == '1':\n"
+                      f"    while len(list(Path('{tmp_path}').glob('printed*'))) < 3:\n"
+                      "        time.sleep(0.01)\n"
+                      "    sys.exit(5)\n"
                       "time.sleep(600)\n")
     start = time.monotonic()
     done = server.run(["torchrun"], {"script": str(script), "args": ["x"], "nproc": 3}, 60)
