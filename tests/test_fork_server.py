@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FRESH_PROCESSES_ENV, ForkServer
+from fork_client import FRESH_PROCESSES_ENV, ForkServer
 
 
 @pytest.fixture

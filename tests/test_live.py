@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 import ckpttool
 from ckpttool.live import WATCH_SECONDS
-from conftest import fixture_dir, launch_ranks, load_output
+from conftest import fixture_dir, load_output
+from fork_client import launch_ranks
 
 WORKER = Path(__file__).resolve().parent / "live_worker.py"
 LLAMA = fixture_dir("llama_fsdp2_dcp") / "reference"

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fixture_dir, launch_ranks, load_output
+from conftest import fixture_dir, load_output
+from fork_client import launch_ranks
 from test_live import digests
 
 import ckpttool

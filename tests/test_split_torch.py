@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 import ckpttool
-from conftest import fixture_dir, launch_ranks
+from conftest import fixture_dir
+from fork_client import launch_ranks
 
 WORKER = Path(__file__).resolve().parent / "split_worker.py"
 LLAMA = fixture_dir("llama_fsdp2_dcp") / "reference"
