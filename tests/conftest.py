@@ -6,12 +6,17 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
+
+import fork_client
+from fork_client import MEGATRON_PRELOAD, MEGATRON_VENV, MERGE_PRELOAD, fork_server
 
 ROOT = Path(__file__).resolve().parent.parent
 #: examples per property test and fuzz target; CKPTTOOL_HYPOTHESIS_EXAMPLES=2000 for a long run
@@ -183,6 +188,46 @@ def cli():
         return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
 
     return invoke
+
+
+# ---- jobs forked from a server that imported their heavy modules once (tests/fork_client.py) ------------------------
+
+@pytest.fixture(autouse=True, scope="session")
+def fork_servers(tmp_path_factory):
+    """The session's fork servers (tests/fork_client.py) keep their jobs' files under the session's temporary
+    directory, and stop at its end."""
+    fork_client.start_session(tmp_path_factory.mktemp("forks"))
+    yield
+    fork_client.close_all()
+
+
+@pytest.fixture(scope="session")
+def megatron_torchrun():
+    """``megatron_torchrun(SCRIPT, *ARGS, nproc=N)``: ``torchrun --standalone --nproc_per_node N SCRIPT ARGS`` in the
+    Megatron venv, its ranks forked from one server that imported megatron-core once for the session (instead of
+    once per rank); a ``subprocess.CompletedProcess`` whose stdout and stderr hold every rank's, rank by rank."""
+    server = fork_server(MEGATRON_VENV / "bin" / "python", MEGATRON_PRELOAD)
+
+    def run(script: Path, *args, nproc: int, timeout: float = 600) -> subprocess.CompletedProcess:
+        command = [str(server.python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   str(script), *map(str, args)]
+        return server.run(command, {"script": str(script), "args": [str(a) for a in args], "nproc": nproc}, timeout)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def forked_python():
+    """``forked_python(SOURCE, *ARGS)``: ``python -c SOURCE ARGS`` in this venv, forked from one server that imported
+    what a merge imports (MERGE_PRELOAD) once for the session; a ``subprocess.CompletedProcess`` (killed by a signal:
+    ``-signal``)."""
+    server = fork_server(Path(sys.executable), MERGE_PRELOAD)
+
+    def run(code: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+        return server.run([sys.executable, "-c", code, *map(str, args)], {"code": code, "args": [str(a) for a in args]},
+                          timeout)
+
+    return run
 
 
 def interrupt_after(nbytes: int):

@@ -1,8 +1,8 @@
 """Crash safety: a merge killed at any byte never leaves a partial checkpoint at the destination; the next run
 cleans up or, with ``--resume``, continues from the files already finished; ``--verify`` reads back.
 
-The kill test runs the merge in a child process whose ``os.pwrite`` sends SIGKILL to itself once a chosen
-number of output bytes has been written: 20 points drawn at random (fixed seed) over the whole output.
+The kill test runs the merge in a child process (forked from one that imported torch and ckpttool once: conftest's
+``forked_python``) whose ``os.pwrite`` sends SIGKILL to itself once a chosen number of output bytes has been written: 20 points drawn at random (fixed seed) over the whole output.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -69,14 +67,14 @@ def output_bytes(tmp_path: Path) -> int:
     return sum(f.stat().st_size for f in probe.glob("*.safetensors"))
 
 
-def test_sigkill_at_random_points_never_publishes_a_partial_checkpoint(tmp_path):
+def test_sigkill_at_random_points_never_publishes_a_partial_checkpoint(forked_python, tmp_path):
     total = output_bytes(tmp_path)
     points = sorted(random.Random(20261122).sample(range(1, total), KILL_POINTS))
     src = fixture_dir(FIXTURE) / "checkpoint"
     for i, point in enumerate(points):
         out = tmp_path / f"out{i}"
-        child = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), str(point), SHARD],
-                               capture_output=True, text=True, timeout=120)
+        # a process of its own, forked from one that imported torch and ckpttool once (conftest's forked_python)
+        child = forked_python(CHILD, src, out, point, SHARD, timeout=120)
         assert child.returncode == -signal.SIGKILL, child.stderr
         assert not out.exists(), f"killed at byte {point}: the destination exists"
         [staging] = staging_dirs(out)  # recognisable by its name

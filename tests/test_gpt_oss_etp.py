@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -263,18 +262,14 @@ def test_within_part_gives_a_box_of_one_part_whose_source_is_a_box():
 @pytest.mark.slow
 @pytest.mark.skipif(not (MEGATRON_VENV / "bin" / "python").is_file(),
                     reason=f"megatron-core venv not at {MEGATRON_VENV} (set CKPTTOOL_MEGATRON_VENV)")
-def test_megatron_core_loads_the_etp2_split_strictly_into_the_producers_own_weights(tmp_path):
+def test_megatron_core_loads_the_etp2_split_strictly_into_the_producers_own_weights(megatron_torchrun, tmp_path):
     """megatron-core, built at TP 2 x expert TP 2 as the producer saved, loads the split with
     ``strict="raise_all"``, and each rank then holds what its own legacy file of the producer holds (local tensors:
     fc1 ``[gate_r; up_r]``), bit for bit."""
     ckpttool.split(CASE / "reference", tmp_path / "out", to="megatron", tp=2, etp=2, make_vocab_size_divisible_by=64,
                    config=CASE / "config.json")
     out = tmp_path / "logits.safetensors"
-    command = [str(MEGATRON_VENV / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(CONSUMER), str(tmp_path / "out" / "iter_0000000"), str(out),
-               "gpt_oss_tp2_etp2"]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600, check=False)
+    done = megatron_torchrun(CONSUMER, tmp_path / "out" / "iter_0000000", out, "gpt_oss_tp2_etp2", nproc=2)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     for rank in range(2):
         got = load_file(f"{out}.rank{rank}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -207,13 +206,10 @@ def test_an_ep_that_does_not_divide_the_experts_is_refused(cli, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not (MEGATRON_VENV / "bin" / "python").is_file(),
                     reason=f"megatron-core venv not at {MEGATRON_VENV} (set CKPTTOOL_MEGATRON_VENV)")
-def test_megatron_core_loads_the_split_strictly_and_gives_its_own_logits(tmp_path):
+def test_megatron_core_loads_the_split_strictly_and_gives_its_own_logits(megatron_torchrun, tmp_path):
     split(tmp_path / "out")
     out = tmp_path / "logits.safetensors"
-    command = [str(MEGATRON_VENV / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(CONSUMER), str(tmp_path / "out" / "iter_0000000"), str(out)]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600, check=False)
+    done = megatron_torchrun(CONSUMER, tmp_path / "out" / "iter_0000000", out, nproc=2)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     got, want = load_file(out), load_file(CASE / "logits.safetensors")
     assert torch.equal(got["tokens"], want["tokens"])

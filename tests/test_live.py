@@ -9,11 +9,8 @@ merge of a DCP save of the same model.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +21,7 @@ from safetensors.torch import load_file
 import ckpttool
 from ckpttool.live import WATCH_SECONDS
 from conftest import fixture_dir, load_output
+from fork_client import launch_ranks
 
 WORKER = Path(__file__).resolve().parent / "live_worker.py"
 LLAMA = fixture_dir("llama_fsdp2_dcp") / "reference"
@@ -35,21 +33,10 @@ def launch(world: int, out: Path, *scenarios: str, timeout: float = 300, worker:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    procs = [
-        subprocess.Popen([sys.executable, str(worker), "--rank", str(r), "--world", str(world), "--port", str(port),
-                          "--out", str(out), *scenarios], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for r in range(world)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))[0])
-    finally:
-        for p in procs:
-            p.kill()
-    return [p.returncode for p in procs], outputs, time.monotonic() - start
+    codes, outputs = launch_ranks(worker, [["--rank", r, "--world", world, "--port", port, "--out", out, *scenarios]
+                                           for r in range(world)], timeout)
+    return codes, outputs, time.monotonic() - start
 
 
 def assert_is_reference(directory: Path, reference: Path) -> None:

@@ -12,15 +12,13 @@ the block size named.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import fixture_dir, load_output
+from fork_client import launch_ranks
 from test_live import digests
 
 import ckpttool
@@ -33,17 +31,8 @@ def launch(world: int, out: Path, *scenarios: str, timeout: float = 300) -> tupl
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world", str(world), "--port",
-                               str(port), "--out", str(out), *scenarios],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [p.returncode for p in procs], outputs
+    return launch_ranks(WORKER, [["--rank", r, "--world", world, "--port", port, "--out", out, *scenarios]
+                                 for r in range(world)], timeout)
 
 
 @pytest.fixture(scope="module")

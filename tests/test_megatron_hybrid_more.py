@@ -22,7 +22,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -245,14 +244,12 @@ def test_a_latent_moe_is_not_written_naming_it(cli, tmp_path):
 @pytest.mark.skipif(not (MEGATRON_VENV / "bin" / "python").is_file(),
                     reason=f"megatron-core venv not at {MEGATRON_VENV} (set CKPTTOOL_MEGATRON_VENV)")
 @pytest.mark.parametrize("case", sorted(LAYOUTS))
-def test_megatron_core_loads_the_split_strictly_and_computes_what_transformers_computes(case, splits, tmp_path):
+def test_megatron_core_loads_the_split_strictly_and_computes_what_transformers_computes(case, splits,
+                                                                                       megatron_torchrun, tmp_path):
     from transformers import NemotronHForCausalLM
 
     out = tmp_path / "logits.safetensors"
-    command = [str(MEGATRON_VENV / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=4", str(CONSUMER), case, str(splits(case) / "iter_0000010"), str(out)]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600, check=False)
+    done = megatron_torchrun(CONSUMER, case, splits(case) / "iter_0000010", out, nproc=4)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     got = load_file(out)
     model = NemotronHForCausalLM.from_pretrained(str(fixture(case) / "reference"), dtype=torch.float32).eval()

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -287,15 +286,12 @@ needs_megatron = pytest.mark.skipif(not (MEGATRON_VENV / "bin" / "python").is_fi
                                     reason=f"megatron-core venv not at {MEGATRON_VENV} (set CKPTTOOL_MEGATRON_VENV)")
 
 
-def megatron_logits(case: str, checkpoint: Path, out: Path, layout: tuple[int, int, int] | None = None) -> torch.Tensor:
+def megatron_logits(torchrun, case: str, checkpoint: Path, out: Path,
+                    layout: tuple[int, int, int] | None = None) -> torch.Tensor:
     """megatron-core 0.16.1 loads ``checkpoint`` at the case's layout, or at ``layout`` (tp, pp, ep), with gloo, one
-    process per rank, and runs it."""
+    process per rank, and runs it (``torchrun``: conftest's ``megatron_torchrun``)."""
     tp, pp, ep = layout or LAYOUTS[case][:3]
-    command = [str(MEGATRON_VENV / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={tp * pp * ep}", str(CONSUMER), case, str(checkpoint), str(out),
-               ",".join(map(str, (tp, pp, ep)))]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600, check=False)
+    done = torchrun(CONSUMER, case, checkpoint, out, ",".join(map(str, (tp, pp, ep))), nproc=tp * pp * ep)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return load_file(out)["logits"]
 
@@ -314,10 +310,10 @@ def transformers_logits(case: str, tmp_path: Path) -> torch.Tensor:
 
 @needs_megatron
 @pytest.mark.parametrize("case", ["tp2_pp2", "qwen2moe_tp2_ep2"])
-def test_megatron_core_loads_the_split_and_gives_transformers_logits(case, tmp_path):
+def test_megatron_core_loads_the_split_and_gives_transformers_logits(case, megatron_torchrun, tmp_path):
     tp, pp, ep, divisible_by = LAYOUTS[case]
     split_case(case, tmp_path / "out", tp, pp, ep, divisible_by)
-    got = megatron_logits(case, tmp_path / "out" / "iter_0000000", tmp_path / "logits.safetensors")
+    got = megatron_logits(megatron_torchrun, case, tmp_path / "out" / "iter_0000000", tmp_path / "logits.safetensors")
     want = transformers_logits(case, tmp_path)
     vocab = want.shape[-1]
     assert got.shape[-1] == LAYOUTS[case][3] * tp * -(-vocab // (LAYOUTS[case][3] * tp))  # the padded vocab
@@ -326,17 +322,17 @@ def test_megatron_core_loads_the_split_and_gives_transformers_logits(case, tmp_p
 
 
 @needs_megatron
-def test_megatron_core_loads_a_tp2_pp2_ep2_split_and_gives_transformers_logits(tmp_path):
+def test_megatron_core_loads_a_tp2_pp2_ep2_split_and_gives_transformers_logits(megatron_torchrun, tmp_path):
     """All three at once, on 8 ranks: the Qwen2-MoE fixture (shared expert, QKV bias) at a layout it was not saved at."""
     split_case("qwen2moe_pp2_ep2", tmp_path / "out", 2, 2, 2)
-    got = megatron_logits("qwen2moe_pp2_ep2", tmp_path / "out" / "iter_0000000", tmp_path / "logits.safetensors",
+    got = megatron_logits(megatron_torchrun, "qwen2moe_pp2_ep2", tmp_path / "out" / "iter_0000000", tmp_path / "logits.safetensors",
                           (2, 2, 2))
     want = transformers_logits("qwen2moe_pp2_ep2", tmp_path)
     torch.testing.assert_close(got[..., :want.shape[-1]], want, rtol=0, atol=1e-5)  # 3.0e-7 observed
 
 
 @needs_megatron
-def test_negative_control_a_wrong_qkv_interleave_changes_megatrons_logits(monkeypatch, tmp_path):
+def test_negative_control_a_wrong_qkv_interleave_changes_megatrons_logits(monkeypatch, megatron_torchrun, tmp_path):
     """Query groups laid out key-then-value swapped: every shape still fits, megatron-core still loads it, the
     forward is wrong. The consumer test above would catch such a mapping."""
     right = megatron_core._cut_qkv
@@ -348,7 +344,7 @@ def test_negative_control_a_wrong_qkv_interleave_changes_megatrons_logits(monkey
 
     monkeypatch.setattr(megatron_core, "_cut_qkv", swapped)
     split_case("tp2_pp2", tmp_path / "out", 2, 2, 1)
-    got = megatron_logits("tp2_pp2", tmp_path / "out" / "iter_0000000", tmp_path / "logits.safetensors")
+    got = megatron_logits(megatron_torchrun, "tp2_pp2", tmp_path / "out" / "iter_0000000", tmp_path / "logits.safetensors")
     want = transformers_logits("tp2_pp2", tmp_path)
     difference = (got[..., :want.shape[-1]] - want).abs().max().item()
     assert difference > 1e-2, difference  # 1.37 on megatron-core 0.16.1 (3e-7 with the right interleave)

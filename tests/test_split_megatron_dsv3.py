@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -276,11 +275,10 @@ needs_megatron = pytest.mark.skipif(not (MEGATRON_VENV / "bin" / "python").is_fi
                                     reason=f"megatron-core venv not at {MEGATRON_VENV} (set CKPTTOOL_MEGATRON_VENV)")
 
 
-def consume(script: str, case: str, checkpoint: Path, out: Path, ranks: int, *more: str) -> dict[str, torch.Tensor]:
-    command = [str(MEGATRON_VENV / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={ranks}", str(HERE / script), case, str(checkpoint), str(out), *more]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600, check=False)
+def consume(torchrun, script: str, case: str, checkpoint: Path, out: Path, ranks: int,
+            *more: str) -> dict[str, torch.Tensor]:
+    """``script`` on ``ranks`` gloo ranks (``torchrun``: conftest's ``megatron_torchrun``); the logits it wrote."""
+    done = torchrun(HERE / script, case, checkpoint, out, *more, nproc=ranks)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return load_file(out)
 
@@ -288,12 +286,12 @@ def consume(script: str, case: str, checkpoint: Path, out: Path, ranks: int, *mo
 @needs_megatron
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["deepseek_tp2_ep2", "deepseek_pp2_ep2"])
-def test_megatron_core_loads_the_deepseek_split_strictly_and_gives_its_logits(case, splits, tmp_path):
+def test_megatron_core_loads_the_deepseek_split_strictly_and_gives_its_logits(case, splits, megatron_torchrun, tmp_path):
     """At the split's own layout (TP2 x EP2 expert TP 2; PP2 uneven x EP2): main and MTP logits equal those the
     producer's forward gave (fp32 on CPU; the same kernels, other reduction orders)."""
     options = LAYOUTS[case]
     ranks = options.get("tp", 1) * options.get("pp", 1) * options.get("ep", 1)
-    got = consume("megatron_deepseek_consumer.py", case, splits(case) / "iter_0000010", tmp_path / "l.safetensors",
+    got = consume(megatron_torchrun, "megatron_deepseek_consumer.py", case, splits(case) / "iter_0000010", tmp_path / "l.safetensors",
                   ranks)
     want = load_file(fixture(case) / "logits.safetensors")
     vocab = json.loads((fixture(case) / "producer.json").read_text())["vocab"]
@@ -303,10 +301,10 @@ def test_megatron_core_loads_the_deepseek_split_strictly_and_gives_its_logits(ca
 
 @needs_megatron
 @pytest.mark.slow
-def test_megatron_core_loads_an_expert_tp_1_split_strictly_and_gives_its_logits(etp1, tmp_path):
+def test_megatron_core_loads_an_expert_tp_1_split_strictly_and_gives_its_logits(etp1, megatron_torchrun, tmp_path):
     """megatron-core built with expert TP 1 at TP2 x EP2 (3.6e-7 observed)."""
-    got = consume("megatron_deepseek_consumer.py", "deepseek_tp2_ep2", etp1 / "iter_0000010", tmp_path / "l.safetensors",
-                  4, "1")
+    got = consume(megatron_torchrun, "megatron_deepseek_consumer.py", "deepseek_tp2_ep2", etp1 / "iter_0000010",
+                  tmp_path / "l.safetensors", 4, "1")
     want = load_file(fixture("deepseek_tp2_ep2") / "logits.safetensors")
     for name in ("logits", "mtp_logits"):
         torch.testing.assert_close(got[name][..., :100], want[name][..., :100], rtol=0, atol=1e-5)
@@ -315,8 +313,9 @@ def test_megatron_core_loads_an_expert_tp_1_split_strictly_and_gives_its_logits(
 @needs_megatron
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["pp2_uneven", "pp2_vpp2"])
-def test_megatron_core_loads_uneven_and_virtual_stages_strictly_and_gives_its_logits(case, splits, tmp_path):
-    got = consume("megatron_stages_consumer.py", case, splits(case) / "iter_0000010", tmp_path / "l.safetensors", 2)
+def test_megatron_core_loads_uneven_and_virtual_stages_strictly_and_gives_its_logits(case, splits, megatron_torchrun, tmp_path):
+    got = consume(megatron_torchrun, "megatron_stages_consumer.py", case, splits(case) / "iter_0000010",
+                  tmp_path / "l.safetensors", 2)
     want = load_file(fixture(case) / "logits.safetensors")["logits"]
     vocab = json.loads((fixture(case) / "producer.json").read_text())["vocab"]
     torch.testing.assert_close(got["logits"][..., :vocab], want[..., :vocab], rtol=0, atol=1e-5)

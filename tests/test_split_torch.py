@@ -11,18 +11,15 @@ controls: a chunk swapped in ``.metadata`` loads but changes the logits; a missi
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import ckpttool
 from conftest import fixture_dir
+from fork_client import launch_ranks
 
 WORKER = Path(__file__).resolve().parent / "split_worker.py"
 LLAMA = fixture_dir("llama_fsdp2_dcp") / "reference"
@@ -36,19 +33,9 @@ def launch(world: int, splits: Path, *scenarios: str, timeout: float = 400, work
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(worker), "--rank", str(r), "--world", str(world), "--port", str(port),
-                               "--splits", str(splits), *scenarios], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env) for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))[0])
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0] * world, "\n".join(outputs)
+    codes, outputs = launch_ranks(worker, [["--rank", r, "--world", world, "--port", port, "--splits", splits, *scenarios]
+                                           for r in range(world)], timeout)
+    assert codes == [0] * world, "\n".join(outputs)
     return outputs
 
 

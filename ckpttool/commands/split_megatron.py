@@ -28,6 +28,7 @@ Vocab rows past the true vocab are zeros.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from ckpttool.model.description import ModelInfo
@@ -66,14 +67,22 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
         shardings = [_on_vocab_stage(s, mesh) for s in shardings]
     weight = {name: math.prod(shape) * next((itemsize(targets[s.source].dtype) for s in slices if s.source in targets), 1)
               for name, shape, slices, *_ in tensors}
-    held = [[(s.name, box, weight[s.name]) for s in shardings for box in _chunks(s, rank, stages)]
-            for rank in range(mesh.world)]
+    held: list[list[tuple[str, Box, int]]] = [[] for _ in range(mesh.world)]
+    layers = len(stages) - _MTP_MOST
+    for s in shardings:  # each rank's in state-dict order; only the ranks that hold it (8192 at TP8 x PP16 x EP64)
+        layer = megatron_back_mla.layer_of(s.name, layers)
+        for rank in range(*(s.ranks or (0, mesh.world))):
+            held[rank].extend((s.name, box, weight[s.name]) for box in _chunks(s, rank, stages, layer))
     by_name = {name: (shape, slices, true_rows, transform) for name, shape, slices, true_rows, transform in tensors}
+    indexes: dict[str, SliceIndex] = {}
     per_rank, problems = [], []
     for written in dcp.share_items(held):
         items = []
         for name, box in written:
             shape, slices, true_rows, transform = by_name[name]
+            if transform is None:  # only the slices that meet the chunk: one expert's of a layer's 256
+                index = indexes.get(name) or indexes.setdefault(name, SliceIndex(slices, targets))
+                slices = index.meeting(box)
             # one part of a de-interleave only where the args written say experts are cut (common.pt's expert TP)
             parts = name in EXPERT_TENSORS and _stated_etp(mesh) > 1
             target, found = _compose(name, box, slices, targets, true_rows, transform, shape, parts)
@@ -232,10 +241,10 @@ def _on_vocab_stage(sharding: Sharding, mesh: MegatronMesh) -> Sharding:
                     (stage * per_stage, (stage + 1) * per_stage))
 
 
-def _chunks(sharding: Sharding, rank: int, stages: list[int]) -> list[Box]:
+def _chunks(sharding: Sharding, rank: int, stages: list[int], layer: int | None) -> list[Box]:
     """A rank's boxes cut as megatron-core saves them: one chunk per layer, and per expert; a tensor saved per
-    layer (DeepSeek-V3's) only on the stage holding its layer (``stages``: :func:`layer_stages`)."""
-    layer = megatron_back_mla.layer_of(sharding.name, len(stages) - _MTP_MOST)  # its stage's: Sharding.ranks
+    layer (DeepSeek-V3's; ``layer``: :func:`.megatron_back_mla.layer_of`'s) only on the stage holding its layer
+    (``stages``: :func:`layer_stages`)."""
     axis = expert_axis(sharding.name)
     if layer is not None:
         per = 0 if axis is None else 1
@@ -250,6 +259,32 @@ def _chunks(sharding: Sharding, rank: int, stages: list[int]) -> list[Box]:
             offsets = (*lead, *box.offsets[per:])
             out.append(Box(offsets, (*(1 for _ in lead), *box.sizes[per:])))
     return out
+
+
+class SliceIndex:
+    """The slices a tensor is made of, found by the rows (dim 0) of a chunk with a bisect: a stacked tensor of 256
+    experts is 256 slices (more with FP8 scales), and a rank's chunk of it meets one, so a plan of 400k chunks
+    (DeepSeek-V3 at TP8 x PP16 x EP64) composes each from the slices it meets, not from all of them. Slices of
+    several dtypes, or of no dim, are given whole: :func:`compose` then says what is wrong, or needs them all."""
+
+    def __init__(self, slices, targets) -> None:
+        self.slices = tuple(slices)
+        dtypes = {(targets[s.source].dtype, targets[s.source].source_dtype) for s in self.slices if s.source in targets}
+        self.whole = len(dtypes) > 1 or any(not s.dst.sizes for s in self.slices) or len(self.slices) < 8
+        if not self.whole:
+            self.order = sorted(range(len(self.slices)), key=lambda i: self.slices[i].dst.offsets[0])
+            self.starts = [self.slices[i].dst.offsets[0] for i in self.order]
+            self.longest = max(s.dst.sizes[0] for s in self.slices)
+
+    def meeting(self, box: Box):
+        """The slices whose rows meet ``box``'s, in their order (all of them when none does: compose's message)."""
+        if self.whole or not box.sizes:
+            return self.slices
+        first = bisect.bisect_right(self.starts, box.offsets[0] - self.longest)
+        last = bisect.bisect_left(self.starts, box.offsets[0] + box.sizes[0])
+        found = sorted(i for i in self.order[first:last]
+                       if self.slices[i].dst.offsets[0] + self.slices[i].dst.sizes[0] > box.offsets[0])
+        return tuple(self.slices[i] for i in found) if found else self.slices
 
 
 def _indices(box: Box, dims: int) -> list[tuple[int, ...]]:

@@ -71,13 +71,16 @@ def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, 
     copies: list[Copy] = []
     dtypes: set[tuple[str, str]] = set()
     sources: list[str] = []
+    hits: list[Slice] | None = None  # the slices meeting ``box``: found once, not once per slice (256 experts' slices)
     for sl in slices:
         target = targets.get(sl.source)
         if target is None:
             problems.append(f"'{name}': is made of '{sl.source}', which the source does not hold")
             continue
         if getattr(target, "dequant", None) is not None:
-            if bound is None and [s for s in slices if s.dst.intersect(box) is not None] == [sl]:
+            if hits is None:
+                hits = [s for s in slices if s.dst.intersect(box) is not None]
+            if bound is None and hits == [sl]:
                 return _dequantized(name, box, sl, target)  # one box of one FP8 matrix: dequantized on its own
             problems.append(f"'{name}': is made of '{sl.source}', which is computed from quantized weights; only "
                             "stored elements are carried through: merge with a dtype first, then use that output")
