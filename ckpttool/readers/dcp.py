@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO
@@ -34,19 +37,48 @@ NOT_MODEL = ("optim", "optimizer", "optimizers", "lr_scheduler", "lr_schedulers"
              "train_state", "rng", "rng_state", "extra_state")
 
 
+#: set by :func:`locating_deferred`: the format's reader (:data:`READER`) then leaves every item unlocated
+_DEFERRED: ContextVar[bool] = ContextVar("ckpttool_dcp_locating_deferred", default=False)
+
+
+@contextmanager
+def locating_deferred(deferred: bool = True) -> Iterator[None]:
+    """Within this block (when ``deferred``), the DCP reader (:data:`READER`, as :func:`ckpttool.readers.read_layout`
+    calls it) describes each present item without opening its ``.distcp`` file to locate its data record: for a
+    plan that reads no byte (``merge --dry-run``, ``audit`` without data). At 92k items locating takes seconds.
+
+    What such a layout still proves, from ``.metadata`` and one ``stat`` per file: every tensor's chunks, their
+    storage entries, that each entry lies inside its file and holds at least its chunk's bytes. What it defers to
+    the run that reads: that each item is a ``torch.save`` archive of one plain tensor of that dtype and shape
+    (:func:`ckpttool.io.torch_save.locate`); an item that is not is loaded whole (``torch.load(weights_only=True)``)
+    or refused there, with the message it gets today. A deferred item is a raw piece whose ``byte_offset`` is the
+    item's start, not its data's: such a layout must never be read (its pieces' bytes would be the zip records).
+
+    Example:
+        >>> with locating_deferred():  # doctest: +SKIP
+        ...     layout = read_layout("ckpt/step-100")  # plan and check only
+    """
+    token = _DEFERRED.set(deferred)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
 def matches(root: Path) -> bool:
     return (root / METADATA).is_file() or bool(accelerate.model_folders(root))
 
 
-def read(root: Path, model: ModelInfo | None, *, within: Path | None = None) -> Layout:
+def read(root: Path, model: ModelInfo | None, *, within: Path | None = None, locate: bool = True) -> Layout:
     """The layout of the DCP checkpoint in ``root``; ``within``: the source folder above ``root`` (a Megatron
     iteration), inside which symlinks may lead (by default ``root``: no link out of it is followed). An
     accelerate ``save_state`` folder (no ``.metadata`` of its own) is read through its model folder
-    (:mod:`.accelerate`)."""
+    (:mod:`.accelerate`). ``locate=False`` leaves every present item unlocated, as :func:`locating_deferred`
+    says (a layout for plans that read nothing)."""
     path = root / METADATA
     if not path.is_file() and accelerate.model_folders(root):
         folder = accelerate.the_model_folder(root)
-        layout = read(folder, model, within=root if within is None else within)
+        layout = read(folder, model, within=root if within is None else within, locate=locate)
         return replace(layout, notes=(accelerate.note(root, folder), *layout.notes))
     if not path.is_file():
         raise SourceNotFoundError(f"'{root}': no {METADATA} file")
@@ -121,9 +153,13 @@ def read(root: Path, model: ModelInfo | None, *, within: Path | None = None) -> 
                         f"'{rel}': '{fqn}' chunk of sizes {list(chunk_sizes)} needs at least {needed} bytes, but its "
                         f"storage entry holds {length}"
                     )
-                piece = Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, TORCH_SAVE, start, length)
-                if sizes[rel] is not None:
-                    piece = _as_raw(root, piece, handles, within)
+                if sizes[rel] is None:
+                    piece = Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, TORCH_SAVE, start, length)
+                elif not locate:
+                    piece = Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, RAW, start, needed)
+                else:
+                    piece = _as_raw(root, Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, TORCH_SAVE, start, length),
+                                    handles, within)
                 builder.add(fqn, piece, present=sizes[rel] is not None)
     finally:
         for handle in handles.values():
@@ -152,4 +188,9 @@ def _as_raw(root: Path, piece: Piece, handles: dict[str, BinaryIO], within: Path
     return Piece(piece.file, piece.key, piece.box, piece.dtype, RAW, piece.byte_offset + offset, nbytes, piece.tags)
 
 
-READER = FormatReader(NAME, LOOKS_FOR, matches, read)
+def _read_source(root: Path, model: ModelInfo | None) -> Layout:
+    """:func:`read` as the format's reader: items unlocated inside :func:`locating_deferred`."""
+    return read(root, model, locate=not _DEFERRED.get())
+
+
+READER = FormatReader(NAME, LOOKS_FOR, matches, _read_source)
