@@ -90,10 +90,12 @@ def read(root: Path, model: ModelInfo | None, *, within: Path | None = None, loc
         raise SourceError(f"'{METADATA}': not DCP metadata (no state_dict_metadata/storage_data)")
     storage = {}
     for index, info in storage_md.items():
-        fqn = field(index, "fqn", str, METADATA, what="storage_data index: fqn")
-        offsets = index.get("offset")
-        if offsets is not None:
-            offsets = dims(offsets, f"storage_data index of '{fqn}': offset", METADATA)
+        state = index.__dict__ if isinstance(index, Record) else {}
+        fqn, offsets = state.get("fqn"), state.get("offset")
+        if type(fqn) is not str or not (offsets is None or _is_dims(offsets)):  # checked again, for the message
+            fqn = field(index, "fqn", str, METADATA, what="storage_data index: fqn")
+            if offsets is not None:
+                offsets = dims(offsets, f"storage_data index of '{fqn}': offset", METADATA)
         storage[(fqn, offsets)] = info
     builder = LayoutBuilder(str(root), NAME)
     skipped_state, skipped_bytes = 0, 0
@@ -120,28 +122,14 @@ def read(root: Path, model: ModelInfo | None, *, within: Path | None = None, loc
             if not builder.declare(fqn, shape, dtype, where=f"'{METADATA}'"):
                 continue
             for chunk in expect(tmd.get("chunks") or [], (list, tuple), f"'{fqn}' chunks", METADATA):
-                expect(chunk, Record, f"'{fqn}' chunk", METADATA)
-                offsets = dims(chunk.get("offsets") or (), f"'{fqn}' chunk offsets", METADATA)
-                chunk_sizes = dims(chunk.get("sizes") or (), f"'{fqn}' chunk sizes", METADATA)
-                if not len(offsets) == len(chunk_sizes) == len(shape):
-                    raise SourceError(
-                        f"'{METADATA}': '{fqn}' has a chunk with offsets {list(offsets)} and sizes {list(chunk_sizes)} "
-                        f"for a tensor of {len(shape)} dims"
-                    )
+                offsets, chunk_sizes = _box(fqn, chunk, len(shape))
                 info = storage.get((fqn, offsets))
                 if info is None:
                     raise SourceError(f"'{METADATA}': '{fqn}' chunk at offsets {list(offsets)} has no storage entry")
-                rel = field(info, "relative_path", str, METADATA, what=f"'{fqn}' storage relative_path")
-                if info.get("transform_descriptors"):
-                    raise SourceError(
-                        f"'{rel}': '{fqn}' is stored with transforms {info.get('transform_descriptors')}, "
-                        "which ckpttool does not decode yet"
-                    )
+                rel, start, length = _entry(fqn, info)
                 if rel not in sizes:  # confine and stat each file once, not once per chunk
                     file = inside(root, rel, named_by=named_by, within=within)
                     sizes[rel] = os.path.getsize(file) if file.is_file() else None
-                start = field(info, "offset", integer, METADATA, what=f"'{fqn}' storage offset")
-                length = field(info, "length", integer, METADATA, what=f"'{fqn}' storage length")
                 if sizes[rel] is not None and start + length > sizes[rel]:
                     raise SourceError(
                         f"'{rel}': '{fqn}' needs bytes {start}..{start + length} but the file has {sizes[rel]}; "
@@ -170,6 +158,50 @@ def read(root: Path, model: ModelInfo | None, *, within: Path | None = None, loc
     if skipped_bytes:
         notes.append(f"skipped {skipped_bytes} non-tensor entries")
     return builder.build(notes)
+
+
+_INTS = frozenset({int})
+
+
+def _is_dims(value: object) -> bool:
+    """Whether ``value`` is a tuple of non-negative ints, told at C speed (a ``torch.Size`` as the stand-in loads it)."""
+    return type(value) is tuple and set(map(type, value)) <= _INTS and min(value, default=0) >= 0
+
+
+def _box(fqn: str, chunk: object, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A chunk's offsets and sizes, checked: the common case (tuples of ints, one per dim) at C speed, anything else
+    by :mod:`.validate`, which names what is wrong."""
+    state = chunk.__dict__ if isinstance(chunk, Record) else None
+    if state is not None:
+        offsets, sizes = state.get("offsets") or (), state.get("sizes") or ()
+        if _is_dims(offsets) and _is_dims(sizes) and len(offsets) == len(sizes) == ndim:
+            return offsets, sizes
+    expect(chunk, Record, f"'{fqn}' chunk", METADATA)
+    offsets = dims(chunk.get("offsets") or (), f"'{fqn}' chunk offsets", METADATA)  # type: ignore[attr-defined]
+    sizes = dims(chunk.get("sizes") or (), f"'{fqn}' chunk sizes", METADATA)  # type: ignore[attr-defined]
+    if not len(offsets) == len(sizes) == ndim:
+        raise SourceError(
+            f"'{METADATA}': '{fqn}' has a chunk with offsets {list(offsets)} and sizes {list(sizes)} "
+            f"for a tensor of {ndim} dims"
+        )
+    return offsets, sizes
+
+
+def _entry(fqn: str, info: object) -> tuple[str, int, int]:
+    """A chunk's storage entry, checked (as :func:`_box`): its file, offset and length."""
+    state = info.__dict__ if isinstance(info, Record) else None
+    if state is not None:
+        rel, start, length = state.get("relative_path"), state.get("offset"), state.get("length")
+        if (type(rel) is str and type(start) is int and type(length) is int and start >= 0 and length >= 0
+                and not state.get("transform_descriptors")):
+            return rel, start, length
+    rel = field(info, "relative_path", str, METADATA, what=f"'{fqn}' storage relative_path")
+    transforms = info.get("transform_descriptors")  # type: ignore[attr-defined]
+    if transforms:
+        raise SourceError(f"'{rel}': '{fqn}' is stored with transforms {transforms}, which ckpttool does not decode yet")
+    start = field(info, "offset", integer, METADATA, what=f"'{fqn}' storage offset")
+    length = field(info, "length", integer, METADATA, what=f"'{fqn}' storage length")
+    return rel, start, length
 
 
 def _as_raw(root: Path, piece: Piece, handles: dict[str, BinaryIO], within: Path | None) -> Piece:
