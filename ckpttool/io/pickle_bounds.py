@@ -200,11 +200,6 @@ def bound_graph(obj: Any, label: str) -> None:
             if known is not None:
                 total += known
                 continue
-            if type(child) is tuple and depth + 1 < MAX_DEPTH and set(map(type, child)) <= _LEAVES:  # a shape (300k a 92k-item .metadata)
-                # what size() would find, without a call: its references and its size (one node and its leaves)
-                references += len(child)
-                total += sizes.setdefault(id(child), 1 + len(child))
-                continue
             inner = _parts(child)
             total += 1 if inner is None else size(child, inner, depth + 1)
         open_ids.discard(key)
