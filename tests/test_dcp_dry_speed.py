@@ -46,7 +46,11 @@ def test_a_deferred_layout_is_the_located_one_at_item_starts(no_locating):
             assert piece.encoding == RAW
             assert piece.byte_length == piece.box.numel * {"F32": 4, "BF16": 2, "F16": 2}[piece.dtype]
     with dcp.locating_deferred(False), pytest.raises(AssertionError, match="located in a dry run"):
+        assert not dcp.deferring()
         read_layout(root)
+    with dcp.locating_deferred():
+        assert dcp.deferring()
+    assert not dcp.deferring()
 
 
 def test_only_the_byte_offsets_differ_and_the_real_run_locates(monkeypatch):

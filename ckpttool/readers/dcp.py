@@ -65,6 +65,12 @@ def locating_deferred(deferred: bool = True) -> Iterator[None]:
         _DEFERRED.reset(token)
 
 
+def deferring() -> bool:
+    """Whether this is inside :func:`locating_deferred`: for a reader that calls :func:`read` itself (Megatron
+    ``torch_dist``) and chooses to defer too, as ``read(..., locate=not deferring())``."""
+    return _DEFERRED.get()
+
+
 def matches(root: Path) -> bool:
     return (root / METADATA).is_file() or bool(accelerate.model_folders(root))
 
@@ -222,7 +228,7 @@ def _as_raw(root: Path, piece: Piece, handles: dict[str, BinaryIO], within: Path
 
 def _read_source(root: Path, model: ModelInfo | None) -> Layout:
     """:func:`read` as the format's reader: items unlocated inside :func:`locating_deferred`."""
-    return read(root, model, locate=not _DEFERRED.get())
+    return read(root, model, locate=not deferring())
 
 
 READER = FormatReader(NAME, LOOKS_FOR, matches, _read_source)
