@@ -41,6 +41,7 @@ from ckpttool.findings import Finding, Report, TensorStats, finding, sort_findin
 from ckpttool.families.source import plan_layout
 from ckpttool.lora.embedded import split_embedded
 from ckpttool.readers import census, detect_format, hf, hf_distributed, read_layout
+from ckpttool.readers.dcp import locating_deferred
 from ckpttool.audit.causes import group_findings
 from ckpttool.audit.config import (
     checkpoint_tokenizer_size,
@@ -123,8 +124,12 @@ def check(
     progress: Callable[[int, int], None] | None = None,
     read_scales: bool = False,
     config_problems: Sequence[Finding] = (),
+    defer: bool = True,
 ) -> Report:
     """:func:`audit` with the config already found and the architecture already built (the merge's case).
+
+    ``defer``: without ``data``, describe a DCP source's items unlocated (:func:`ckpttool.readers.dcp.locating_deferred`:
+    seconds at 90k items); when scale tensors are then to be read, the source is described again, located.
 
     ``read_scales``: read a quantized checkpoint's scale tensors (and report NaN, infinite, zero or negative ones)
     even without ``data``; :func:`audit` does, a merge's audit of what it wrote, whose scales it copied or used,
@@ -136,7 +141,8 @@ def check(
         layout = scan.layout
         found.extend(scan.findings)
     else:
-        layout = read_layout(root, format=fmt, model=model, tables=READER_TABLES)  # what the conventions tell readers
+        with locating_deferred(defer and not data):
+            layout = read_layout(root, format=fmt, model=model, tables=READER_TABLES)  # what the conventions tell readers
         embedded = split_embedded(layout)  # a PEFT model saved whole: its base audited, the LoRA tensors set aside
         layout = embedded.base if embedded is not None else layout
     found.extend(finding("source-note", note) for note in layout.notes)
@@ -170,6 +176,9 @@ def check(
     found.extend(dtype_findings([t for t in plan.targets if t.name not in scales_or_companions], config))
     found.extend(tokenizer_findings(root, config_path, config))
 
+    if scales and read_scales and defer and not data and fmt != hf.NAME:  # read from pieces located (rare: quantized DCP)
+        return check(root, config_path=config_path, config=config, model=model, format=fmt, data=data,
+                     progress=progress, read_scales=read_scales, config_problems=config_problems, defer=False)
     if data or read_scales:  # scales are few (one per block): read even when the weights are not
         found.extend(scale_findings(plan, scales))
     stats: list[TensorStats] = []

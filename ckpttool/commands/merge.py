@@ -27,6 +27,7 @@ from ckpttool.commands.release import read_release
 from ckpttool.quant.formats import MXFP4, read_quantization
 from ckpttool.findings import Report
 from ckpttool.commands.source import plan_source_and_adapter
+from ckpttool.readers.dcp import locating_deferred
 from ckpttool.families.source import Planned
 from ckpttool.quant.encode import RoundTrip
 from ckpttool.lora.adapter import read_adapter
@@ -199,8 +200,9 @@ def merge(
     round_trips: dict[str, RoundTrip] = {}
     processes = Group()
     try:
-        prepared, embedded = prepare_and_adapter(root, format=format, config=config, dtype=dtype, weights=weights,
-                                                 quantize=quantizing, drop=drop)
+        with locating_deferred(dry_run):  # a dry run reads no byte: DCP items are located by the run that reads them
+            prepared, embedded = prepare_and_adapter(root, format=format, config=config, dtype=dtype, weights=weights,
+                                                     quantize=quantizing, drop=drop)
         if not raw_names:
             prepared.refuse_raw_names()
         plan, own_note = _attach_adapters(root, prepared, embedded, adapters, adapter_config,

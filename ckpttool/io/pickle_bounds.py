@@ -80,13 +80,29 @@ def charge(*handed: Any) -> None:
         current.charge(*handed)
 
 
+def spend(units: int) -> None:
+    """Spend ``units`` of the pickle being unpickled (nothing outside :func:`budget`): :func:`charge` when the caller
+    has counted them itself, as the stand-ins called 100k times a file do."""
+    current = _CURRENT.get()
+    if current is not None:
+        current.left -= units
+        if current.left < 0:
+            current.charge()  # the refusal, with its message
+
+
+def self_charging(stand_in: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``stand_in`` as charging what it is handed itself (:func:`charged` then returns it unwrapped)."""
+    stand_in.charges_itself = True  # type: ignore[attr-defined]
+    return stand_in
+
+
 def charged(found: Any) -> Any:
     """What ``find_class`` returns, with its calls charged to the pickle being unpickled: functions and container
     types are wrapped; other classes (built with ``NEWOBJ``, which needs the class itself) charge in their own
     ``__new__``/``__setstate__``. Outside :func:`budget`, ``found`` itself."""
     if isinstance(found, type) and not issubclass(found, (dict, list, tuple, set, frozenset)):
         return found
-    if isinstance(found, EnumStandIn):
+    if isinstance(found, EnumStandIn) or getattr(found, "charges_itself", False):
         return found
     current = _CURRENT.get()
     if current is None:
@@ -102,10 +118,16 @@ def charged(found: Any) -> Any:
 _SIZED = (str, bytes, bytearray, tuple, list, dict, set, frozenset)
 
 
-def ints(values: Any) -> tuple[int, ...]:
-    """``values`` (a shape, a stride) as a tuple of ints; anything else is not what a checkpoint pickles."""
-    if not isinstance(values, (tuple, list)) or not all(type(v) is int for v in values):
+def ints(values: Any, *, charged: bool = False) -> tuple[int, ...]:
+    """``values`` (a shape, a stride) as a tuple of ints; anything else is not what a checkpoint pickles.
+    ``charged``: spend what it was handed (the call, the sequence and its elements) from the pickle's budget."""
+    if not isinstance(values, (tuple, list)):
         raise pickle.UnpicklingError("a size that is not a sequence of integers")
+    if charged:
+        spend(2 + len(values))
+    for v in values:
+        if type(v) is not int:
+            raise pickle.UnpicklingError("a size that is not a sequence of integers")
     return tuple(values)
 
 

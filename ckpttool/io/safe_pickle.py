@@ -16,7 +16,7 @@ from typing import Any
 
 from ckpttool.errors import PickleBombError, SourceError, UnsafePickleError
 from ckpttool.io.pickle_bounds import (EnumStandIn, bound_graph, budget, charge, charged, enum_member, ints,
-                                      is_torch_dtype, text)
+                                      is_torch_dtype, self_charging, spend, text)
 
 
 class Record:
@@ -28,15 +28,21 @@ class Record:
     #: the positional arguments it was called with: none for an object the pickle made without calling it (NEWOBJ)
     _args: tuple[Any, ...] = ()
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Record:  # noqa: PYI034 (NEWOBJ calls only this)
-        charge(*args, *kwargs.values())
-        return super().__new__(cls)
-
+    # No ``__new__``: NEWOBJ (how a dataclass pickles) calls ``object.__new__`` in C, which ignores what it is handed
+    # (no work to charge), and at 90k items a Python ``__new__`` per object costs seconds. A call (REDUCE) runs
+    # ``__init__``, which charges what it is handed.
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        charge(*args, *kwargs.values())
         self.__dict__.update(kwargs)
         self._args = args
 
     def __setstate__(self, state: Any) -> None:
+        if type(state) is dict and "_args" not in state:  # the common case (a dataclass's __dict__), at C speed
+            spend(2 + len(state))
+            # by items, not the dict: an empty __dict__ updated from a dict becomes its copy, and 368k objects of
+            # a 92k-item .metadata would no longer share their keys (+37 MiB)
+            self.__dict__.update(state.items())
+            return
         charge(state, *(state if isinstance(state, tuple) else ()))
         if isinstance(state, tuple) and self.tuple_fields:
             self._update(dict(zip(self.tuple_fields, state)))
@@ -123,7 +129,7 @@ _ALLOWED: dict[tuple[str, str], Allowed] = {
     (_PLANNER, "WriteItemType"): Allowed(
         EnumStandIn(f"{_PLANNER}.WriteItemType", {"TENSOR": 1, "SHARD": 2, "BYTE_IO": 3}), ("2.13",), _MEGATRON
     ),
-    ("torch", "Size"): Allowed(lambda dims=(): ints(dims), DCP_RELEASES),
+    ("torch", "Size"): Allowed(self_charging(lambda dims=(): ints(dims, charged=True)), DCP_RELEASES),
     ("torch.serialization", "_get_layout"): Allowed(text, DCP_RELEASES, "TensorProperties.layout"),
     ("pathlib", "PosixPath"): Allowed(_posix_path, DCP_RELEASES, "StorageMeta.checkpoint_id (FileSystemWriter's path)"),
     ("pathlib", "PurePosixPath"): Allowed(_posix_path, (), "a checkpoint_id given as a pure path; no fixture names it"),
