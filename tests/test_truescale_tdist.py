@@ -1,5 +1,5 @@
 """Megatron-Core torch_dist at true scale (issue 31): split's plan finds each chunk's slices by a bisect
-(:class:`ckpttool.commands.split_megatron.SliceIndex`) instead of composing every chunk from all of a tensor's
+(:class:`ckpttool.plan.compose.SliceIndex`) instead of composing every chunk from all of a tensor's
 slices; these tests hold it to the slices a scan finds. Timing is benchmarks/truescale_readers.py's business."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ckpttool.commands.split_megatron import SliceIndex
+from ckpttool.plan.compose import SliceIndex
 from ckpttool.layout.layout import Box
 from ckpttool.plan.tiling import Slice
 

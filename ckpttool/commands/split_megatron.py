@@ -28,12 +28,11 @@ Vocab rows past the true vocab are zeros.
 
 from __future__ import annotations
 
-import bisect
 import math
 
 from ckpttool.model.description import ModelInfo
 from ckpttool.io.dtypes import itemsize
-from ckpttool.plan.compose import compose
+from ckpttool.plan.compose import SliceIndex, compose
 from ckpttool.layout.layout import Box
 from ckpttool.plan.plan import Target
 from ckpttool.plan.transforms import Transform, within_part
@@ -259,32 +258,6 @@ def _chunks(sharding: Sharding, rank: int, stages: list[int], layer: int | None)
             offsets = (*lead, *box.offsets[per:])
             out.append(Box(offsets, (*(1 for _ in lead), *box.sizes[per:])))
     return out
-
-
-class SliceIndex:
-    """The slices a tensor is made of, found by the rows (dim 0) of a chunk with a bisect: a stacked tensor of 256
-    experts is 256 slices (more with FP8 scales), and a rank's chunk of it meets one, so a plan of 400k chunks
-    (DeepSeek-V3 at TP8 x PP16 x EP64) composes each from the slices it meets, not from all of them. Slices of
-    several dtypes, or of no dim, are given whole: :func:`compose` then says what is wrong, or needs them all."""
-
-    def __init__(self, slices, targets) -> None:
-        self.slices = tuple(slices)
-        dtypes = {(targets[s.source].dtype, targets[s.source].source_dtype) for s in self.slices if s.source in targets}
-        self.whole = len(dtypes) > 1 or any(not s.dst.sizes for s in self.slices) or len(self.slices) < 8
-        if not self.whole:
-            self.order = sorted(range(len(self.slices)), key=lambda i: self.slices[i].dst.offsets[0])
-            self.starts = [self.slices[i].dst.offsets[0] for i in self.order]
-            self.longest = max(s.dst.sizes[0] for s in self.slices)
-
-    def meeting(self, box: Box):
-        """The slices whose rows meet ``box``'s, in their order (all of them when none does: compose's message)."""
-        if self.whole or not box.sizes:
-            return self.slices
-        first = bisect.bisect_right(self.starts, box.offsets[0] - self.longest)
-        last = bisect.bisect_left(self.starts, box.offsets[0] + box.sizes[0])
-        found = sorted(i for i in self.order[first:last]
-                       if self.slices[i].dst.offsets[0] + self.slices[i].dst.sizes[0] > box.offsets[0])
-        return tuple(self.slices[i] for i in found) if found else self.slices
 
 
 def _indices(box: Box, dims: int) -> list[tuple[int, ...]]:

@@ -14,6 +14,7 @@ which is what the target's copies tile; a box that cuts through a block the tran
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -178,3 +179,29 @@ def _carried(slices: Sequence[Slice], targets: Mapping[str, Target],
         if transform.inverse() == target.transform:  # the two cancel: the new tensor is the pre tensor, as it is
             return target, None  # (torchtitan's Q rows, permuted to HF's halves and back, re-sharded)
     return None  # refused in compose's loop, with the slice named
+
+
+class SliceIndex:
+    """The slices a tensor is made of, found by the rows (dim 0) of a chunk with a bisect: a stacked tensor of 256
+    experts is 256 slices (more with FP8 scales), and a rank's chunk of it meets one, so a plan of 400k chunks
+    (DeepSeek-V3 at TP8 x PP16 x EP64) composes each from the slices it meets, not from all of them. Slices of
+    several dtypes, or of no dim, are given whole: :func:`compose` then says what is wrong, or needs them all."""
+
+    def __init__(self, slices, targets) -> None:
+        self.slices = tuple(slices)
+        dtypes = {(targets[s.source].dtype, targets[s.source].source_dtype) for s in self.slices if s.source in targets}
+        self.whole = len(dtypes) > 1 or any(not s.dst.sizes for s in self.slices) or len(self.slices) < 8
+        if not self.whole:
+            self.order = sorted(range(len(self.slices)), key=lambda i: self.slices[i].dst.offsets[0])
+            self.starts = [self.slices[i].dst.offsets[0] for i in self.order]
+            self.longest = max(s.dst.sizes[0] for s in self.slices)
+
+    def meeting(self, box: Box):
+        """The slices whose rows meet ``box``'s, in their order (all of them when none does: compose's message)."""
+        if self.whole or not box.sizes:
+            return self.slices
+        first = bisect.bisect_right(self.starts, box.offsets[0] - self.longest)
+        last = bisect.bisect_left(self.starts, box.offsets[0] + box.sizes[0])
+        found = sorted(i for i in self.order[first:last]
+                       if self.slices[i].dst.offsets[0] + self.slices[i].dst.sizes[0] > box.offsets[0])
+        return tuple(self.slices[i] for i in found) if found else self.slices
