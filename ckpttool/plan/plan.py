@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from ckpttool.io.dtypes import FLOAT_DTYPES, ITEMSIZES
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError
 from ckpttool.fast.frozen import quick_init
-from ckpttool.layout.layout import Box, Layout, Piece, RowIndex, Shape, TensorLayout
-from ckpttool.plan.tiling import Copy, Slice, check_tiling, slab_copies
+from ckpttool.layout.layout import Box, Layout, Shape, TensorLayout
+from ckpttool.plan.tiling import Copy, PieceRows, Slice, check_tiling, pieces_meeting, slab_copies, slice_copies
 from ckpttool.plan.transforms import Transform
 
 if TYPE_CHECKING:  # a fused target's deltas (.lora), only named here: the plan does not compute them
@@ -238,7 +238,7 @@ def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None,
                 f"{list(tensor.global_shape)}"
             )
             continue
-        copies.extend(_slice_copies(sl, _pieces_meeting(tensor, sl.src, rows)))
+        copies.extend(slice_copies(sl, pieces_meeting(tensor, sl.src, rows)))
     if len(source_dtypes) > 1:
         problems.append(f"'{spec.name}': its sources have different dtypes {sorted(source_dtypes)}")
     if not spec.slices:
@@ -331,46 +331,3 @@ def _plan_dequantized(layout: Layout, spec: TargetSpec, dq: Dequantize, copies: 
                                    *(s for a in aux for s in a.sources)]))
     return Target(spec.name, spec.shape, dtype, stored_dtype, tuple(copies), sources, dq, scale, transform,
                   aux=tuple(aux)), []
-
-
-#: per source tensor (by name, checked by identity): its distinct pieces and their RowIndex, shared by every
-#: target planned from that tensor in one plan
-PieceRows = dict[str, tuple[TensorLayout, list[Piece], RowIndex]]
-
-
-def _pieces_meeting(tensor: TensorLayout, box: Box, rows: PieceRows) -> list[Piece]:
-    """``tensor``'s distinct pieces whose rows meet ``box``'s, in their order: a layer's stacked experts saved as
-    thousands of pieces give each expert's target the few it needs, not all of them (planning stays linear)."""
-    found = rows.get(tensor.fqn)
-    if found is None or found[0] is not tensor:
-        unique = _unique_pieces(tensor)
-        found = rows[tensor.fqn] = (tensor, unique, RowIndex([p.box for p in unique]))
-    return [found[1][i] for i in found[2].meeting(box)]
-
-
-def _unique_pieces(tensor: TensorLayout) -> list[Piece]:
-    """Pieces with identical boxes are replicas (e.g. a tensor every TP rank saved): keep the first."""
-    seen: dict[Box, Piece] = {}
-    for piece in tensor.pieces:
-        seen.setdefault(piece.box, piece)
-    return list(seen.values())
-
-
-def _slice_copies(sl: Slice, pieces: Iterable[Piece]) -> list[Copy]:
-    dim_map = sl.dim_map()
-    copies = []
-    for piece in pieces:
-        common = sl.src.intersect(piece.box)
-        if common is None:
-            continue
-        offsets = []
-        sizes = []
-        for d, s in enumerate(dim_map):
-            if s is None:
-                offsets.append(sl.dst.offsets[d])
-                sizes.append(1)
-            else:
-                offsets.append(sl.dst.offsets[d] + common.offsets[s] - sl.src.offsets[s])
-                sizes.append(common.sizes[s])
-        copies.append(Copy(piece, common.shift(piece.box.offsets), Box(tuple(offsets), tuple(sizes))))
-    return copies
