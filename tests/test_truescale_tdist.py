@@ -48,3 +48,23 @@ def test_slices_of_several_dtypes_are_given_whole_so_compose_refuses_them():
     slices = _stacked(16)
     index = SliceIndex(slices, _targets(slices, {"e3": "F32"}))
     assert index.meeting(Box((5, 0, 0), (1, 4, 3))) == tuple(slices)
+
+
+def test_a_row_index_finds_every_box_a_box_intersects_in_their_order():
+    """:class:`RowIndex` (what a plan uses to find the pieces a target needs, and SliceIndex the slices a chunk
+    needs) against a scan: uneven rows, overlapping replicas, empty shards, boxes past the end."""
+    import random
+
+    from ckpttool.layout.layout import RowIndex
+
+    rng = random.Random(31)
+    boxes = [Box((rng.randrange(0, 60), rng.randrange(0, 4)), (rng.randrange(0, 9), rng.randrange(1, 4)))
+             for _ in range(200)]
+    index = RowIndex(boxes)
+    for _ in range(300):
+        box = Box((rng.randrange(-3, 70), rng.randrange(0, 4)), (rng.randrange(1, 12), rng.randrange(1, 4)))
+        meeting = index.meeting(box)
+        assert meeting == sorted(meeting)
+        assert [i for i, b in enumerate(boxes) if box.intersect(b) is not None] == \
+            [i for i in meeting if box.intersect(boxes[i]) is not None]
+    assert RowIndex([Box((), ()), Box((), ())]).meeting(Box((), ())) == [0, 1]  # no rows: every box

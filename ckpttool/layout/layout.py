@@ -8,6 +8,7 @@ along, so the plan can strip and split without guessing.
 
 from __future__ import annotations
 
+import bisect
 import math
 import operator
 from collections.abc import Mapping
@@ -133,6 +134,31 @@ class Box:
             name = {0: "rows", 1: "columns"}.get(d, f"dim {d} indices") if len(self.sizes) > 1 else "elements"
             words.append(f"{name} {self.offsets[d]}..{self.offsets[d] + self.sizes[d]}")
         return " x ".join(words)
+
+
+class RowIndex:
+    """Boxes found by the rows (dim 0) they span, with a bisect. A stacked tensor is thousands of boxes (a piece or a
+    slice per expert, layer and rank) and a target or chunk meets a few of them: looking those up, instead of
+    trying every box, keeps a plan of such tensors linear in their pieces."""
+
+    def __init__(self, boxes: list[Box]) -> None:
+        self.count = len(boxes)
+        self.ranged = self.count > 0 and all(b.sizes for b in boxes)
+        if self.ranged:
+            self.order = sorted(range(self.count), key=lambda i: boxes[i].offsets[0])
+            self.starts = [boxes[i].offsets[0] for i in self.order]
+            self.ends = [b.offsets[0] + b.sizes[0] for b in boxes]
+            self.longest = max(b.sizes[0] for b in boxes)
+
+    def meeting(self, box: Box) -> list[int]:
+        """The indices, in the order the boxes were given, of those whose rows meet ``box``'s rows (every box
+        where rows say nothing: boxes of no dimension). A superset of the boxes ``box`` intersects."""
+        if not self.ranged or not box.sizes:
+            return list(range(self.count))
+        low, high = box.offsets[0], box.offsets[0] + box.sizes[0]
+        first = bisect.bisect_right(self.starts, low - self.longest)  # a box starting there ends at ``low`` at most
+        last = bisect.bisect_left(self.starts, high)
+        return sorted(i for i in self.order[first:last] if self.ends[i] > low)
 
 
 @quick_init  # built 90k times in a plan: see ckpttool.fast.frozen

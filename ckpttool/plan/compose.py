@@ -14,11 +14,10 @@ which is what the target's copies tile; a box that cuts through a block the tran
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from ckpttool.layout.layout import Box, Shape
+from ckpttool.layout.layout import Box, RowIndex, Shape
 from ckpttool.plan.tiling import Copy, Slice, check_tiling
 from ckpttool.plan.plan import Target
 from ckpttool.plan.transforms import Transform
@@ -191,17 +190,11 @@ class SliceIndex:
         self.slices = tuple(slices)
         dtypes = {(targets[s.source].dtype, targets[s.source].source_dtype) for s in self.slices if s.source in targets}
         self.whole = len(dtypes) > 1 or any(not s.dst.sizes for s in self.slices) or len(self.slices) < 8
-        if not self.whole:
-            self.order = sorted(range(len(self.slices)), key=lambda i: self.slices[i].dst.offsets[0])
-            self.starts = [self.slices[i].dst.offsets[0] for i in self.order]
-            self.longest = max(s.dst.sizes[0] for s in self.slices)
+        self.rows = None if self.whole else RowIndex([s.dst for s in self.slices])
 
     def meeting(self, box: Box):
         """The slices whose rows meet ``box``'s, in their order (all of them when none does: compose's message)."""
-        if self.whole or not box.sizes:
+        if self.rows is None or not box.sizes:
             return self.slices
-        first = bisect.bisect_right(self.starts, box.offsets[0] - self.longest)
-        last = bisect.bisect_left(self.starts, box.offsets[0] + box.sizes[0])
-        found = sorted(i for i in self.order[first:last]
-                       if self.slices[i].dst.offsets[0] + self.slices[i].dst.sizes[0] > box.offsets[0])
+        found = self.rows.meeting(box)
         return tuple(self.slices[i] for i in found) if found else self.slices

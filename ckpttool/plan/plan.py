@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from ckpttool.io.dtypes import FLOAT_DTYPES, ITEMSIZES
 from ckpttool.errors import ArgumentError, ConfigError, CoverageError
 from ckpttool.fast.frozen import quick_init
-from ckpttool.layout.layout import Box, Layout, Piece, Shape, TensorLayout
-from ckpttool.plan.tiling import Copy, Slice, check_tiling, slab_copies
+from ckpttool.layout.layout import Box, Layout, Shape, TensorLayout
+from ckpttool.plan.tiling import Copy, PieceRows, Slice, check_tiling, pieces_meeting, slab_copies, slice_copies
 from ckpttool.plan.transforms import Transform
 
 if TYPE_CHECKING:  # a fused target's deltas (.lora), only named here: the plan does not compute them
@@ -172,6 +172,7 @@ def plan_covered(
     specs = identity_specs(layout) if specs is None else specs
     targets: list[Target] = []
     failed: list[tuple[TargetSpec, list[str]]] = []
+    rows: PieceRows = {}
     for spec in specs:
         cast = None if spec.name in keep_dtype else dtype
         whole = len(spec.slices) == 1 and spec.dequant is None and spec.transform is None
@@ -179,7 +180,7 @@ def plan_covered(
         if target is not None:  # most targets: one piece copied whole (_plan_target would try it first too)
             targets.append(target)
             continue
-        target, found = _plan_target(layout, spec, cast)
+        target, found = _plan_target(layout, spec, cast, rows)
         if found:
             failed.append((spec, found))
         elif target is not None:
@@ -214,12 +215,14 @@ def tensor_specs(tensor: TensorLayout, name: str) -> list[TargetSpec]:
     return specs
 
 
-def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[Target | None, list[str]]:
+def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None,
+                 rows: PieceRows | None = None) -> tuple[Target | None, list[str]]:
     plain = len(spec.slices) == 1 and spec.dequant is None and spec.transform is None
     whole = _whole_copy(layout, spec, dtype) if plain else None
     if whole is not None:
         return whole, []
     transform = _bound_transform(spec)
+    rows = {} if rows is None else rows
     problems: list[str] = []
     copies: list[Copy] = []
     source_dtypes = set()
@@ -235,7 +238,7 @@ def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[T
                 f"{list(tensor.global_shape)}"
             )
             continue
-        copies.extend(_slice_copies(sl, _unique_pieces(tensor)))
+        copies.extend(slice_copies(sl, pieces_meeting(tensor, sl.src, rows)))
     if len(source_dtypes) > 1:
         problems.append(f"'{spec.name}': its sources have different dtypes {sorted(source_dtypes)}")
     if not spec.slices:
@@ -243,7 +246,7 @@ def _plan_target(layout: Layout, spec: TargetSpec, dtype: str | None) -> tuple[T
     if problems:
         return None, problems
     if spec.dequant is not None:
-        return _plan_dequantized(layout, spec, spec.dequant, copies, source_dtypes.pop(), dtype, transform)
+        return _plan_dequantized(layout, spec, spec.dequant, copies, source_dtypes.pop(), dtype, transform, rows)
     # a transform is a bijection: its pre tensor tiled exactly once is the target tiled exactly once
     filled = spec.shape if transform is None else transform.source_shape(spec.shape)
     problems = check_tiling(spec.name, filled, copies, layout, spec.slices)
@@ -307,13 +310,14 @@ def _whole_copy(layout: Layout, spec: TargetSpec, dtype: str | None) -> Target |
 
 
 def _plan_dequantized(layout: Layout, spec: TargetSpec, dq: Dequantize, copies: list[Copy], stored_dtype: str,
-                      dtype: str | None, transform: Transform | None = None) -> tuple[Target | None, list[str]]:
+                      dtype: str | None, transform: Transform | None = None,
+                      rows: PieceRows | None = None) -> tuple[Target | None, list[str]]:
     """A computed target: its copies tile the stored elements (or, quantized after a ``transform``, the pre tensor
     of those), its scale (if it reads one) is a target of its own."""
-    scale, problems = _plan_target(layout, dq.scale, None) if dq.scale is not None else (None, [])
+    scale, problems = _plan_target(layout, dq.scale, None, rows) if dq.scale is not None else (None, [])
     aux = []
     for extra in dq.aux:
-        planned, found = _plan_target(layout, extra, None)
+        planned, found = _plan_target(layout, extra, None, rows)
         problems = [*problems, *found]
         if planned is not None:
             aux.append(planned)
@@ -327,31 +331,3 @@ def _plan_dequantized(layout: Layout, spec: TargetSpec, dq: Dequantize, copies: 
                                    *(s for a in aux for s in a.sources)]))
     return Target(spec.name, spec.shape, dtype, stored_dtype, tuple(copies), sources, dq, scale, transform,
                   aux=tuple(aux)), []
-
-
-def _unique_pieces(tensor: TensorLayout) -> list[Piece]:
-    """Pieces with identical boxes are replicas (e.g. a tensor every TP rank saved): keep the first."""
-    seen: dict[Box, Piece] = {}
-    for piece in tensor.pieces:
-        seen.setdefault(piece.box, piece)
-    return list(seen.values())
-
-
-def _slice_copies(sl: Slice, pieces: Iterable[Piece]) -> list[Copy]:
-    dim_map = sl.dim_map()
-    copies = []
-    for piece in pieces:
-        common = sl.src.intersect(piece.box)
-        if common is None:
-            continue
-        offsets = []
-        sizes = []
-        for d, s in enumerate(dim_map):
-            if s is None:
-                offsets.append(sl.dst.offsets[d])
-                sizes.append(1)
-            else:
-                offsets.append(sl.dst.offsets[d] + common.offsets[s] - sl.src.offsets[s])
-                sizes.append(common.sizes[s])
-        copies.append(Copy(piece, common.shift(piece.box.offsets), Box(tuple(offsets), tuple(sizes))))
-    return copies

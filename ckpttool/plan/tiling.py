@@ -4,13 +4,13 @@ pieces' files) and uncovered regions (with the files expected to hold them). :mo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ckpttool.errors import SourceError
 from ckpttool.fast.frozen import quick_init
 from ckpttool.layout import regions
-from ckpttool.layout.layout import Box, Layout, Piece, Shape
+from ckpttool.layout.layout import Box, Layout, Piece, RowIndex, Shape, TensorLayout
 from ckpttool.layout.regions import map_region, squeeze, uncovered
 
 
@@ -162,3 +162,46 @@ def _gap_message(
 def _source_region(sl: Slice, box: Box) -> Box | None:
     """The part of source tensor ``sl.source`` that fills ``box`` of the target, or None if ``sl`` misses it."""
     return map_region(sl.src, sl.dst, box)
+
+
+#: per source tensor (by name, checked by identity): its distinct pieces and their RowIndex, shared by every
+#: target planned from that tensor in one plan
+PieceRows = dict[str, tuple[TensorLayout, list[Piece], RowIndex]]
+
+
+def pieces_meeting(tensor: TensorLayout, box: Box, rows: PieceRows) -> list[Piece]:
+    """``tensor``'s distinct pieces whose rows meet ``box``'s, in their order: a layer's stacked experts saved as
+    thousands of pieces give each expert's target the few it needs, not all of them (planning stays linear)."""
+    found = rows.get(tensor.fqn)
+    if found is None or found[0] is not tensor:
+        unique = unique_pieces(tensor)
+        found = rows[tensor.fqn] = (tensor, unique, RowIndex([p.box for p in unique]))
+    return [found[1][i] for i in found[2].meeting(box)]
+
+
+def unique_pieces(tensor: TensorLayout) -> list[Piece]:
+    """Pieces with identical boxes are replicas (e.g. a tensor every TP rank saved): keep the first."""
+    seen: dict[Box, Piece] = {}
+    for piece in tensor.pieces:
+        seen.setdefault(piece.box, piece)
+    return list(seen.values())
+
+
+def slice_copies(sl: Slice, pieces: Iterable[Piece]) -> list[Copy]:
+    dim_map = sl.dim_map()
+    copies = []
+    for piece in pieces:
+        common = sl.src.intersect(piece.box)
+        if common is None:
+            continue
+        offsets = []
+        sizes = []
+        for d, s in enumerate(dim_map):
+            if s is None:
+                offsets.append(sl.dst.offsets[d])
+                sizes.append(1)
+            else:
+                offsets.append(sl.dst.offsets[d] + common.offsets[s] - sl.src.offsets[s])
+                sizes.append(common.sizes[s])
+        copies.append(Copy(piece, common.shift(piece.box.offsets), Box(tuple(offsets), tuple(sizes))))
+    return copies
