@@ -188,6 +188,9 @@ def unique_pieces(tensor: TensorLayout) -> list[Piece]:
 
 
 def slice_copies(sl: Slice, pieces: Iterable[Piece]) -> list[Copy]:
+    """The copies that fill slice ``sl`` of a target: for each piece its region inside ``sl.src`` (pieces it misses
+    give none), placed where ``sl`` puts it in the target (a target dim the source lacks, such as a stacked
+    expert's, is the one index ``sl.dst`` names)."""
     dim_map = sl.dim_map()
     copies = []
     for piece in pieces:
