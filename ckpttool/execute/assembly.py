@@ -190,12 +190,11 @@ def direct_rows(chunk: Chunk) -> tuple[Piece, int, int, int] | None:
     if (target.dequant is not None or target.transform is not None or target.dtype != target.source_dtype
             or target.lora or len(target.copies) != 1 or len(target.shape) < 2 or chunk.stop == chunk.start):
         return None
-    copy, shape = target.copies[0], target.shape
-    piece = copy.piece
-    if (piece.encoding != RAW or piece.dtype != target.dtype or copy.dst.sizes != shape or any(copy.dst.offsets)
-            or copy.src.sizes != shape or len(piece.box.sizes) != len(shape) or any(copy.src.offsets[2:])
-            or copy.src.sizes[2:] != piece.box.sizes[2:]):
+    shape = target.shape
+    copy = _raw_copy(target.copies, shape, target.dtype)
+    if copy is None or not _whole_after(copy, shape, 1):
         return None
+    piece = copy.piece
     inner = math.prod(shape[2:]) * itemsize(target.dtype)
     run, stride = shape[1] * inner, piece.box.sizes[1] * inner
     if not run:
@@ -207,27 +206,37 @@ def _row_range(copies: Sequence[Copy], shape: Shape, dtype: str) -> tuple[Piece 
     """The raw piece in ``dtype`` of which ``copies`` copy whole rows (a run of dim 0, every other dim whole) into
     all of a tensor of ``shape``, and the first of those rows: bytes that lie in the file as the output holds
     them (a split's row shard of a tensor, a padded vocab's real rows). ``(None, 0)`` for anything else."""
-    if len(copies) != 1 or not shape:
+    copy = _raw_copy(copies, shape, dtype) if shape else None
+    if copy is None or not _whole_after(copy, shape, 0):
         return None, 0
-    copy = copies[0]
-    piece = copy.piece
-    if (piece.encoding != RAW or piece.dtype != dtype or copy.dst.sizes != shape or any(copy.dst.offsets)
-            or copy.src.sizes != shape or len(piece.box.sizes) != len(shape) or any(copy.src.offsets[1:])
-            or copy.src.sizes[1:] != piece.box.sizes[1:]):
-        return None, 0
-    return piece, copy.src.offsets[0]
+    return copy.piece, copy.src.offsets[0]
 
 
 def _whole_piece(copies: Sequence[Copy], shape: Shape, dtype: str) -> Piece | None:
     """The piece of raw bytes in ``dtype`` that ``copies`` copy whole, as it lies in its file, into all of a
     tensor of ``shape`` (one copy, from and to offset 0; its box may differ from ``shape`` by dims of size 1);
     None for anything else."""
+    copy = _raw_copy(copies, shape, dtype)
+    if copy is None or copy.src.sizes != copy.piece.box.sizes or any(copy.src.offsets):
+        return None
+    return copy.piece
+
+
+def _raw_copy(copies: Sequence[Copy], shape: Shape, dtype: str) -> Copy | None:
+    """The one copy of raw bytes in ``dtype`` that fills all of a tensor of ``shape``; None for anything else."""
     if len(copies) != 1:
         return None
     copy = copies[0]
     piece = copy.piece
-    if (piece.encoding != RAW or piece.dtype != dtype or copy.dst.sizes != shape or any(copy.dst.offsets)
-            or copy.src.sizes != piece.box.sizes or any(copy.src.offsets)):
+    if piece.encoding != RAW or piece.dtype != dtype or copy.dst.sizes != shape or any(copy.dst.offsets):
         return None
-    return piece
+    return copy
+
+
+def _whole_after(copy: Copy, shape: Shape, dim: int) -> bool:
+    """Whether ``copy`` reads a box of ``shape`` that takes its piece whole along every dim after ``dim``: the box's
+    runs along ``dim`` then lie in the file one run of bytes each, a fixed stride apart."""
+    box = copy.piece.box
+    return (copy.src.sizes == shape and len(box.sizes) == len(shape) and not any(copy.src.offsets[dim + 1:])
+            and copy.src.sizes[dim + 1:] == box.sizes[dim + 1:])
 
