@@ -147,7 +147,8 @@ def write_files(
         OutputError: a file cannot be written (a full disk); SourceError: a source file cannot be read.
     """
     every_chunk = [c for f in files for item in f.items for c in item_chunks(item)]
-    reader = Reader(root, piece_uses(every_chunk), buffer_sizes(every_chunk))
+    # each rank's file takes a slice of every source tensor: no read-ahead into the slices of ranks written later
+    reader = Reader(root, piece_uses(every_chunk), buffer_sizes(every_chunk), readahead=False)
     lock = threading.Lock()
 
     def counted(n: int) -> None:
