@@ -87,7 +87,7 @@ def test_without_libdeflate_zlib_computes_it(monkeypatch):
     assert crc.crc32(DATA) == zlib.crc32(DATA)
 
 
-def write_dcp(root: Path, out: Path, workers: int = 1) -> None:
+def write_dcp(root: Path, out: Path, workers: int = 1) -> tuple[dcp.DcpFile, ...]:
     """A two-rank DCP of three float32 tensors read from ``root/src.bin`` (torch.arange data, made by
     :func:`source`): ``rows`` cut on dim 0 (each rank's box one run of the source's bytes, 1 MiB and more),
     ``cols`` cut on dim 1 (built row by row), ``small`` whole on rank 0."""
@@ -110,6 +110,7 @@ def write_dcp(root: Path, out: Path, workers: int = 1) -> None:
     files = dcp.lay_out(items)
     dcp.write_files(root, files, out, workers=workers)
     dcp.write_metadata(files, out)
+    return files
 
 
 TENSORS = (("rows", (2048, 256), 0), ("cols", (64, 96), 1), ("small", (5, 3), None))

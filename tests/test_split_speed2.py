@@ -22,42 +22,16 @@ import pytest
 from ckpttool.execute import reads
 from ckpttool.execute.reads import Reader
 from ckpttool.layout.layout import Box, Piece
-from ckpttool.plan.plan import Target
-from ckpttool.plan.tiling import Copy
 from ckpttool.writers import dcp
+import test_split_speed
+from test_split_speed import TENSORS, write_dcp
 
-#: name, shape, the dim two ranks cut (None: whole, on rank 0); float32 values 0, 1, 2... over all three
-TENSORS = (("rows", (64, 8), 0), ("cols", (6, 10), 1), ("small", (5, 3), None))
+source = test_split_speed.source  # the fixture: src.bin, float32 values 0, 1, 2... over TENSORS
 
 
 def values(start: int, count: int) -> bytes:
+    """float32 ``start, start + 1, ...``: the values of ``source``'s tensors, one after another."""
     return struct.pack(f"<{count}f", *range(start, start + count))
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("source")
-    total = sum(math.prod(shape) for _, shape, _ in TENSORS)
-    (root / "src.bin").write_bytes(b"head" + values(0, total))
-    return root
-
-
-def lay_out() -> tuple[dcp.DcpFile, ...]:
-    """Two ranks' files of :data:`TENSORS`, read from ``src.bin`` (after its 4-byte head)."""
-    items: list[list] = [[], []]
-    offset = 4
-    for name, shape, dim in TENSORS:
-        piece = Piece("src.bin", name, Box.whole(shape), "F32", byte_offset=offset)
-        offset += math.prod(shape) * 4
-        for rank in range(2 if dim is not None else 1):
-            sizes, offsets = list(shape), [0] * len(shape)
-            if dim is not None:
-                sizes[dim] //= 2
-                offsets[dim] = rank * sizes[dim]
-            box = Box(tuple(offsets), tuple(sizes))
-            target = Target(name, box.sizes, "F32", "F32", (Copy(piece, box, Box.whole(box.sizes)),), ("src.bin",))
-            items[rank].append((name, shape, box, target))
-    return dcp.lay_out(items)
 
 
 def expected(item: dcp.Item) -> bytes:
@@ -99,23 +73,21 @@ needs_fadvise = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no 
 
 @needs_fadvise
 def test_a_split_reads_its_source_without_readahead(source, tmp_path, monkeypatch):
+    root, _ = source
     calls = advice(monkeypatch)
-    files = lay_out()
-    out = tmp_path / "out"
-    out.mkdir()
-    dcp.write_files(source, files, out, workers=2)
+    files = write_dcp(root, tmp_path / "out", workers=2)
     random = [inode for inode, what in calls if what == os.POSIX_FADV_RANDOM]
-    assert random == [(source / "src.bin").stat().st_ino]  # once, when the source is opened; never an output
-    assert_written(out, files)
+    assert random == [(root / "src.bin").stat().st_ino]  # once, when the source is opened; never an output
+    assert_written(tmp_path / "out", files)
 
 
 @needs_fadvise
 def test_a_merge_reader_keeps_the_readahead(source, monkeypatch):
     calls = advice(monkeypatch)
-    reader = Reader(source, Counter(), {"read": 64})
-    piece = Piece("src.bin", "small", Box.whole((5, 3)), "F32", byte_offset=4)
+    reader = Reader(source[0], Counter(), {"read": 64})
+    piece = Piece("src.bin", "rows", Box.whole((2048, 256)), "F32")
     view = reader.run_buffer(8)
-    reader.read_into(view, piece, 4)
+    reader.read_into(view, piece, 0)
     reader.close()
     assert bytes(view) == values(0, 2)
     assert calls == []
@@ -127,11 +99,8 @@ def test_where_the_hint_is_refused_the_split_writes_the_same_bytes(source, tmp_p
         monkeypatch.delattr(os, "posix_fadvise", raising=False)
     else:
         advice(monkeypatch, refuse=OSError)
-    files = lay_out()
-    out = tmp_path / "out"
-    out.mkdir()
-    dcp.write_files(source, files, out, workers=1)
-    assert_written(out, files)
+    files = write_dcp(source[0], tmp_path / "out")
+    assert_written(tmp_path / "out", files)
 
 
 @pytest.mark.parametrize("run, stride", [(2, 6), (4, 4)], ids=["gaps", "no gap"])
