@@ -3,7 +3,7 @@
 - A split's reader tells the system to read no more of a source file than asked (``POSIX_FADV_RANDOM``): each
   rank's file takes a slice of every tensor, so the read-ahead past a slice read the slices of ranks written
   later, long before their turn; on a busy page cache they were dropped and read from the disk again (8 GiB,
-  fsdp 4 x tp 2: 1.17 bytes read per byte written). A merge's reader keeps the read-ahead. The hint is only a
+  fsdp 4 x tp 2: 1.05-1.17 bytes read per byte written). A merge's reader keeps the read-ahead. The hint is only a
   hint: where it is refused, the split writes the same bytes.
 - :meth:`Reader.read_rows` (a column shard's rows, straight into place) over several ``preadv`` calls, with and
   without a gap between the runs.

@@ -44,7 +44,7 @@ class Reader:
     (``POSIX_FADV_RANDOM``): for a reader whose outputs each take a slice of every tensor (a split: every rank's file
     takes its rows of each source tensor, one rank after another), the read-ahead past one slice reads the bytes of
     the next ranks' slices long before they are used, and on a busy page cache they are dropped and read again
-    (a split of 8 GiB at fsdp 4 x tp 2 read 1.17 bytes from the disk per byte written; without it, 1.00). A read
+    (a split of 8 GiB at fsdp 4 x tp 2 read 1.05-1.17 bytes from the disk per byte written; without it, 1.00). A read
     of a chunk is large enough (up to 32 MiB) to keep the disk busy on its own.
     """
 
