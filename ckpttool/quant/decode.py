@@ -185,10 +185,9 @@ class Fp8Blocks(RowForRow):
     A 2-D weight's rows map to scale rows ``start // B0 .. ceil(stop / B0)``; a stacked ``[E, O, I]`` weight's
     experts to the same scale experts.
 
-    ``origin``: where the stored tensor's first element lies in its first block (row, column), when it is a box of a
-    larger weight that starts inside a block (a tensor-parallel shard of 288 of 576 rows: ``split --to megatron
-    --dtype`` at TP2); its scales are then those of every block it meets, the first block's first. Row ``k`` is
-    then scaled as row ``origin[0] + k`` of the blocks, column ``j`` as column ``origin[1] + j``.
+    ``origin``: where the stored tensor, a box of a larger weight (a TP shard: rows 288..576 of 576 at TP2), starts in
+    its first block (row, column); its scales are those of every block it meets. Row ``k`` is scaled as block row
+    ``origin[0] + k``, column ``j`` as ``origin[1] + j``.
     """
 
     block: tuple[int, int]
@@ -343,9 +342,8 @@ def decoder(method: str, params: tuple[tuple[str, object], ...]) -> Decoder:
     options = dict(params)
     if method == FP8_BLOCKS:
         block = tuple(options["block"])  # type: ignore[call-overload]
-        origin = tuple(options.get("origin", (0, 0)))  # type: ignore[call-overload]
         return Fp8Blocks(block, int(options.get("ndim", 2)), bool(options.get("ue8m0_bytes", False)),  # type: ignore[arg-type]
-                         origin)  # type: ignore[arg-type]
+                         tuple(options.get("origin", (0, 0))))  # type: ignore[arg-type, call-overload]
     if method == MXFP4_GROUPS:
         return Mxfp4Groups(bool(options.get("transpose", True)))
     raise ValueError(f"no decoder {method!r}")
