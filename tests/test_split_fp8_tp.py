@@ -110,7 +110,7 @@ def read_all(directory: Path):
 def bf16(tmp_path_factory):
     """The release dequantized to BF16 (``merge --dtype bfloat16``): what the split is the split of."""
     out = tmp_path_factory.mktemp("bf16") / "out"
-    ckpttool.merge(FP8, out, dtype="bfloat16")
+    ckpttool.merge(FP8, out, dtype="bfloat16", audit=False)  # the audit is not what is tested here
     return out
 
 
