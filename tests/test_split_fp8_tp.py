@@ -53,7 +53,8 @@ def decoded(values, scales, block, out_dtype=torch.bfloat16, **kw):
     return out
 
 
-@pytest.mark.parametrize("rows, cols", [((12, 24), (0, 40)), ((5, 37), (3, 29)), ((16, 32), (7, 40)), ((0, 7), (15, 16))])
+@pytest.mark.parametrize("rows, cols", [((12, 24), (0, 40)), ((5, 37), (3, 29)), ((16, 32), (7, 40)),
+                                        ((0, 7), (15, 16))])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_a_box_that_starts_inside_a_block_decodes_as_that_box_of_the_whole_weight(rows, cols, out_dtype):
     """Rows and columns that start inside a 16x16 block, end inside another or at the cropped edge (40 columns),
