@@ -18,12 +18,13 @@ empty description cache (``CKPTTOOL_CACHE``, as on a user's first run), the seco
 - ``merge --dry-run --json --dtype bfloat16``: the same, dequantized while merging (the predicted peak then counts
   the dequantization's buffers);
 - ``audit --no-data --json``: the header and metadata checks;
-- ``split --to megatron --dry-run --json`` at ``--tp 8 --pp 16 --ep 64`` (whatever it answers, refusal included).
+- ``split --to megatron --dry-run --json --dtype bfloat16`` at ``--tp 8 --pp 16 --ep 64 --pp-first 4 --pp-last 1``
+  (61 layers = 4 + 14 x 4 + 1; the FP8 weights dequantized while splitting; whatever it answers, refusal included).
 
 Everything is written under ``--workdir`` (default ``/tmp/ckpttool-truescale``); the script refuses a workdir that
 holds anything but its own earlier output.
 
-    python benchmarks/truescale.py [--workdir /tmp/ckpttool-truescale] [--keep] [--layers 61] [--bf16]
+    python benchmarks/truescale.py [--workdir /tmp/ckpttool-truescale] [--keep] [--layers 61] [--bf16] [--only split]
 """
 
 from __future__ import annotations
@@ -192,6 +193,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=16)
     parser.add_argument("--ep", type=int, default=64)
+    parser.add_argument("--pp-first", type=int, default=4, help="layers of the first stage (61 = 4 + 14 x 4 + 1)")
+    parser.add_argument("--pp-last", type=int, default=1, help="layers of the last stage")
+    parser.add_argument("--only", choices=("merge", "audit", "split"), help="time only the commands of this name")
     parser.add_argument("--keep", action="store_true", help="reuse the release in --workdir if it is there")
     parser.add_argument("--bf16", action="store_true", help="the release dequantized to BF16 (what split takes)")
     args = parser.parse_args()
@@ -212,9 +216,12 @@ def main() -> None:
         "merge --dry-run --dtype bf16": [*tool, "merge", str(src), "--dry-run", "--json", "--dtype", "bfloat16"],
         "audit --no-data": [*tool, "audit", str(src), "--no-data", "--json"],
         "split --dry-run": [*tool, "split", str(src), "--to", "megatron", "--tp", str(args.tp), "--pp",
-                            str(args.pp), "--ep", str(args.ep), "--dry-run", "--json"],
+                            str(args.pp), "--ep", str(args.ep), "--pp-first", str(args.pp_first), "--pp-last",
+                            str(args.pp_last), "--dtype", "bfloat16", "--dry-run", "--json"],
     }
-    print(f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f}; split at TP{args.tp} x PP{args.pp} x EP{args.ep}")
+    cmds = {name: argv for name, argv in cmds.items() if args.only is None or name.split()[0] == args.only}
+    print(f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f}; split at TP{args.tp} x PP{args.pp} x EP{args.ep}"
+          f" (pp_first {args.pp_first}, pp_last {args.pp_last})")
     os.environ["CKPTTOOL_CACHE"] = str(cache)
     for name, argv in cmds.items():
         shutil.rmtree(cache, ignore_errors=True)  # each command's first run finds no description cached

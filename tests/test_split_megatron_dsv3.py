@@ -211,15 +211,6 @@ def test_an_fp8_release_is_split_straight_to_bf16_as_its_bf16_merge(tmp_path):
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
 
 
-def test_an_fp8_shard_that_starts_inside_a_block_is_refused(cli, tmp_path):
-    out = tmp_path / "out"
-    result = cli("split", FP8, out, "--to", "megatron", "--tp", "2", "--dtype", "bfloat16")
-    assert_failed_cleanly(result, out, "'decoder.layers.0.self_attention.linear_q_down_proj.weight': rows 12..24 and "
-                          "columns 0..40 of 'model.layers.0.self_attn.q_a_proj.weight' (FP8) start inside its 16x16 "
-                          "scale blocks; it is dequantized while splitting only in whole blocks: choose a tp whose "
-                          "shards hold whole blocks, or merge with --dtype first, then split that output")
-
-
 def test_layer_stages_number_layers_as_megatron_core():
     assert layer_stages(4, MegatronMesh(pp=2))[:4] == [0, 0, 1, 1]
     assert layer_stages(5, MegatronMesh(pp=3, pp_first=1, pp_last=2))[:5] == [0, 1, 1, 2, 2]

@@ -125,9 +125,10 @@ def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, 
 def _dequantized(name: str, box: Box, sl: Slice, target: Target) -> tuple[Target | None, list[str]]:
     """``box`` of a tensor that ``sl``, one box of an FP8 block-scaled matrix ``target`` dequantized, fills whole, as
     a dequantized target of its own: its stored elements those of the box, its scales the blocks the box covers
-    (``split --to megatron --dtype``: each chunk of a rank is one box of one HF weight). The box must start on a
-    block boundary (the decoder numbers blocks from the chunk's first row and column); at most one leading unit
-    dim (an expert's chunk of a stacked Megatron tensor: the decoder's stacked form, ``ndim`` 3)."""
+    (``split --to megatron --dtype``: each chunk of a rank is one box of one HF weight). A box that starts inside a
+    block reads only its own elements and the scales of every block it meets; the decoder is told where in the first
+    block it starts (``origin``). At most one leading unit dim (an expert's chunk of a stacked Megatron tensor: the
+    decoder's stacked form, ``ndim`` 3)."""
     dq, scale = target.dequant, target.scale
     assert dq is not None
     options = dict(dq.params)
@@ -143,10 +144,6 @@ def _dequantized(name: str, box: Box, sl: Slice, target: Target) -> tuple[Target
         return None, [f"'{name}': {box.describe(box.sizes)} is not one box of '{sl.source}' (FP8), which is "
                       "dequantized only as whole boxes of it: merge with a dtype first, then split that output"]
     (b0, b1), (r0, c0), (rows, cols) = tuple(options["block"]), region.offsets, region.sizes  # type: ignore[misc]
-    if r0 % b0 or c0 % b1:
-        return None, [f"'{name}': rows {r0}..{r0 + rows} and columns {c0}..{c0 + cols} of '{sl.source}' (FP8) start "
-                      f"inside its {b0}x{b1} scale blocks; it is dequantized while splitting only in whole blocks: "
-                      "choose a tp whose shards hold whole blocks, or merge with --dtype first, then split that output"]
     plain, problems = compose(name, box, (sl,), {sl.source: replace(target, dequant=None, scale=None)})
     if plain is None:
         return None, problems
@@ -158,6 +155,8 @@ def _dequantized(name: str, box: Box, sl: Slice, target: Target) -> tuple[Target
     if scales is None:
         return None, problems
     params = tuple((k, v) for k, v in dq.params if k != "ndim") + ((("ndim", 3),) if lead else ())
+    if r0 % b0 or c0 % b1:  # a box that starts inside a block (a TP shard of 288 of 576 rows): decoded from the
+        params += (("origin", (r0 % b0, c0 % b1)),)  # blocks it meets, its first element that far into the first
     return replace(plain, sources=tuple(dict.fromkeys((*plain.sources, *scales.sources))),
                    dequant=replace(dq, stored=box.sizes, params=params), scale=scales), []
 

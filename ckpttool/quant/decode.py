@@ -184,16 +184,22 @@ class Fp8Blocks(RowForRow):
 
     A 2-D weight's rows map to scale rows ``start // B0 .. ceil(stop / B0)``; a stacked ``[E, O, I]`` weight's
     experts to the same scale experts.
+
+    ``origin``: where the stored tensor, a box of a larger weight (a TP shard: rows 288..576 of 576 at TP2), starts in
+    its first block (row, column); its scales are those of every block it meets. Row ``k`` is scaled as block row
+    ``origin[0] + k``, column ``j`` as ``origin[1] + j``.
     """
 
     block: tuple[int, int]
     ndim: int = 2
     ue8m0_bytes: bool = False
+    origin: tuple[int, int] = (0, 0)
 
     def scale_rows(self, start: int, stop: int) -> tuple[int, int]:
         if self.ndim > 2:
             return start, stop
-        return start // self.block[0], -(-stop // self.block[0])
+        shift = self.origin[0]
+        return (start + shift) // self.block[0], -(-(stop + shift) // self.block[0])
 
     def bad_scale(self, scales: torch.Tensor, start: int, stored: tuple[int, ...]) -> BadScale | None:
         """The first scale among the rows :meth:`scale_rows` gave for rows ``start..`` of a weight ``stored``
@@ -203,24 +209,26 @@ class Fp8Blocks(RowForRow):
             return None
         local, value, count = _first_bad(scales, mask, self.ue8m0_bytes)
         # a stacked weight's scale rows are its experts; a matrix's start at the block row of ``start``
-        index = (start + local[0], *local[1:]) if self.ndim > 2 else (start // self.block[0] + local[0], local[1])
+        (o0, o1), (b0, b1) = self.origin, self.block
+        index = (start + local[0], *local[1:]) if self.ndim > 2 else ((start + o0) // b0 + local[0], local[1])
         *lead, i, j = index
-        (rows, cols), (b0, b1) = stored[-2:], self.block
-        block = (f"{f'expert {lead[0]}, ' if lead else ''}row block {i}, column block {j} (rows {i * b0}.."
-                 f"{min((i + 1) * b0, rows)}, columns {j * b1}..{min((j + 1) * b1, cols)})")
+        rows, cols = stored[-2:]  # the block's rows and columns in the stored tensor (a box: those it holds)
+        block = (f"{f'expert {lead[0]}, ' if lead else ''}row block {i}, column block {j} (rows {max(i * b0 - o0, 0)}.."
+                 f"{min((i + 1) * b0 - o0, rows)}, columns {max(j * b1 - o1, 0)}..{min((j + 1) * b1 - o1, cols)})")
         return BadScale(index, value, block, count)
 
     def decode(self, stored: torch.Tensor, scales: torch.Tensor, start: int, out: torch.Tensor, scratch: Scratch) -> None:
         values = scale_values(scales, scratch, self.ue8m0_bytes)
         if self.ndim > 2:
             for e in range(stored.shape[0]):  # a stacked [E, O, I] weight: each expert is a matrix
-                self._decode_matrix(stored[e], values[e], 0, out[e], scratch)
+                self._decode_matrix(stored[e], values[e], self.origin[0], out[e], scratch)
         else:
-            self._decode_matrix(stored, values, start, out, scratch)
+            self._decode_matrix(stored, values, start + self.origin[0], out, scratch)
 
     def _decode_matrix(self, stored: torch.Tensor, scales: torch.Tensor, start: int, out: torch.Tensor,
                        scratch: Scratch) -> None:
-        """Rows ``start..`` of a ``[O, I]`` weight, a slab of whole block rows at a time: float32 values, times
+        """Rows ``start..`` (counted from the first block row ``scales`` holds) of a ``[O, I]`` weight, a slab of whole
+        block rows at a time: float32 values, times
         their scales in place, rounded once into ``out`` (the oracle's ``.to(dtype)``), while the slab is in the
         CPU's cache. No temporary as large as the chunk, and no allocation: torch's mixed-dtype ``mul`` into a
         bfloat16 ``out`` would allocate two float32 temporaries per call."""
@@ -232,7 +240,7 @@ class Fp8Blocks(RowForRow):
             work = to_float32(stored[lo:hi], out[lo:hi] if direct else scratch("work", (hi - lo, stored.shape[-1]), "F32"),
                               scratch)
             k0, k1 = (start + lo) // rows - first, -(-(start + hi) // rows) - first
-            scale_blocks(work, scales[k0:k1], start + lo, self.block)
+            scale_blocks(work, scales[k0:k1], start + lo, self.block, column=self.origin[1])
             if not direct:
                 out[lo:hi].copy_(work)
             lo = hi
@@ -255,17 +263,19 @@ SMALL_ELEMENTS = 1 << 16
 SLAB_ELEMENTS = 1 << 19
 
 
-def scale_blocks(work: torch.Tensor, scales: torch.Tensor, start: int, block: tuple[int, int], divide: bool = False) -> None:
+def scale_blocks(work: torch.Tensor, scales: torch.Tensor, start: int, block: tuple[int, int], divide: bool = False,
+                 column: int = 0) -> None:
     """Multiply (or ``divide``) rows ``start..`` of a ``[O, I]`` weight (``work``, float32, in place) by their
-    blocks' scales (``scales``: rows ``start // B0 ..`` of the scale matrix).
+    blocks' scales (``scales``: rows ``start // B0 ..`` of the scale matrix). ``column``: where ``work``'s first
+    column lies in the first column block (a box of a weight that starts inside a block; 0 otherwise).
 
     Each block row's scales are spread over the columns once (``[I]``, small) and the rows multiplied by that
     vector: a broadcast over a ``[.., I/B1, B1]`` view is 50 times slower with torch's two intra-op threads."""
     rows, cols = block
     # a block wider than the weight has one scale column: spread it over the weight's columns, not the block's
     # (the same values; a width from a config is never an allocation's size)
-    cols = min(cols, work.shape[-1])
-    per_column = scales.repeat_interleave(cols, dim=-1)[:, : work.shape[-1]]
+    cols = min(cols, column + work.shape[-1])
+    per_column = scales.repeat_interleave(cols, dim=-1)[:, column: column + work.shape[-1]]
     if (start % rows == 0 and work.shape[0] == scales.shape[0] * rows and work.numel() <= SMALL_ELEMENTS
             and work.is_contiguous()):
         # whole block rows of a small weight: one call (the same products), not one per block row
@@ -332,7 +342,8 @@ def decoder(method: str, params: tuple[tuple[str, object], ...]) -> Decoder:
     options = dict(params)
     if method == FP8_BLOCKS:
         block = tuple(options["block"])  # type: ignore[call-overload]
-        return Fp8Blocks(block, int(options.get("ndim", 2)), bool(options.get("ue8m0_bytes", False)))  # type: ignore[arg-type]
+        return Fp8Blocks(block, int(options.get("ndim", 2)), bool(options.get("ue8m0_bytes", False)),  # type: ignore[arg-type]
+                         tuple(options.get("origin", (0, 0))))  # type: ignore[arg-type, call-overload]
     if method == MXFP4_GROUPS:
         return Mxfp4Groups(bool(options.get("transpose", True)))
     raise ValueError(f"no decoder {method!r}")

@@ -15,7 +15,11 @@ tensor's; which element goes where is then the merge's own cut (:func:`.megatron
 :func:`.megatron_back.megatron_tensors`. Tensor-parallel placements (:data:`TP_RULES`) are those megatron-core 0.16
 saves with (read from ``fixtures/megatron_deepseek_tp2_ep2``): every MLA projection ``Shard(0)`` (rows), the norms,
 router and expert bias replicated, ``linear_proj`` and ``linear_fc2`` ``Shard(1)``, a SwiGLU ``linear_fc1`` each rank's
-``[gate_r; up_r]``, MTP's ``eh_proj`` ``Shard(0)``.
+``[gate_r; up_r]``, MTP's ``eh_proj`` ``Shard(0)``. (Its Transformer Engine spec saves the down projections
+``linear_q_down_proj`` and ``linear_kv_down_proj`` whole instead, ``parallel_mode="duplicated"``; torch_dist re-shards
+on load, so the local spec's cut should load there too: untested, no Transformer Engine on CPU. An FP8 release's
+shard that starts inside a scale block, rows 288..576 of ``kv_down``'s 576 at TP2, is decoded from the blocks it
+meets: :class:`ckpttool.quant.decode.Fp8Blocks`.)
 """
 
 from __future__ import annotations
