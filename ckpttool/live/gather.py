@@ -143,7 +143,8 @@ class Gather:
                 prefix, chunk_list = reader.layouts[out.name]
                 write_file(directory / out.name, prefix, chunk_list, reader)
                 check_written(directory / out.name, out, len(prefix))
-            self.timeline.add("writing", time.perf_counter() - start, time.thread_time() - cpu)
+            if mine:  # a rank writing nothing (its files shared out to others) only sends
+                self.timeline.add("writing", time.perf_counter() - start, time.thread_time() - cpu)
         except BaseException as e:  # noqa: BLE001 (raised by the main thread after the rounds)
             failed.append(e)
             reader.release_all()
