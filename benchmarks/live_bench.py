@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -71,10 +73,12 @@ def worker(mode: str, out: Path, size_gib: float, result: Path) -> None:
     dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")
     before = status("VmRSS")
+    used = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     if mode == "live":
         from ckpttool.live import save_hf
 
+        logging.basicConfig(level=logging.INFO, format="%(message)s")  # each rank's timeline of its gather (stderr)
         save_hf(state, out, config=cfg)
     elif mode == "peer":
         from huggingface_hub import save_torch_state_dict
@@ -95,20 +99,24 @@ def worker(mode: str, out: Path, size_gib: float, result: Path) -> None:
     dist.barrier()
     seconds = time.perf_counter() - start
     peak = status("VmHWM") - before
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = now.ru_utime - used.ru_utime + now.ru_stime - used.ru_stime  # user + sys of the save, all threads
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, peak)
+    dist.all_gather_object(everyone, (peak, cpu))
     if rank == 0:
-        result.write_text(json.dumps({"seconds": seconds, "peak_above": everyone}))
+        result.write_text(json.dumps({"seconds": seconds, "peak_above": [p for p, _ in everyone],
+                                      "cpu": [c for _, c in everyone], "load": os.getloadavg()[0]}))
     dist.destroy_process_group()
 
 
 #: the offline merge in a fresh process, timing ``ckpttool.merge`` alone (as the live job times ``save_hf`` alone)
 OFFLINE = """
-import os, sys, time
+import os, resource, sys, time
 from ckpttool.commands.merge import merge
-start = time.perf_counter()
+used, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 merge(sys.argv[1], sys.argv[2], force=True, workers=os.cpu_count() or 1)
-print(time.perf_counter() - start)
+now = resource.getrusage(resource.RUSAGE_SELF)
+print(time.perf_counter() - start, now.ru_utime - used.ru_utime + now.ru_stime - used.ru_stime)
 """
 
 
@@ -116,17 +124,18 @@ def run(mode: str, work: Path, size_gib: float) -> dict:
     out, result = work / mode, work / f"{mode}.json"
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", __file__,
-                    "--worker", mode, "--out", str(out), "--size-gib", str(size_gib), "--result", str(result)],
-                   check=True, capture_output=True, env=env)
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+                          __file__, "--worker", mode, "--out", str(out), "--size-gib", str(size_gib), "--result",
+                          str(result)], check=True, capture_output=True, env=env, text=True)
     found = json.loads(result.read_text())
+    found["timeline"] = [line for line in job.stderr.splitlines() if "live gather, rank" in line]
     if mode == "offline":  # then the merge of what DCP wrote, in one process
         (out / "config.json").write_text(json.dumps(config(size_gib)))
         drop_cache(out)
         # timed as the live save is: the call alone (no interpreter start, no imports), audit on, 2 workers
         done = subprocess.run([sys.executable, "-c", OFFLINE, str(out), str(work / "merged")], check=True,
                               capture_output=True, text=True)
-        found["merge_seconds"] = float(done.stdout.split()[-1])
+        found["merge_seconds"], found["merge_cpu"] = (float(x) for x in done.stdout.split()[-2:])
         shutil.rmtree(work / "merged", ignore_errors=True)
     found["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     shutil.rmtree(out, ignore_errors=True)
@@ -155,6 +164,11 @@ def main() -> None:
                     f"{live['peak_above'][0] / 2**20:.0f} MiB | {max(live['peak_above']) / 2**20:.0f} MiB | "
                     f"{peer['peak_above'][0] / 2**20:.0f} MiB |")
         print(rows[-1], flush=True)
+        print(f"  CPU s (user + sys) by rank: live {[round(c, 1) for c in live['cpu']]}, peer "
+              f"{[round(c, 1) for c in peer['cpu']]}, offline merge {offline['merge_cpu']:.1f}; load "
+              f"{live['load']:.1f}", flush=True)
+        for line in live["timeline"]:
+            print("  " + line.split("live gather, ", 1)[1], flush=True)
     print("| model | live save_hf | gather + save_torch_state_dict | offline merge | live/offline | "
           "live rank-0 peak | live max-rank peak | peer rank-0 peak |")
     print("|---|---|---|---|---|---|---|---|")

@@ -8,8 +8,11 @@ on a side stream, so the copy of bucket k+1 overlaps the disk write of bucket k.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +34,8 @@ from ckpttool.writers.hf import check_written, file_layout
 from ckpttool.live.pieces import rank_of
 from ckpttool.live.watch import LiveGatherError
 
+log = logging.getLogger(__name__)
+
 
 class Gather:
     """Moves every writer's tensors to it, bucket by bucket, and writes its files while the next bucket arrives."""
@@ -40,6 +45,7 @@ class Gather:
         self.group = group
         self.views = views
         self.rank = group.rank
+        self.timeline = Timeline()
         self.device = _data_device(views)
         by_writer: dict[int, list[Target]] = {}
         for out, rank in zip(files, owner):
@@ -62,7 +68,8 @@ class Gather:
         slots = threading.Semaphore(2)  # two buckets alive: one being written, one arriving
         failed: list[BaseException] = []
         arenas: list[Arena] = []
-        reader = _BucketReader(ready, cond, slots, {out.name: file_layout(out) for out in mine})
+        clock = self.timeline
+        reader = _BucketReader(ready, cond, slots, {out.name: file_layout(out) for out in mine}, clock)
         writer = threading.Thread(target=self._write, args=(mine, directory, reader, failed), daemon=True)
         writer.start()
         taken = 0
@@ -70,14 +77,17 @@ class Gather:
             for number, buckets in enumerate(self.rounds):
                 bucket = buckets.get(self.rank)
                 if bucket is None:
-                    self.exchange(number, buckets, None)
+                    with clock.timing("sending"):
+                        self.exchange(number, buckets, None)
                     continue
-                _acquire(slots, writer, failed)  # the bucket before the last one is written: its arena is free
+                with clock.timing("waiting for the writer"):
+                    _acquire(slots, writer, failed)  # the bucket before the last one is written: its arena is free
                 if len(arenas) < 2:
                     arenas.append(Arena(self.arena_bytes, self.device))
                 arena = arenas[taken % 2].reset()
                 taken += 1
-                data = self.exchange(number, buckets, arena)
+                with clock.timing("receiving"):
+                    data = self.exchange(number, buckets, arena)
                 if not failed:  # a failed writer takes no more: the round was still served for the others
                     with cond:
                         ready.append(_Bucket(bucket, data, arena.event))
@@ -88,6 +98,7 @@ class Gather:
             writer.join()
         finally:
             reader.closed = True
+        log.info("live gather, rank %d: %s", self.rank, clock)
         if failed:
             raise failed[0]
 
@@ -126,11 +137,14 @@ class Gather:
         return None if self.device.type == "cuda" else self.group.gloo  # NCCL: the job's own group
 
     def _write(self, mine: Sequence[OutputFile], directory: Path, reader: _BucketReader, failed: list[BaseException]) -> None:
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             for out in mine:
                 prefix, chunk_list = reader.layouts[out.name]
                 write_file(directory / out.name, prefix, chunk_list, reader)
                 check_written(directory / out.name, out, len(prefix))
+            if mine:  # a rank writing nothing (its files shared out to others) only sends
+                self.timeline.add("writing", time.perf_counter() - start, time.thread_time() - cpu)
         except BaseException as e:  # noqa: BLE001 (raised by the main thread after the rounds)
             failed.append(e)
             reader.release_all()
@@ -149,7 +163,7 @@ class _BucketReader(Reader):
     reads_files = False  # its pieces ("rank N") are no files: every chunk is built from the buckets
 
     def __init__(self, ready: list[_Bucket], cond: threading.Condition, slots: threading.Semaphore,
-                 layouts: dict[str, tuple[bytes, list[Any]]]) -> None:
+                 layouts: dict[str, tuple[bytes, list[Any]]], clock: Timeline) -> None:
         every = [c for _, chunk_list in layouts.values() for c in chunk_list]
         sizes = buffer_sizes(every)
         sizes["read"] = 0  # nothing is read from files
@@ -157,6 +171,7 @@ class _BucketReader(Reader):
         self.layouts = layouts
         self._ready, self._cond, self._slots = ready, cond, slots
         self._current: _Bucket | None = None
+        self._clock = clock
         self.closed = False
 
     def region(self, piece: Piece, box: Box, sizes: tuple[int, ...], dims: tuple[int | None, ...]) -> torch.Tensor:
@@ -172,7 +187,7 @@ class _BucketReader(Reader):
         if self._current is not None:
             self._current = None
             self._slots.release()
-        with self._cond:
+        with self._clock.timing("writer waiting for buckets"), self._cond:
             while not self._ready:
                 if self.closed:
                     raise LiveGatherError("the gather stopped before this rank's tensors arrived")
@@ -188,6 +203,33 @@ class _BucketReader(Reader):
         if self._current is not None:
             self._current = None
             self._slots.release()
+
+
+class Timeline:
+    """Where a rank's gather spent its time, wall and CPU seconds by step, logged (INFO) once it is done: whether
+    the network waited on the disk (``waiting for the writer``) or the writer on the network (``writer waiting for
+    buckets``), and what the writing cost. Each step is timed on one thread only."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = {}
+
+    @contextlib.contextmanager
+    def timing(self, step: str) -> Iterator[None]:
+        """Add the wall and this thread's CPU seconds of the ``with`` block to ``step``."""
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.add(step, time.perf_counter() - start, time.thread_time() - cpu)
+
+    def add(self, step: str, wall: float, cpu: float) -> None:
+        """Add ``wall`` and ``cpu`` seconds to ``step``."""
+        total = self.seconds.setdefault(step, [0.0, 0.0])
+        total[0] += wall
+        total[1] += cpu
+
+    def __str__(self) -> str:
+        return "; ".join(f"{step} {wall:.2f} s (CPU {cpu:.2f} s)" for step, (wall, cpu) in self.seconds.items())
 
 
 class Arena:
