@@ -86,10 +86,12 @@ def read(root: Path, model: ModelInfo | None, *, tables: ConventionTables | None
         raise SourceError(
             f"'{directory / METADATA_JSON}': sharded_backend is {backend!r}; ckpttool reads Megatron's torch_dist"
         )
-    layout = dcp.read(directory, model, within=root)
+    # a dry run leaves the items unlocated, as for DCP, and screens each for Transformer Engine's tensors instead
+    extents: dict[tuple[str, int], int] | None = {} if dcp.deferring() else None
+    layout = dcp.read(directory, model, within=root, locate=extents is None, extents=extents)
     args = _common_args(directory, root)
     prefix = "" if directory == root else f"{directory.relative_to(root)}/"
-    megatron_fp8.refuse_te_items(layout, directory, prefix, root)
+    megatron_fp8.refuse_te_items(layout, directory, prefix, root, extents)
     where = f"{prefix}{COMMON}"
     if model is not None and tables is not None:
         tables.check_args(megatron.args_view(args), model, f"{prefix}{COMMON}")
