@@ -219,7 +219,7 @@ def _first_pickle(head: bytes) -> bytes | str:
         return "its data.pkl is compressed or encrypted"
     if not flags & 0x8:  # the sizes are in the local header
         if csize != size or begin + size > len(head):
-            return f"its data.pkl is not within its first {FIRST} bytes"
+            return f"its data.pkl is not within its first {len(head)} bytes"
         content = head[begin: begin + size]
         return content if zlib.crc32(content) == crc else "its data.pkl fails its CRC-32"
     at = head.find(_DESCRIPTOR, begin)
@@ -231,4 +231,4 @@ def _first_pickle(head: bytes) -> bytes | str:
                 if csize == size == len(content) and zlib.crc32(content) == crc:
                     return content
         at = head.find(_DESCRIPTOR, at + 1)
-    return f"no data descriptor of its data.pkl within its first {FIRST} bytes"
+    return f"no data descriptor of its data.pkl within its first {len(head)} bytes"
