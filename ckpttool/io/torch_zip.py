@@ -185,3 +185,50 @@ def _zip64_values(extra: bytes, size: int, csize: int, offset: int) -> tuple[int
             return size, csize, offset
         at += 4 + n
     raise ValueError("no zip64 extra field")
+
+
+#: bytes :func:`read_first_pickle` reads at an item's head: torch's first record, ``data.pkl``, starts at byte 64 and
+#: a plain tensor's pickle takes ~250 bytes, its data descriptor 16 or 24
+FIRST = 1024
+_DESCRIPTOR = b"PK\x07\x08"
+
+
+def read_first_pickle(f: BinaryIO, start: int, length: int) -> bytes | str:
+    """The bytes of the ``data.pkl`` record that opens the archive in ``f[start:start+length]``, from one positioned
+    read of its first :data:`FIRST` bytes (no look at its central directory), or why they cannot be had that way.
+
+    torch's writer puts ``data.pkl`` first; its local header may leave the sizes to a data descriptor after the
+    bytes (flag bit 3: torch's does), which is then found and checked (its sizes and CRC-32). What this does not
+    check, :func:`read_archive` does: that the central directory names this record and only records torch writes.
+    A screen for a dry run, which reads no tensor byte; never raises for the bytes."""
+    try:
+        return _first_pickle(_pread(f, min(length, FIRST), start))
+    except (struct.error, OSError, ValueError) as e:
+        return f"its first record does not parse ({type(e).__name__})"
+
+
+def _first_pickle(head: bytes) -> bytes | str:
+    if len(head) < _LOCAL.size:
+        return "too short to be a zip archive"
+    sig, _, flags, method, _, _, crc, csize, size, name_len, extra_len = _LOCAL.unpack_from(head)
+    name = head[_LOCAL.size: _LOCAL.size + name_len]
+    begin = _LOCAL.size + name_len + extra_len
+    if sig != 0x04034B50 or not (name == b"data.pkl" or name.endswith(b"/data.pkl")) or name.count(b"/") > 1:
+        return "its first record is not data.pkl"
+    if flags & 0x1 or method != 0:
+        return "its data.pkl is compressed or encrypted"
+    if not flags & 0x8:  # the sizes are in the local header
+        if csize != size or begin + size > len(head):
+            return f"its data.pkl is not within its first {len(head)} bytes"
+        content = head[begin: begin + size]
+        return content if zlib.crc32(content) == crc else "its data.pkl fails its CRC-32"
+    at = head.find(_DESCRIPTOR, begin)
+    while at >= 0:  # the first descriptor whose sizes and CRC fit the bytes before it
+        content = head[begin:at]
+        for fmt in ("<III", "<IQQ"):
+            if at + 4 + struct.calcsize(fmt) <= len(head):
+                crc, csize, size = struct.unpack_from(fmt, head, at + 4)
+                if csize == size == len(content) and zlib.crc32(content) == crc:
+                    return content
+        at = head.find(_DESCRIPTOR, at + 1)
+    return f"no data descriptor of its data.pkl within its first {len(head)} bytes"

@@ -75,16 +75,19 @@ def matches(root: Path) -> bool:
     return (root / METADATA).is_file() or bool(accelerate.model_folders(root))
 
 
-def read(root: Path, model: ModelInfo | None, *, within: Path | None = None, locate: bool = True) -> Layout:
+def read(root: Path, model: ModelInfo | None, *, within: Path | None = None, locate: bool = True,
+         extents: dict[tuple[str, int], int] | None = None) -> Layout:
     """The layout of the DCP checkpoint in ``root``; ``within``: the source folder above ``root`` (a Megatron
     iteration), inside which symlinks may lead (by default ``root``: no link out of it is followed). An
     accelerate ``save_state`` folder (no ``.metadata`` of its own) is read through its model folder
     (:mod:`.accelerate`). ``locate=False`` leaves every present item unlocated, as :func:`locating_deferred`
-    says (a layout for plans that read nothing)."""
+    says (a layout for plans that read nothing); ``extents``, if given, is then filled with each unlocated item's
+    whole storage entry, ``(file, byte_offset) -> length``, for a reader that still looks into some items
+    (Megatron ``torch_dist``'s screen for Transformer Engine tensors)."""
     path = root / METADATA
     if not path.is_file() and accelerate.model_folders(root):
         folder = accelerate.the_model_folder(root)
-        layout = read(folder, model, within=root if within is None else within, locate=locate)
+        layout = read(folder, model, within=root if within is None else within, locate=locate, extents=extents)
         return replace(layout, notes=(accelerate.note(root, folder), *layout.notes))
     if not path.is_file():
         raise SourceNotFoundError(f"'{root}': no {METADATA} file")
@@ -151,6 +154,8 @@ def read(root: Path, model: ModelInfo | None, *, within: Path | None = None, loc
                     piece = Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, TORCH_SAVE, start, length)
                 elif not locate:
                     piece = Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, RAW, start, needed)
+                    if extents is not None:
+                        extents[(rel, start)] = length
                 else:
                     piece = _as_raw(root, Piece(rel, fqn, Box(offsets, chunk_sizes), dtype, TORCH_SAVE, start, length),
                                     handles, within)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ckpttool.io import jsonfile
 from ckpttool.model.description import ModelInfo
-from ckpttool.layout.layout import Layout
+from ckpttool.layout.layout import Layout, Piece
 from ckpttool.errors import SourceError
 from ckpttool.io.paths import JSON_LIMIT, open_inside, read_inside
 from ckpttool.io.safe_pickle import Record
@@ -86,10 +86,12 @@ def read(root: Path, model: ModelInfo | None, *, tables: ConventionTables | None
         raise SourceError(
             f"'{directory / METADATA_JSON}': sharded_backend is {backend!r}; ckpttool reads Megatron's torch_dist"
         )
-    layout = dcp.read(directory, model, within=root)
+    # a dry run leaves the items unlocated, as for DCP, and screens each for Transformer Engine's tensors instead
+    extents: dict[tuple[str, int], int] | None = {} if dcp.deferring() else None
+    layout = dcp.read(directory, model, within=root, locate=extents is None, extents=extents)
     args = _common_args(directory, root)
     prefix = "" if directory == root else f"{directory.relative_to(root)}/"
-    megatron_fp8.refuse_te_items(layout, directory, prefix, root)
+    megatron_fp8.refuse_te_items(layout, directory, prefix, root, extents)
     where = f"{prefix}{COMMON}"
     if model is not None and tables is not None:
         tables.check_args(megatron.args_view(args), model, f"{prefix}{COMMON}")
@@ -128,8 +130,9 @@ def _common_args(directory: Path, root: Path) -> object | None:
 
 def _rebase(layout: Layout, prefix: str, root: Path) -> Layout:
     """Piece files relative to ``root`` (the directory the user named), so messages say ``iter_.../__1_0.distcp``."""
-    def moved(pieces):
-        return tuple(replace(p, file=prefix + p.file) for p in pieces)
+    def moved(pieces):  # built directly: dataclasses.replace costs ~0.5 s at 92k pieces
+        return tuple(Piece(prefix + p.file, p.key, p.box, p.dtype, p.encoding, p.byte_offset, p.byte_length, p.tags)
+                     for p in pieces)
 
     tensors = {fqn: replace(t, pieces=moved(t.pieces)) for fqn, t in layout.tensors.items()}
     absent = {fqn: moved(pieces) for fqn, pieces in layout.absent.items()}

@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from ckpttool.io import torch_save
-from ckpttool.layout.layout import TORCH_SAVE, Layout
+from ckpttool.io import torch_pickle, torch_save, torch_zip
+from ckpttool.layout.layout import TORCH_SAVE, Layout, Piece
 from ckpttool.errors import UnsafePickleError
 from ckpttool.io.paths import open_inside, read_source
 from ckpttool.io.safe_pickle import load_metadata_pickle
@@ -55,19 +55,51 @@ def refusal(label: str, qualified: str) -> str:
     )
 
 
-def refuse_te_items(layout: Layout, directory: Path, prefix: str, root: Path | None = None) -> None:
+def refuse_te_items(layout: Layout, directory: Path, prefix: str, root: Path | None = None,
+                    extents: Mapping[tuple[str, int], int] | None = None) -> None:
     """Scan the pieces of a torch_dist ``layout`` whose bytes were not found raw in their ``torch.save`` items (plain
     tensors are; TE's tensors are not): a pickle asking for a Transformer Engine class is refused here, before
     anything is planned, naming the tensor and the file (``prefix`` + the file, relative to ``directory``). No
     link out of ``root`` (the source, ``directory`` by default) is followed.
 
+    ``extents``: the layout was read with its items unlocated (a dry run: :func:`ckpttool.readers.dcp.read`'s
+    ``extents``, each item's storage entry). Each item is then screened from its first bytes alone (one positioned
+    read, :func:`ckpttool.io.torch_zip.read_first_pickle`): a ``data.pkl`` that pickles one plain tensor of the
+    piece's dtype and shape names no class to refuse; any other item is located and, unlocated, scanned as the run
+    that reads it does, so a dry run refuses the same items with the same message.
+
     Raises:
         UnsafePickleError: such an item (or one asking for any other class ckpttool does not allow).
     """
-    for piece in (p for t in layout.tensors.values() for p in t.pieces if p.encoding == TORCH_SAVE):
-        label = f"{prefix}{piece.file}"
-        with open_inside(directory, piece.file, label, within=root) as f:
-            torch_save.scan(f, piece.byte_offset, piece.byte_length, label=label, allow=_TeItems(label, piece.key))
+    handles: dict[str, BinaryIO] = {}
+    try:
+        for piece in (p for t in layout.tensors.values() for p in t.pieces):
+            length = None if extents is None else extents.get((piece.file, piece.byte_offset))
+            if length is None and piece.encoding != TORCH_SAVE:
+                continue
+            label = f"{prefix}{piece.file}"
+            handle = handles.get(piece.file)
+            if handle is None:
+                handle = handles[piece.file] = open_inside(directory, piece.file, label, within=root)
+            if length is None:
+                torch_save.scan(handle, piece.byte_offset, piece.byte_length, label=label,
+                                allow=_TeItems(label, piece.key))
+            elif not _plain(handle, piece, length, label):
+                torch_save.scan(handle, piece.byte_offset, length, label=label, allow=_TeItems(label, piece.key))
+    finally:
+        for handle in handles.values():
+            handle.close()
+
+
+def _plain(f: BinaryIO, piece: Piece, length: int, label: str) -> bool:
+    """Whether the unlocated item of ``piece`` (``length`` bytes at its ``byte_offset``) holds one plain tensor of its
+    dtype and shape: told from its first bytes, else located as the reading run locates it (the DCP reader)."""
+    pickled = torch_zip.read_first_pickle(f, piece.byte_offset, length)
+    found = torch_pickle.plain_tensor(pickled) if isinstance(pickled, bytes) else None
+    if found is not None and found.storage.dtype == piece.dtype and found.shape == piece.box.sizes:
+        return True
+    located = torch_save.locate(f, piece.byte_offset, length, label=label, item=piece.key)
+    return located is not None and located.dtype == piece.dtype and located.shape == piece.box.sizes
 
 
 class RefusingAllowList(Mapping[tuple[str, str], Any]):
