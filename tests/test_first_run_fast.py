@@ -139,3 +139,12 @@ def test_a_megatron_source_is_read_with_its_description(cold, tmp_path, monkeypa
     calls = order_of_calls(monkeypatch)
     source.plan_source(FIXTURES / "megatron_tp2_pp2" / "legacy", config=FIXTURES / "megatron_tp2_pp2" / "config.json")
     assert calls == ["description", "read layout"]  # its training args are checked against the description
+
+
+def test_a_config_larger_than_a_pipe_reaches_the_subprocess_whole(cold, tmp_path, monkeypatch):
+    config = {**json.loads(LLAMA_CONFIG.read_text()), "id2label": {str(i): f"label {i}" for i in range(20_000)}}
+    fake_python(tmp_path, monkeypatch, "wc -c > size; echo '{\"none\": true, \"peak\": 0}'")
+    with start_describing(config, label="llama.json") as describing:
+        assert describing.result() is None
+    request = json.dumps({"config": config, "label": "llama.json"}).encode()
+    assert len(request) > 2**16 and int((tmp_path / "size").read_text()) == len(request)

@@ -8,8 +8,8 @@ the model on the meta device and walking it take a few hundredths of a second. S
 (:class:`DescribingProcess`) and its answer read only when it is needed (:meth:`DescribingProcess.answer`): a caller
 that has other work to do first (reading a checkpoint's headers) overlaps the two on a second core.
 
-Its answer and its error are written to unnamed temporary files, not pipes, so that the process never waits for the
-caller to read them while the caller is busy elsewhere.
+Its request, answer and error go through unnamed temporary files, not pipes, so that neither process ever waits for
+the other to read: the caller is busy elsewhere, and a child that dies early never reads its request.
 """
 
 from __future__ import annotations
@@ -80,19 +80,16 @@ class DescribingProcess:
             return
         package = str(Path(__file__).resolve().parent.parent.parent)  # the same ckpttool, wherever it was imported from
         code = f"import sys; sys.path.insert(0, {package!r}); {ENTRY}"
-        try:
-            self._files = (tempfile.TemporaryFile(), tempfile.TemporaryFile())
-            self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                             stdout=self._files[0], stderr=self._files[1])
+        try:  # the request from a file too: a pipe would block this process on a config larger than its buffer
+            with tempfile.TemporaryFile() as asked:
+                asked.write(request)
+                asked.seek(0)
+                self._files = (tempfile.TemporaryFile(), tempfile.TemporaryFile())
+                self._process = subprocess.Popen([sys.executable, "-c", code], stdin=asked,
+                                                 stdout=self._files[0], stderr=self._files[1])
         except OSError as e:
             self.close()
             self._cannot = str(e)
-            return
-        try:  # a config is a few KiB: the pipe takes it whole, and the child reads it before anything else
-            self._process.stdin.write(request)
-            self._process.stdin.close()
-        except OSError:  # the child is gone already: its exit status says why
-            pass
 
     def answer(self) -> tuple[ModelInfo | None, int]:
         """Wait for the subprocess: the description (None: transformers builds no model of it) and its peak RSS.
