@@ -11,9 +11,15 @@ peak RSS), with an empty description cache (``CKPTTOOL_CACHE``) unless said:
   and a Qwen3-MoE-235B-shaped config (94 MoE layers of 128 experts);
 - ``merge --dry-run first`` / ``second``: on truescale_readers.py's DeepSeek-V3-671B sidecar checkpoint (8 sparse
   rank files, ~90k pieces), with an empty cache, then with the cache it left; ``--tree`` picks the ckpttool tree
-  (``PYTHONPATH``) so that a tree without reduction can be timed the same way.
+  (``PYTHONPATH``) so that a tree without reduction can be timed the same way;
+- ``overlap`` (``--overlap``, a tree with ``start_describing``): the first run's planning of that source with the
+  default describing subprocess, timing the layout's read (beside the subprocess) and the wait for the description
+  after it: the wall time a first run saves is the read's, when the description takes longer.
 
-    python benchmarks/first_run_bench.py [--tree .] [--workdir /tmp/ckpttool-first-run] [--runs 3] [--keep]
+The benchmark runs from its work directory, so that a tree's describing subprocess cannot import another
+checkout's ckpttool from the current directory (trees before wt-firstrun put the wrong folder first on its path).
+
+    python benchmarks/first_run_bench.py [--tree .] [--workdir /tmp/ckpttool-first-run] [--runs 3] [--keep] [--overlap]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,6 +56,28 @@ model_info(config, reduce=reduced_layers if sys.argv[2] == "reduced" else None)
 """
 
 
+OVERLAP = """
+import sys, time
+from ckpttool.commands import source
+from ckpttool.model.architecture import Describing
+took = {}
+def timed(name, call):
+    def run(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            took[name] = time.perf_counter() - started
+    return run
+source.read_layout = timed("read", source.read_layout)
+Describing.result = timed("wait", Describing.result)
+started = time.perf_counter()
+source.plan_source(sys.argv[1])
+print(f"plan_source {time.perf_counter() - started:.1f} s wall: layout read {took['read']:.1f} s beside the "
+      f"describing subprocess, then {took['wait']:.1f} s waiting for its description")
+"""
+
+
 def _median(runs: list[dict]) -> str:
     wall, cpu, rss = (statistics.median(r[k] for r in runs) for k in ("wall", "cpu", "rss"))
     return f"{wall:6.2f} s wall  {cpu:6.2f} s CPU  peak RSS {rss / 2**20:6.0f} MiB"
@@ -61,8 +90,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--keep", action="store_true", help="reuse the sidecar checkpoint in --workdir if there")
     parser.add_argument("--skip-describe", action="store_true", help="time the merge dry runs only")
+    parser.add_argument("--overlap", action="store_true", help="time the layout's read beside the description")
     args = parser.parse_args()
-    workdir = claim_workdir(args.workdir)
+    workdir = claim_workdir(args.workdir.resolve())
     cache = inside_workdir(workdir / "cache", workdir)
     env = {**os.environ, "PYTHONPATH": str(args.tree.resolve())}
     env.pop("CKPTTOOL_DESCRIBE", None)
@@ -74,6 +104,7 @@ def main() -> None:
         os.environ["CKPTTOOL_CACHE"] = str(inside_workdir(workdir / "generator-cache", workdir))
         print("sidecar:", generate_sidecar(src, config(bf16=True)))
     os.environ["CKPTTOOL_CACHE"] = str(cache)
+    os.chdir(workdir)
     print(f"tree {args.tree.resolve()}; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f}; {args.runs} runs, medians")
     py = sys.executable
     if not args.skip_describe:
@@ -102,6 +133,11 @@ def main() -> None:
         bad = [r["rc"] for r in runs if r["rc"] != 0]
         print(f"  {'sidecar merge --dry-run ' + name:40} {_median(runs)}  load {os.getloadavg()[0]:.1f}"
               f"{f'  exit {bad}' if bad else ''}")
+    if args.overlap:
+        for _ in range(args.runs):
+            shutil.rmtree(cache, ignore_errors=True)
+            print("  overlap:", subprocess.run([py, "-c", OVERLAP, str(src)], capture_output=True, text=True,
+                                               check=True).stdout.strip(), f" load {os.getloadavg()[0]:.1f}")
     shutil.rmtree(cache, ignore_errors=True)
 
 

@@ -20,12 +20,12 @@ from ckpttool.lora import megatron
 from ckpttool.lora.embedded import Embedded, split_embedded
 from ckpttool.lora.megatron import bridge_targets
 from ckpttool.model.description import ModelInfo
-from ckpttool.model.architecture import model_info
+from ckpttool.model.architecture import start_describing
 from ckpttool.model.config_file import find_config, read_config
 from ckpttool.model.config_sizes import check_config_sizes
 from ckpttool.plan.plan import Target
 from ckpttool import readers
-from ckpttool.readers import census, detect_format, hf_distributed
+from ckpttool.readers import census, dcp, detect_format, hf, hf_distributed, sidecar
 
 
 def read_layout(
@@ -85,12 +85,11 @@ def plan_source_and_adapter(
     config_path = find_config(root, config)
     config_dict = read_config(config_path) if config_path is not None else None
     model = None
-    if config_dict is not None:  # absurd sizes are refused before transformers spends minutes on them
+    if config_dict is None:
+        layout = read_layout(root, format=format, weights=weights)
+    else:  # absurd sizes are refused before transformers spends minutes on them
         check_config_sizes(config_dict, str(config_path), lambda: census(root, format, weights, READER_TABLES))
-        model = model_info(config_dict, label=str(config_path), reduce=reduced_layers)
-        if model is None and (format or detect_format(root)) == hf_distributed.NAME:  # needs the shapes it gives
-            raise hf_distributed.undescribed(root, str(config_path), config_dict.get("model_type"))
-    layout = read_layout(root, format=format, model=model, weights=weights)
+        layout, model = _read_described(root, format, weights, config_dict, str(config_path))
     embedded = split_embedded(layout)
     if embedded is not None:
         layout = embedded.base
@@ -99,6 +98,31 @@ def plan_source_and_adapter(
     if embedded is not None and embedded.name == megatron.NAME:
         embedded = _bridge_planned(root, embedded, planned)
     return planned, embedded
+
+
+#: the formats whose readers take no model (every global shape is on disk, no training args are checked): their
+#: layout is read while the config is described in a subprocess, on another core
+_READ_WITHOUT_MODEL = frozenset({sidecar.NAME, dcp.NAME, hf.NAME})
+
+
+def _read_described(root: Path, format: str | None, weights: str | None, config: Mapping[str, object],
+                    label: str) -> tuple[Layout, ModelInfo | None]:
+    """The source's layout and its config's description; for a format whose reader takes no model, the layout is
+    read while the description is made (:func:`ckpttool.model.architecture.start_describing`): a first run's
+    seconds of transformers' imports overlap the headers' reading.
+
+    Raises:
+        SourceError, ConfigError: as :func:`plan_source` says; the layout's own error comes first for such a format.
+    """
+    with start_describing(config, label=label, reduce=reduced_layers) as describing:
+        fmt = format or detect_format(root)
+        if fmt in _READ_WITHOUT_MODEL:
+            layout = read_layout(root, format=fmt, weights=weights)
+            return layout, describing.result()
+        model = describing.result()
+        if model is None and fmt == hf_distributed.NAME:  # needs the shapes it gives
+            raise hf_distributed.undescribed(root, label, config.get("model_type"))
+        return read_layout(root, format=fmt, model=model, weights=weights), model
 
 
 def _bridge_planned(root: Path, embedded: Embedded, planned: Planned) -> Embedded:

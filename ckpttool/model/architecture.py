@@ -9,7 +9,9 @@ name and cut tensors, the audit to check them.
 
 The answer is cached on disk. A config not in the cache is described by transformers in a short-lived subprocess
 (:data:`DESCRIBE_ENV` says otherwise), so that importing transformers and building the model (a few hundred MiB
-the allocator keeps) do not stay in the merging process and push its peak memory above the plan's prediction.
+the allocator keeps) do not stay in the merging process and push its peak memory above the plan's prediction. That
+subprocess is :mod:`ckpttool.model.describer`'s, started as soon as the config is read (:func:`start_describing`) so
+that it runs beside the caller's own reading.
 
 Which file is the config, and reading it, is :mod:`ckpttool.model.config_file`'s.
 """
@@ -19,19 +21,20 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import ArgumentError, ConfigError
+from ckpttool.errors import ConfigError
 from ckpttool.layout.layout import Shape
-from ckpttool.model.description import ModelInfo, cache_path, from_doc, read_cache, to_doc, write_cache
+from ckpttool.model.description import ModelInfo, cache_path, read_cache, to_doc, write_cache
+from ckpttool.model.describer import DESCRIBE_ENV, CannotSpawn, DescribingProcess, describe_mode
 from ckpttool.model.reduced import LayerReduction, expand
+
+__all__ = ["DESCRIBE_ENV", "Describing", "config_value", "describe_main", "model_info", "special_floats",
+           "start_describing"]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,8 @@ def model_info(config: Mapping[str, object], *, label: str = "config.json",
 
     The answer depends only on the config and the transformers version, and importing transformers takes
     seconds, so it is kept in a cache (``CKPTTOOL_CACHE``, default ``~/.cache/ckpttool``) keyed by both. A config
-    not in the cache is described in a subprocess (see :data:`DESCRIBE_ENV`); the time it took is logged.
+    not in the cache is described in a subprocess (see :data:`DESCRIBE_ENV`); the time it took is logged. A caller
+    with other work to do meanwhile starts the description first (:func:`start_describing`).
 
     Args:
         config: the model's config as a plain dict.
@@ -55,29 +59,89 @@ def model_info(config: Mapping[str, object], *, label: str = "config.json",
         ConfigError: transformers knows the model type but cannot build it from this config, or the subprocess
             that describes it failed (the message names the config and the reason).
     """
+    with start_describing(config, label=label, reduce=reduce) as describing:
+        return describing.result()
+
+
+def start_describing(config: Mapping[str, object], *, label: str = "config.json",
+                     reduce: Callable[[Mapping[str, object]], LayerReduction | None] | None = None) -> Describing:
+    """:func:`model_info` begun: a config not in the cache has its describing subprocess started at once, and its
+    answer is taken by :meth:`Describing.result`, so that the caller's work in between (reading a checkpoint's
+    headers) runs beside it. Use it as a context manager: leaving it stops a description whose result was not taken.
+
+    Raises:
+        ConfigError: the config has no model type.
+        ArgumentError: :data:`DESCRIBE_ENV` has a value other than ``subprocess`` or ``inline``.
+
+    Example:
+        >>> with start_describing(config, label="config.json", reduce=reduced_layers) as describing:  # doctest: +SKIP
+        ...     layout = read_layout(root)  # meanwhile, on another core
+        ...     model = describing.result()
+    """
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise ConfigError(f"'{label}': no model_type; is it a transformers config?")
     cache = cache_path(config)
     cached = read_cache(cache, config) if cache is not None else None
     if cached is not None:
-        return cached[0]
+        return Describing(model_type, config, label, cache, None, None, cached)
     reduction = reduce(config) if reduce is not None else None
-    info = _build_reduced(model_type, config, label, reduction) if reduction is not None else None
-    if info is None:
-        info = _build(model_type, config, label)
-    if cache is not None:
-        write_cache(cache, info)
-    return info
+    child = None
+    if describe_mode() == "subprocess":
+        child = DescribingProcess(model_type, config if reduction is None else reduction.config, label)
+    return Describing(model_type, config, label, cache, reduction, child, None)
 
 
-def _build_reduced(model_type: str, config: Mapping[str, object], label: str,
-                   reduction: LayerReduction) -> ModelInfo | None:
-    """The description of ``config`` from its reduced config's, or None when that cannot stand for it: transformers
-    rejects the reduced config or builds no model of it (the full config is then described and its own error, or
-    None, is the answer), or its layers cannot be repeated (:func:`.reduced.expand`)."""
+class Describing:
+    """A config's description under way (:func:`start_describing`): taken by :meth:`result`, dropped by
+    :meth:`close` (or by leaving it as a context manager)."""
+
+    def __init__(self, model_type: str, config: Mapping[str, object], label: str, cache: Path | None,
+                 reduction: LayerReduction | None, child: DescribingProcess | None,
+                 answer: tuple[ModelInfo | None] | None) -> None:
+        self._model_type, self._config, self._label, self._cache = model_type, config, label, cache
+        self._reduction, self._child, self._answer = reduction, child, answer
+
+    def result(self) -> ModelInfo | None:
+        """The description (None if transformers builds no model of the config), cached for the next run.
+
+        Raises:
+            ConfigError: as :func:`model_info` says.
+        """
+        if self._answer is None:
+            model_type, config, label, reduction = self._model_type, self._config, self._label, self._reduction
+            try:
+                info = _build_reduced(model_type, config, label, reduction, self._child) if reduction else None
+                if info is None:  # a reduced description's child is spent; the full one starts its own
+                    info = _build(model_type, config, label, None if reduction else self._child)
+            finally:
+                self.close()
+            if self._cache is not None:
+                write_cache(self._cache, info)
+            self._answer = (info,)
+        return self._answer[0]
+
+    def close(self) -> None:
+        """Stop the describing subprocess if its answer was not taken; idempotent."""
+        if self._child is not None:
+            self._child.close()
+            self._child = None
+
+    def __enter__(self) -> Describing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _build_reduced(model_type: str, config: Mapping[str, object], label: str, reduction: LayerReduction,
+                   child: DescribingProcess | None = None) -> ModelInfo | None:
+    """The description of ``config`` from its reduced config's (``child``: the subprocess describing it, as
+    :func:`_build` takes it), or None when that cannot stand for it: transformers rejects the reduced config or
+    builds no model of it (the full config is then described and its own error, or None, is the answer), or its
+    layers cannot be repeated (:func:`.reduced.expand`)."""
     try:
-        small = _build(model_type, reduction.config, label)
+        small = _build(model_type, reduction.config, label, child)
     except ConfigError as e:
         log.info("the reduced %s config of '%s' is not described (%s): describing it in full", model_type, label, e)
         return None
@@ -88,28 +152,25 @@ def _build_reduced(model_type: str, config: Mapping[str, object], label: str,
     return info
 
 
-#: where a config not in the cache is described: ``subprocess``, ``inline`` (this process), or unset: in a subprocess
-#: unless transformers is already imported here (its memory is spent; a subprocess would only add seconds)
-DESCRIBE_ENV = "CKPTTOOL_DESCRIBE"
-
-
-def _build(model_type: str, config: Mapping[str, object], label: str) -> ModelInfo | None:
+def _build(model_type: str, config: Mapping[str, object], label: str,
+           child: DescribingProcess | None = None) -> ModelInfo | None:
     """The description of a config not in the cache, where :data:`DESCRIBE_ENV` says; its time is logged.
+
+    ``child``: the subprocess already describing ``config`` (:func:`start_describing`), whose answer is taken;
+    without it one is started here when the mode is ``subprocess``.
 
     Raises:
         ConfigError: transformers cannot build the model, or the subprocess failed (the message says why).
         ArgumentError: :data:`DESCRIBE_ENV` has another value.
     """
-    mode = os.environ.get(DESCRIBE_ENV) or ("inline" if "transformers" in sys.modules else "subprocess")
-    if mode not in ("subprocess", "inline"):
-        raise ArgumentError(f"{DESCRIBE_ENV}={mode!r}: expected 'subprocess' or 'inline' (describe the architecture "
-                            "in this process)")
-    started, where = time.perf_counter(), "in this process"
+    mode = describe_mode()
+    started, where = time.perf_counter() if child is None else child.started, "in this process"
     if mode == "subprocess":
         try:
-            info, peak = _describe_in_subprocess(model_type, config, label)
+            with child or DescribingProcess(model_type, config, label) as process:
+                info, peak = process.answer()
             where = f"in a subprocess (peak RSS {peak / 2**20:.0f} MiB)"
-        except _CannotSpawn as e:
+        except CannotSpawn as e:
             log.info("cannot start a subprocess to describe the architecture (%s): describing it in this process", e)
             mode = "inline"
     if mode == "inline":
@@ -119,48 +180,10 @@ def _build(model_type: str, config: Mapping[str, object], label: str) -> ModelIn
     return info
 
 
-class _CannotSpawn(Exception):
-    """No subprocess can describe the config (no interpreter, no fork, a config that is not JSON)."""
-
-
-def _describe_in_subprocess(model_type: str, config: Mapping[str, object], label: str) -> tuple[ModelInfo | None, int]:
-    """:func:`_describe` in a fresh interpreter (:func:`_describe_main`): the description and the child's peak RSS;
-    :class:`_CannotSpawn` or :class:`ConfigError` as :func:`_build` says."""
-    try:
-        request = json.dumps({"config": config, "label": label})
-    except (TypeError, ValueError) as e:  # a config handed over by a library caller, with non-JSON values
-        raise _CannotSpawn(f"the config is not JSON: {e}") from None
-    if not sys.executable:
-        raise _CannotSpawn("no Python interpreter path (sys.executable is empty)")
-    package = str(Path(__file__).resolve().parent.parent)  # the same ckpttool, wherever it was imported from
-    code = f"import sys; sys.path.insert(0, {package!r}); from ckpttool.model.architecture import _describe_main; _describe_main()"
-    try:
-        done = subprocess.run([sys.executable, "-c", code], input=request, capture_output=True, text=True)
-    except OSError as e:
-        raise _CannotSpawn(str(e)) from None
-    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-    signals = {s.value: s.name for s in signal.Signals}
-    reason = (f"killed by {signals.get(-done.returncode, f'signal {-done.returncode}')}" if done.returncode < 0
-              else lines[-1] if lines else f"exit status {done.returncode}")
-    if done.returncode == 0:
-        try:
-            answer = json.loads(done.stdout)
-            error = answer.get("error")
-            info = None if answer.get("none") or error is not None else from_doc(answer, config)
-            peak = int(answer.get("peak", 0))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            reason = f"its answer is not a description: {e}"
-        else:
-            if error is not None:  # transformers' own refusal, worded as in this process
-                raise ConfigError(str(error))
-            return info, peak
-    raise ConfigError(f"'{label}': describing the {model_type} architecture with transformers in a subprocess "
-                      f"failed ({reason}). Set {DESCRIBE_ENV}=inline to describe it in this process")
-
-
-def _describe_main() -> None:
-    """The subprocess of :func:`_describe_in_subprocess`: ``{"config", "label"}`` on stdin, one JSON document on
-    stdout: the cache entry of the description, or ``{"error": message}``; with the process's peak RSS."""
+def describe_main() -> None:
+    """The subprocess of :class:`~ckpttool.model.describer.DescribingProcess`: ``{"config", "label"}`` on stdin, one
+    JSON document on stdout: the cache entry of the description, or ``{"error": message}``; with the process's peak
+    RSS."""
     import resource
 
     request = json.loads(sys.stdin.read())
