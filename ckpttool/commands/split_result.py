@@ -51,7 +51,7 @@ class SplitResult:
             "format": self.format, "to": self.to, "mesh": self.mesh.to_json(), "config": self.config,
             "adapter": self.adapter, "coverage": "every chunk of every tensor is covered exactly once",
             "tensors": [{"name": s.name, "shape": list(s.shape), "dtype": dtypes.get(s.name),
-                         "placements": s.describe(), "local_shapes": [list(s.local_shape(r)) for r in range(self.mesh.world)],
+                         "placements": s.describe(), "local_shapes": [list(shape) for shape in s.local_shapes()],
                          **({"transform": transforms[s.name]} if s.name in transforms else {})}
                         for s in self.tensors],
             "files": [{"name": f.name, "rank": f.rank, "bytes": f.nbytes, "items": len(f.items)} for f in self.files],
@@ -89,7 +89,7 @@ class SplitResult:
         transforms = self.transforms() if verbose or self.dry_run else {}
         for s in self.tensors if verbose or self.dry_run else ():
             runs = [(shape, len(list(group))) for shape, group in
-                    itertools.groupby(s.local_shape(r) for r in range(self.mesh.world))]
+                    itertools.groupby(s.local_shapes())]
             local = ", ".join(("x".join(map(str, shape)) or "scalar") + (f" x{n}" if n > 1 else "") for shape, n in runs)
             through = f"  ({escaped(transforms[s.name])})" if s.name in transforms else ""
             lines.append(f"  {shown(s.name)}  [{'x'.join(map(str, s.shape))}]  {s.describe()}  local {local}{through}")

@@ -249,7 +249,7 @@ class SliceIndex:
         # slices of plain targets the source holds: one that misses the box adds nothing to compose's answer (nor a
         # message), so only those meeting it are given (a gate chunk is not composed with the up slice beside it)
         self.plain = all(s.source in targets and getattr(targets[s.source], "dequant", None) is None
-                         and targets[s.source].transform is None for s in self.slices)
+                         and getattr(targets[s.source], "transform", None) is None for s in self.slices)
 
     def meeting(self, box: Box):
         """The slices whose rows meet ``box``'s (of plain targets: that meet ``box``), in their order (all of them
