@@ -143,3 +143,31 @@ def test_object_archives_framed_once_differ_only_by_their_serialization_id():
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             assert archive.testzip() is None
             assert archive.namelist()[-1] == "archive/.data/serialization_id"
+
+
+def _result(mesh, tensors):
+    from ckpttool.commands.split_result import SplitResult
+    from ckpttool.plan.plan import Plan
+
+    return SplitResult(source="src", output=None, format="hf", to="megatron", mesh=mesh, plan=Plan("src", "hf", ()),
+                       files=(), tensors=tuple(tensors), config=None, adapter="test", dry_run=True)
+
+
+def test_above_1024_ranks_the_json_gives_each_tensors_local_shapes_as_runs_of_ranks():
+    """8192 ranks x ~1,000 tensors would be ~400 MB of JSON: consecutive ranks of one shape are one run."""
+    from ckpttool.commands.meshes import MegatronMesh
+    from ckpttool.commands.split_result import LOCAL_SHAPES_MOST
+
+    dims = (("pp", 16), ("ep", 64), ("tp", 8))
+    norm = Sharding("decoder.layers.5.input_layernorm.weight", (7168,), dims, (REPLICATE,) * 3, (512, 1024))
+    fc1 = Sharding("decoder.layers.5.mlp.experts.experts.linear_fc1.weight", (256, 4096, 7168), dims,
+                   (REPLICATE, Placement("shard", 0), Placement("strided", 1, 2)), (512, 1024))
+    big = _result(MegatronMesh(tp=8, pp=16, ep=64), [norm, fc1]).to_json()["tensors"]
+    assert [t.get("local_shapes") for t in big] == [None, None]
+    assert big[0]["local_shape_runs"] == [[[0], 512], [[7168], 512], [[0], 7168]]
+    assert big[1]["local_shape_runs"] == [[[0, 0, 0], 512], [[4, 512, 7168], 512], [[0, 0, 0], 7168]]
+    assert sum(n for _, n in big[1]["local_shape_runs"]) == 8192 > LOCAL_SHAPES_MOST
+    small_dims = (("pp", 2), ("ep", 4), ("tp", 2))
+    small = Sharding("decoder.layers.0.input_layernorm.weight", (8,), small_dims, (REPLICATE,) * 3, (0, 8))
+    (entry,) = _result(MegatronMesh(tp=2, pp=2, ep=4), [small]).to_json()["tensors"]
+    assert "local_shape_runs" not in entry and entry["local_shapes"] == [[8]] * 8 + [[0]] * 8
