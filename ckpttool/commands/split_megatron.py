@@ -76,6 +76,7 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
     by_name = {name: (shape, slices, true_rows, transform) for name, shape, slices, true_rows, transform in tensors}
     indexes: dict[str, SliceIndex] = {}
     per_rank, problems = [], []
+    cut_experts = _stated_etp(mesh) > 1
     for written in dcp.share_items(held):
         items = []
         for name, box in written:
@@ -84,9 +85,10 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
                 index = indexes.get(name) or indexes.setdefault(name, SliceIndex(slices, targets))
                 slices = index.meeting(box)
             # one part of a de-interleave only where the args written say experts are cut (common.pt's expert TP)
-            parts = name in EXPERT_TENSORS and _stated_etp(mesh) > 1
+            parts = cut_experts and name in EXPERT_TENSORS
             target, found = _compose(name, box, slices, targets, true_rows, transform, shape, parts)
-            problems.extend(p for p in found if p not in problems)
+            if found:
+                problems.extend(p for p in found if p not in problems)
             if target is not None:
                 items.append((name, shape, box, target))
         per_rank.append(items)
