@@ -289,6 +289,26 @@ class Sharding:
         """The shape of ``rank``'s local tensor (``DTensor.to_local()``); all zeros on a rank :attr:`ranks` leaves out."""
         return local_shape(self.ranges(rank)) if self.holds(rank) else tuple(0 for _ in self.shape)
 
+    def local_shapes(self) -> list[Shape]:
+        """:meth:`local_shape` of every rank, in rank order. A rank's shape depends on its coordinates along the
+        mesh dims that cut the tensor only, so each is computed once and repeated over the dims that replicate it
+        (8192 ranks x ~1,000 tensors for DeepSeek-V3 at TP8 x PP16 x EP64)."""
+        sizes = [n for _, n in self.dims]
+
+        def grid(dim: int, coordinate: tuple[int, ...]) -> list[Shape]:
+            if dim == len(sizes):
+                return [local_shape(local_ranges(self.shape, sizes, coordinate, self.placements))]
+            if self.placements[dim].kind == "replicate":  # the same shapes whatever the coordinate on this dim
+                return grid(dim + 1, (*coordinate, 0)) * sizes[dim]
+            return [shape for c in range(sizes[dim]) for shape in grid(dim + 1, (*coordinate, c))]
+
+        shapes = grid(0, ())
+        if self.ranks is not None:
+            start, stop = self.ranks
+            zeros = tuple(0 for _ in self.shape)
+            shapes = [zeros] * start + shapes[start:stop] + [zeros] * (len(shapes) - max(stop, start))
+        return shapes
+
     def describe(self) -> str:
         """Placements on the mesh dims of more than one rank, e.g. ``(_StridedShard(0, sf=2), Shard(0))``."""
         shown = [(f"{name}={n}", str(p)) for (name, n), p in zip(self.dims, self.placements) if n > 1]

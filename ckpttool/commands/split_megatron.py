@@ -29,6 +29,7 @@ Vocab rows past the true vocab are zeros.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 from ckpttool.model.description import ModelInfo
 from ckpttool.io.dtypes import itemsize
@@ -70,11 +71,12 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
     layers = len(stages) - _MTP_MOST
     for s in shardings:  # each rank's in state-dict order; only the ranks that hold it (8192 at TP8 x PP16 x EP64)
         layer = megatron_back_mla.layer_of(s.name, layers)
-        for rank in range(*(s.ranks or (0, mesh.world))):
-            held[rank].extend((s.name, box, weight[s.name]) for box in _chunks(s, rank, stages, layer))
+        for rank, chunks in _held_chunks(s, mesh, stages, layer, weight[s.name]):
+            held[rank].extend(chunks)
     by_name = {name: (shape, slices, true_rows, transform) for name, shape, slices, true_rows, transform in tensors}
     indexes: dict[str, SliceIndex] = {}
     per_rank, problems = [], []
+    cut_experts = _stated_etp(mesh) > 1
     for written in dcp.share_items(held):
         items = []
         for name, box in written:
@@ -83,9 +85,10 @@ def plan_megatron(prepared: Planned, info: ModelInfo, mesh: MegatronMesh) -> tup
                 index = indexes.get(name) or indexes.setdefault(name, SliceIndex(slices, targets))
                 slices = index.meeting(box)
             # one part of a de-interleave only where the args written say experts are cut (common.pt's expert TP)
-            parts = name in EXPERT_TENSORS and _stated_etp(mesh) > 1
+            parts = cut_experts and name in EXPERT_TENSORS
             target, found = _compose(name, box, slices, targets, true_rows, transform, shape, parts)
-            problems.extend(p for p in found if p not in problems)
+            if found:
+                problems.extend(p for p in found if p not in problems)
             if target is not None:
                 items.append((name, shape, box, target))
         per_rank.append(items)
@@ -238,6 +241,22 @@ def _on_vocab_stage(sharding: Sharding, mesh: MegatronMesh) -> Sharding:
         return sharding
     return Sharding(sharding.name, sharding.shape, sharding.dims, sharding.placements,
                     (stage * per_stage, (stage + 1) * per_stage))
+
+
+def _held_chunks(sharding: Sharding, mesh: MegatronMesh, stages: list[int], layer: int | None,
+                 weight: int) -> Iterator[tuple[int, list[tuple[str, Box, int]]]]:
+    """Every rank holding part of ``sharding`` with its ``(name, chunk, weight)`` s (:func:`_chunks`), in rank order.
+    A rank's chunks depend on its coordinates along the mesh dims that cut the tensor (and on its stage) only: they
+    are cut once per such coordinate and shared by the ranks that replicate them (a layer's norm: 512 ranks of its
+    stage at TP8 x EP64)."""
+    cut_ep, cut_tp = (p.kind != "replicate" for p in sharding.placements[1:])
+    per_stage, memo = mesh.ep * mesh.tp, {}
+    for rank in range(*(sharding.ranks or (0, mesh.world))):
+        key = (rank // per_stage, (rank // mesh.tp) % mesh.ep if cut_ep else 0, rank % mesh.tp if cut_tp else 0)
+        chunks = memo.get(key)
+        if chunks is None:
+            chunks = memo[key] = [(sharding.name, box, weight) for box in _chunks(sharding, rank, stages, layer)]
+        yield rank, chunks
 
 
 def _chunks(sharding: Sharding, rank: int, stages: list[int], layer: int | None) -> list[Box]:

@@ -21,7 +21,7 @@ from ckpttool.layout.layout import Box, RowIndex, Shape
 from ckpttool.plan.tiling import Copy, Slice, check_tiling
 from ckpttool.plan.plan import Target
 from ckpttool.plan.transforms import Transform
-from ckpttool.layout.regions import map_region
+from ckpttool.layout.regions import dim_map, map_region
 from ckpttool.quant.decode import FP8_BLOCKS
 
 
@@ -67,6 +67,10 @@ def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, 
             return None, [f"'{name}': {box.describe(shape)} cuts through the blocks of {bound.name}, which must stay "
                           "whole in one chunk; shard it along another dim, or in whole blocks"]
         wanted_box, box = box, pre
+    elif len(slices) == 1:
+        found = _one_copy(name, box, slices[0], targets)
+        if found is not None:
+            return found, []
     problems: list[str] = []
     copies: list[Copy] = []
     dtypes: set[tuple[str, str]] = set()
@@ -120,6 +124,57 @@ def compose(name: str, box: Box, slices: Sequence[Slice], targets: Mapping[str, 
     local = bound.bound(wanted_box.sizes, name)  # the same map on the box: whole blocks, the same dims
     return Target(name, wanted_box.sizes, dtype, source_dtype, tuple(copies), tuple(dict.fromkeys(sources)),
                   transform=local), []
+
+
+def _one_copy(name: str, box: Box, sl: Slice, targets: Mapping[str, Target]) -> Target | None:
+    """What :func:`compose` gives for ``box`` inside one slice of a plain target of one copy that holds all the
+    slice's box needs (a rank's chunk of one HF tensor stored whole: most chunks of a split, 367k of DeepSeek-V3's
+    at TP8 x PP16 x EP64), in plain arithmetic: the same boxes :func:`~ckpttool.layout.regions.map_region` gives,
+    without the ones between; None for anything else, which the general path then composes (or refuses)."""
+    target = targets.get(sl.source)
+    if target is None or getattr(target, "dequant", None) is not None or target.transform is not None:
+        return None
+    if len(target.copies) != 1 or not _within(box.offsets, box.sizes, sl.dst):
+        return None
+    copy = target.copies[0]
+    region = _mapped(sl.src, sl.dst, box.offsets, box.sizes)  # the part of the target that fills ``box``
+    if not _within(*region, copy.dst):
+        return None
+    src = _mapped(copy.src, copy.dst, *region)
+    offsets, sizes = _mapped(sl.dst, sl.src, *region)
+    if sizes != box.sizes or offsets != box.offsets:  # not the whole box: the general path proves or explains it
+        return None
+    return Target(name, box.sizes, target.dtype, target.source_dtype,
+                  (Copy(copy.piece, Box(*src), Box.whole(box.sizes)),), tuple(dict.fromkeys(target.sources)))
+
+
+def _within(offsets: Shape, sizes: Shape, outer: Box) -> bool:
+    """Whether the box ``offsets``, ``sizes`` holds an element and lies inside ``outer`` (of as many dims)."""
+    if len(offsets) != len(outer.offsets):
+        return False
+    for o, n, lo, m in zip(offsets, sizes, outer.offsets, outer.sizes):
+        if n <= 0 or o < lo or o + n > lo + m:
+            return False
+    return True
+
+
+def _mapped(src: Box, dst: Box, offsets: Shape, sizes: Shape) -> tuple[Shape, Shape]:
+    """:func:`~ckpttool.layout.regions.map_region` of a region inside ``dst``, as offsets and sizes: the part of
+    ``src`` that fills it."""
+    out_offsets, out_sizes = list(src.offsets), list(src.sizes)
+    for d, s in enumerate(dim_map(src, dst)):
+        if s is not None:
+            out_offsets[s] += offsets[d] - dst.offsets[d]
+            out_sizes[s] = sizes[d]
+    return tuple(out_offsets), tuple(out_sizes)
+
+
+def _meets(a: Box, b: Box) -> bool:
+    """Whether two boxes of as many dims share an element (``a.intersect(b) is not None``)."""
+    for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes):
+        if max(ao, bo) >= min(ao + an, bo + bn):
+            return False
+    return True
 
 
 def _dequantized(name: str, box: Box, sl: Slice, target: Target) -> tuple[Target | None, list[str]]:
@@ -190,10 +245,21 @@ class SliceIndex:
         dtypes = {(targets[s.source].dtype, targets[s.source].source_dtype) for s in self.slices if s.source in targets}
         self.whole = len(dtypes) > 1 or any(not s.dst.sizes for s in self.slices) or len(self.slices) < 8
         self.rows = None if self.whole else RowIndex([s.dst for s in self.slices])
+        # slices of plain targets the source holds: one that misses the box adds nothing to compose's answer (nor a
+        # message), so only those meeting it are given (a gate chunk is not composed with the up slice beside it)
+        self.plain = all(s.source in targets and getattr(targets[s.source], "dequant", None) is None
+                         and getattr(targets[s.source], "transform", None) is None for s in self.slices)
+        self._by_rows: dict[tuple[int, int], list] = {}  # a row range's slices: a layer's expert is 16 chunks at TP8
 
     def meeting(self, box: Box):
-        """The slices whose rows meet ``box``'s, in their order (all of them when none does: compose's message)."""
+        """The slices whose rows meet ``box``'s (of plain targets: that meet ``box``), in their order (all of them
+        when none does: compose's message)."""
         if self.rows is None or not box.sizes:
             return self.slices
-        found = self.rows.meeting(box)
-        return tuple(self.slices[i] for i in found) if found else self.slices
+        rows = (box.offsets[0], box.sizes[0])
+        found = self._by_rows.get(rows)
+        if found is None:
+            found = self._by_rows[rows] = [self.slices[i] for i in self.rows.meeting(box)]
+        if self.plain:
+            found = [s for s in found if _meets(s.dst, box)]
+        return tuple(found) if found else self.slices

@@ -104,7 +104,7 @@ def share_items(held: Sequence[Sequence[tuple[str, Box, int]]]) -> list[list[tup
     load = [0] * len(held)
     writer = {}
     for key, ranks in holders.items():
-        rank = min(sorted(set(ranks)), key=lambda r: load[r])
+        rank = min(ranks, key=load.__getitem__)  # ranks ascending (by enumerate): the first least loaded is the lowest
         load[rank] += sizes[key] or 1
         writer[key] = rank
     return [[(fqn, box) for fqn, box, _ in chunks_held if writer[(fqn, box.offsets)] == rank]

@@ -147,24 +147,22 @@ class TensorArchive:
     dtype: str
     shape: tuple[int, ...]
     serial: str
-    _entries: list[_Entry] = field(init=False, repr=False, compare=False)
-    _small: dict[bytes, bytes] = field(init=False, repr=False, compare=False)
+    _entries: tuple[_Entry, ...] = field(init=False, repr=False, compare=False)
+    #: where the elements start and the archive's length
+    _where: tuple[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        number = int.from_bytes(hashlib.sha256(self.serial.encode()).digest(), "big") % 10**40
-        small = {
-            b"archive/data.pkl": tensor_pickle(self.dtype, self.shape), b"archive/.format_version": b"1",
-            b"archive/.storage_alignment": str(ALIGNMENT).encode(), b"archive/byteorder": b"little",
-            b"archive/data/0": b"", b"archive/version": b"3\n",
-            b"archive/.data/serialization_id": f"{number:040d}".encode(),
-        }
-        entries, offset = [], 0
-        for name, data in small.items():
-            entry = _Entry(offset, name, self.nbytes if name == b"archive/data/0" else len(data))
-            entries.append(entry)
-            offset = entry.end
+        # where every entry lies depends on the dtype and shape alone (the serialization id is always 40 digits):
+        # a split lays out one archive per chunk (92k for DeepSeek-V3), of a few shapes
+        entries, where = _geometry(self.dtype, self.shape)
         object.__setattr__(self, "_entries", entries)
-        object.__setattr__(self, "_small", small)
+        object.__setattr__(self, "_where", where)
+
+    @property
+    def _small(self) -> dict[bytes, bytes]:
+        """Every entry's bytes but the elements', by name."""
+        number = int.from_bytes(hashlib.sha256(self.serial.encode()).digest(), "big") % 10**40
+        return _small_entries(self.dtype, self.shape, f"{number:040d}".encode())
 
     @property
     def nbytes(self) -> int:
@@ -178,27 +176,28 @@ class TensorArchive:
     @property
     def data_offset(self) -> int:
         """Where the elements start, from the archive's start (a multiple of 64)."""
-        return self._data.data_offset
+        return self._where[0]
 
     @property
     def length(self) -> int:
         """The archive's size in bytes (what DCP's ``_StorageInfo.length`` records)."""
-        return self._central_end() + 56 + 20 + 22
+        return self._where[1]
 
     def head(self) -> bytes:
         """Every byte before the elements."""
-        out = bytearray()
+        out, small = bytearray(), self._small
         for entry in self._entries[:4]:
-            data = self._small[entry.name]
+            data = small[entry.name]
             out += entry.local_header() + data + entry.descriptor(_crc(data))
         return bytes(out + self._data.local_header())
 
     def tail(self, crc: int) -> bytes:
         """Every byte after the elements, given their CRC-32 (see :func:`crc32_combine` for chunks)."""
-        crcs = [crc if e is self._data else _crc(self._small[e.name]) for e in self._entries]
+        small = self._small
+        crcs = [crc if e is self._data else _crc(small[e.name]) for e in self._entries]
         out = bytearray(self._data.descriptor(crc))
         for entry in self._entries[5:]:
-            data = self._small[entry.name]
+            data = small[entry.name]
             out += entry.local_header() + data + entry.descriptor(_crc(data))
         start = self._entries[-1].end
         directory = b"".join(e.central(c) for e, c in zip(self._entries, crcs))
@@ -210,8 +209,29 @@ class TensorArchive:
         out += struct.pack("<IHHHHIIH", _END, 0, 0, count, count, min(len(directory), _MAX32), min(start, _MAX32), 0)
         return bytes(out)
 
-    def _central_end(self) -> int:
-        return self._entries[-1].end + sum(46 + len(e.name) + len(e._zip64_field(local=False)) for e in self._entries)
+
+def _small_entries(dtype: str, shape: tuple[int, ...], serial_id: bytes) -> dict[bytes, bytes]:
+    """The bytes of a tensor archive's entries by name, in order (``archive/data/0``'s elements to come: empty)."""
+    return {
+        b"archive/data.pkl": tensor_pickle(dtype, shape), b"archive/.format_version": b"1",
+        b"archive/.storage_alignment": str(ALIGNMENT).encode(), b"archive/byteorder": b"little",
+        b"archive/data/0": b"", b"archive/version": b"3\n", b"archive/.data/serialization_id": serial_id,
+    }
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(dtype: str, shape: tuple[int, ...]) -> tuple[tuple[_Entry, ...], tuple[int, int]]:
+    """Where each entry of a tensor archive lies (any 40-digit serialization id: they all have that length), where
+    its elements start, and its length: the entries, the central directory, the zip64 end record and locator and
+    the end record."""
+    nbytes = math.prod(shape) * itemsize(dtype)
+    entries, offset = [], 0
+    for name, data in _small_entries(dtype, shape, b"0" * 40).items():
+        entry = _Entry(offset, name, nbytes if name == b"archive/data/0" else len(data))
+        entries.append(entry)
+        offset = entry.end
+    length = offset + sum(46 + len(e.name) + len(e._zip64_field(local=False)) for e in entries) + 56 + 20 + 22
+    return tuple(entries), (entries[4].data_offset, length)
 
 
 def _crc(data: bytes) -> int:
@@ -270,19 +290,30 @@ def object_archive(pickled: bytes, serial: str) -> bytes:
         [None]
     """
     number = int.from_bytes(hashlib.sha256(serial.encode()).digest(), "big") % 10**40
+    serial_id = f"{number:040d}".encode()
+    before, entry, directory, end = _object_frame(pickled)  # all but the id and its CRC: 30k objects in a split
+    crc = _crc(serial_id)
+    return before + serial_id + entry.descriptor(crc) + directory + entry.central(crc) + end
+
+
+@functools.lru_cache(maxsize=64)
+def _object_frame(pickled: bytes) -> tuple[bytes, _Entry, bytes, bytes]:
+    """An object archive's bytes up to its serialization id's data, that id's entry (last), the central directory
+    before that entry's record, and the end records (any 40-digit serialization id: they all have that length)."""
     small = {b"archive/data.pkl": pickled, b"archive/.format_version": b"1",
              b"archive/.storage_alignment": str(ALIGNMENT).encode(), b"archive/byteorder": b"little",
-             b"archive/version": b"3\n", b"archive/.data/serialization_id": f"{number:040d}".encode()}
+             b"archive/version": b"3\n", b"archive/.data/serialization_id": b"0" * 40}
     out, entries = bytearray(), []
     for name, data in small.items():
         entry = _Entry(len(out), name, len(data))
         entries.append((entry, _crc(data)))
         out += entry.local_header() + data + entry.descriptor(_crc(data))
+    last = entries[-1][0]
+    before = bytes(out[:last.offset]) + last.local_header()
     start = len(out)
     directory = b"".join(e.central(crc) for e, crc in entries)
     count = len(entries)
-    out += directory
-    out += struct.pack("<IQHHIIQQQQ", _ZIP64_END, 44, 0x031E, 45, 0, 0, count, count, len(directory), start)
-    out += struct.pack("<IIQI", _ZIP64_LOCATOR, 0, start + len(directory), 1)
-    out += struct.pack("<IHHHHIIH", _END, 0, 0, count, count, len(directory), start, 0)
-    return bytes(out)
+    end = struct.pack("<IQHHIIQQQQ", _ZIP64_END, 44, 0x031E, 45, 0, 0, count, count, len(directory), start)
+    end += struct.pack("<IIQI", _ZIP64_LOCATOR, 0, start + len(directory), 1)
+    end += struct.pack("<IHHHHIIH", _END, 0, 0, count, count, len(directory), start, 0)
+    return before, last, b"".join(e.central(crc) for e, crc in entries[:-1]), end
