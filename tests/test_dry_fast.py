@@ -102,3 +102,43 @@ def test_an_unpickled_metadata_tree_takes_the_shortcut(monkeypatch):
                          for i in range(100)})
     assert load_metadata_pickle(data, ".metadata")["t7"]["size"] == (4, 7)
     assert walked == []
+
+
+# --------------------------------------------------------------------------- plan: slabs proven by one sort
+
+from ckpttool.layout.layout import RAW, Box, Piece  # noqa: E402
+from ckpttool.plan.tiling import check_tiling, slab_copies  # noqa: E402
+
+
+def pieces(*boxes: tuple[tuple[int, ...], tuple[int, ...]]) -> list[Piece]:
+    return [Piece(f"r{i}.safetensors", "w", Box(o, s), "BF16", RAW, 0, 2 * len(s), ()) for i, (o, s) in enumerate(boxes)]
+
+
+@pytest.mark.parametrize("shape, boxes", [
+    ((8, 4), [((0, 0), (4, 4)), ((4, 0), (4, 4))]),  # a TP pair along dim 0
+    ((4, 9), [((0, 6), (4, 3)), ((0, 0), (4, 6))]),  # along dim 1, out of order, unequal
+    ((2, 6, 3), [((0, 0, 0), (2, 2, 3)), ((0, 2, 0), (2, 2, 3)), ((0, 4, 0), (2, 2, 3))]),
+])
+def test_slabs_that_tile_are_copied_whole(shape, boxes):
+    found = pieces(*boxes)
+    copies = slab_copies(shape, found)
+    assert [c.piece for c in copies] == found and [c.dst for c in copies] == [p.box for p in found]
+    assert [c.src for c in copies] == [Box((0,) * len(shape), p.box.sizes) for p in found]
+    assert check_tiling("w", shape, copies) == []
+    equal = [c.src for c in copies if c.src.sizes == copies[0].src.sizes]
+    assert all(b is equal[0] for b in equal)  # equal slabs share one box
+
+
+@pytest.mark.parametrize("shape, boxes", [
+    ((8, 4), [((0, 0), (4, 4)), ((5, 0), (3, 4))]),  # a gap
+    ((8, 4), [((0, 0), (5, 4)), ((4, 0), (4, 4))]),  # an overlap
+    ((8, 4), [((0, 0), (4, 4)), ((4, 0), (2, 4))]),  # short
+    ((8, 4), [((0, 0), (4, 2)), ((4, 2), (4, 2))]),  # cut along two dims
+    ((8, 4), [((0, 0), (8, 4)), ((0, 0), (8, 4))]),  # replicas
+    ((8, 4), [((0, 0), (4, 4)), ((4, 0, 0), (4, 4, 1))]),  # a piece of other dims
+    ((8, 4), [((0,), (4,)), ((4, 0), (4, 4))]),  # the first piece of other dims
+    ((8, 4), [((0, 0), (8, 4))]),  # one piece: the one-copy path's
+    ((0, 4), [((0, 0), (0, 4)), ((0, 0), (0, 4))]),  # empty
+])
+def test_anything_else_goes_to_the_general_proof(shape, boxes):
+    assert slab_copies(shape, pieces(*boxes)) is None
