@@ -4,6 +4,7 @@ pieces' files) and uncovered regions (with the files expected to hold them). :mo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -86,11 +87,18 @@ def slab_copies(shape: Shape, pieces: Sequence[Piece]) -> tuple[Copy, ...] | Non
     dims, a gap, an overlap, an empty piece), which :func:`check_tiling` then proves or explains."""
     if len(pieces) < 2 or not shape or min(shape) <= 0:
         return None
-    cut = [d for d, (s, n) in enumerate(zip(pieces[0].box.sizes, shape)) if s != n]
-    if len(cut) != 1:
+    first = pieces[0].box.sizes
+    if len(first) != len(shape):
         return None
-    dim = cut[0]
-    rest, zeros = shape[:dim] + shape[dim + 1:], (0,) * (len(shape) - 1)
+    dim = -1
+    for d, n in enumerate(shape):
+        if first[d] != n:
+            if dim >= 0:
+                return None
+            dim = d
+    if dim < 0:
+        return None
+    rest, zeros = shape[:dim] + shape[dim + 1:], _ZEROS[len(shape) - 1]
     spans = []
     for piece in pieces:
         offsets, sizes = piece.box.offsets, piece.box.sizes
@@ -105,8 +113,17 @@ def slab_copies(shape: Shape, pieces: Sequence[Piece]) -> tuple[Copy, ...] | Non
         end += size
     if end != shape[dim]:
         return None
-    whole = {sizes: Box.whole(sizes) for sizes in {piece.box.sizes for piece in pieces}}  # equal slabs share one
-    return tuple(Copy(piece, whole[piece.box.sizes], piece.box) for piece in pieces)
+    return tuple(Copy(piece, _whole(piece.box.sizes), piece.box) for piece in pieces)  # equal slabs share one box
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole(sizes: Shape) -> Box:
+    """The whole box of a slab of ``sizes``: one object per shape, shared by the slabs of every tensor of a plan."""
+    return Box.whole(sizes)
+
+
+#: the offsets of a whole box, by number of dims
+_ZEROS = tuple((0,) * n for n in range(8))
 
 
 def _overlaps(name: str, shape: Shape, copies: Sequence[Copy]) -> list[str]:

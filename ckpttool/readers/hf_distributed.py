@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from importlib import metadata
 from pathlib import Path
 
 from ckpttool.io import jsonfile
@@ -33,6 +32,8 @@ def undescribed(root: Path, config: str, model_type: object, reason: str | None 
     (so no global shape is known): a model type it does not know (remote code) or builds no causal-LM or
     image-text-to-text class of, or ``reason`` (its own rejection of the config). Not "put config.json in": it is
     there (issue 30)."""
+    from importlib import metadata  # here, not at start-up: ~40 ms of every command's imports for one refusal
+
     try:
         version = f"transformers {metadata.version('transformers')}"
     except metadata.PackageNotFoundError:
