@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
 import make_megatron_deepseek as producer  # noqa: E402  (the producer's model builder, its sizes set below)
-from megatron_load import load_strictly, poison  # noqa: E402
+from megatron_load import load_strictly, poison, tp_logits  # noqa: E402
 
 
 def sized_from(config: dict) -> None:
@@ -52,14 +52,9 @@ def main(config_path: str, checkpoint: str, out: str, divisible_by: str) -> None
     poison([model], buffers="expert_bias")
     load_strictly({"model": model}, checkpoint, {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
     ids = torch.tensor(producer.tokens(), dtype=torch.long)
-    s = ids.shape[1]
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
-    with torch.no_grad():
-        logits = model(ids, torch.arange(s).unsqueeze(0), mask)  # [b, s, rows / tp]: this rank's vocab columns
-    parts = [torch.empty_like(logits) for _ in range(tp)]
-    dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+    logits = tp_logits(model, ids, tp)
     if ps.get_tensor_model_parallel_rank() == 0:
-        save_file({"tokens": ids, "logits": torch.cat(parts, dim=-1).float().contiguous()}, out)
+        save_file({"tokens": ids, "logits": logits}, out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
 import make_megatron_gpt_oss as producer  # noqa: E402  (the producer's own model and layout)
-from megatron_load import load_strictly, poison  # noqa: E402
+from megatron_load import load_strictly, poison, tp_logits  # noqa: E402
 
 
 def main(checkpoint: str, out: str, case: str = "") -> None:
@@ -42,14 +42,9 @@ def main(checkpoint: str, out: str, case: str = "") -> None:
         saved = torch.load(legacy, weights_only=False)["model"]
         save_file({k: v.contiguous() for k, v in saved.items() if not k.endswith("_extra_state")}, f"{out}.legacy{rank}")
     ids = torch.tensor(producer.tokens(), dtype=torch.long)
-    s = ids.shape[1]
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
-    with torch.no_grad():
-        result = model(ids, torch.arange(s).unsqueeze(0), mask)
-        parts = [torch.empty_like(result) for _ in range(producer.TP)]
-        dist.all_gather(parts, result.contiguous(), group=ps.get_tensor_model_parallel_group())
+    logits = tp_logits(model, ids, producer.TP)
     if dist.get_rank() == 0:
-        save_file({"tokens": ids, "logits": torch.cat(parts, dim=-1).float().contiguous()}, out)
+        save_file({"tokens": ids, "logits": logits}, out)
     dist.barrier()
     dist.destroy_process_group()
 

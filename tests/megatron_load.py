@@ -1,6 +1,6 @@
 """What every megatron-core consumer of a ``split --to megatron`` does before its forward (run in the Megatron venv,
 imported by the ``tests/megatron_*_consumer.py`` scripts): poison the model, load the checkpoint strictly, check that
-every weight came from it."""
+every weight came from it; and the forward of a model without pipeline stages, its logits gathered over TP."""
 
 from __future__ import annotations
 
@@ -37,3 +37,19 @@ def load_strictly(chunks: dict, checkpoint: str, metadata: dict) -> None:
         if missing or unexpected:
             raise SystemExit(f"{key}: megatron-core did not load every weight: missing {missing}, unexpected {unexpected}")
         chunk.eval()
+
+
+def tp_logits(model, ids, tp: int):
+    """The causal forward of ``model`` (no pipeline stages) on the token ``ids``, its vocab columns gathered over the
+    ``tp`` ranks of tensor parallel: the whole logits, in float32, on every rank."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    s = ids.shape[1]
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        logits = model(ids, torch.arange(s).unsqueeze(0), mask)  # [b, s, rows / tp]: this rank's vocab columns
+    parts = [torch.empty_like(logits) for _ in range(tp)]
+    dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1).float().contiguous()
