@@ -161,8 +161,7 @@ class TensorArchive:
     @property
     def _small(self) -> dict[bytes, bytes]:
         """Every entry's bytes but the elements', by name."""
-        number = int.from_bytes(hashlib.sha256(self.serial.encode()).digest(), "big") % 10**40
-        return _small_entries(self.dtype, self.shape, f"{number:040d}".encode())
+        return _small_entries(self.dtype, self.shape, _serial_id(self.serial))
 
     @property
     def nbytes(self) -> int:
@@ -208,6 +207,12 @@ class TensorArchive:
         out += struct.pack("<IIQI", _ZIP64_LOCATOR, 0, end64, 1)
         out += struct.pack("<IHHHHIIH", _END, 0, 0, count, count, min(len(directory), _MAX32), min(start, _MAX32), 0)
         return bytes(out)
+
+
+def _serial_id(serial: str) -> bytes:
+    """The 40-digit ``.data/serialization_id`` an archive of ``serial`` records (the same for the same name)."""
+    number = int.from_bytes(hashlib.sha256(serial.encode()).digest(), "big") % 10**40
+    return f"{number:040d}".encode()
 
 
 def _small_entries(dtype: str, shape: tuple[int, ...], serial_id: bytes) -> dict[bytes, bytes]:
@@ -289,8 +294,7 @@ def object_archive(pickled: bytes, serial: str) -> bytes:
         >>> torch.load(io.BytesIO(object_archive(pickle.dumps([None], protocol=2), "x")), weights_only=True)
         [None]
     """
-    number = int.from_bytes(hashlib.sha256(serial.encode()).digest(), "big") % 10**40
-    serial_id = f"{number:040d}".encode()
+    serial_id = _serial_id(serial)
     before, entry, directory, end = _object_frame(pickled)  # all but the id and its CRC: 30k objects in a split
     crc = _crc(serial_id)
     return before + serial_id + entry.descriptor(crc) + directory + entry.central(crc) + end
